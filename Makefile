@@ -1,0 +1,69 @@
+# Conduit: `make run` serves the stack, `make test` runs every check. Both set up .venv themselves.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+GEN := protos/python/gen
+GEN_STAMP := $(GEN)/.generated
+PROTO := protos/conduit/engine/v1/engine.proto
+MODEL ?=
+ENGINE_PORT ?= 50051
+GATEWAY_PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: venv proto test lint format run run-engine demo-model bench compose-up clean
+
+venv: $(STAMP) $(GEN_STAMP)
+
+$(STAMP): requirements.txt services/engine/pyproject.toml services/gateway/pyproject.toml protos/python/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first: the pinned CPU wheel, so that nothing later resolves a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	$(MAKE) --no-print-directory proto PY=$(PY)
+	$(PY) -m pip install -q --no-deps -e protos/python -e services/engine -e services/gateway
+	touch $@
+
+proto: $(GEN_STAMP)
+
+$(GEN_STAMP): $(PROTO)
+	rm -rf $(GEN) && mkdir -p $(GEN)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=$(GEN) --grpc_python_out=$(GEN) --pyi_out=$(GEN) $(PROTO)
+	touch $@
+
+test: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+demo-model: venv
+	$(PY) -m conduit_engine.demo_model .models/demo-llama
+
+# Serve MODEL (default: a deterministic tiny random Llama made on first run) with the engine and the gateway.
+run: venv
+	@if [ -z "$(MODEL)" ]; then $(MAKE) --no-print-directory demo-model; fi
+	$(PY) -m conduit_engine.run_stack --model "$(if $(MODEL),$(MODEL),.models/demo-llama)" \
+		--engine-port $(ENGINE_PORT) --gateway-port $(GATEWAY_PORT)
+
+run-engine: venv
+	@if [ -z "$(MODEL)" ]; then $(MAKE) --no-print-directory demo-model; fi
+	$(VENV)/bin/conduit-engine --model "$(if $(MODEL),$(MODEL),.models/demo-llama)" --port $(ENGINE_PORT)
+
+bench: venv
+	$(PY) bench/engine_throughput.py
+
+compose-up:
+	docker compose up --build
+
+clean:
+	rm -rf $(VENV) $(GEN) .models

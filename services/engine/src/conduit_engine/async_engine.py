@@ -1,0 +1,207 @@
+"""asyncio front of the engine: `generate()` is an async iterator of outputs; the step loop runs in a thread.
+
+Requests and aborts cross into the loop thread through a command queue applied between steps, so the
+synchronous engine is only ever touched by one thread. Outputs cross back in one batch per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from conduit_engine.engine import EngineStats, LLMEngine
+from conduit_engine.errors import DuplicateRequestError, EngineError, EngineUnavailableError
+from conduit_engine.request import GenerationRequest, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    open_choices: int
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="conduit-engine-loop", daemon=True)
+        self._thread.start()
+        self._draining = False
+        self._integrity_error: BaseException | None = None
+
+    # ----- public API --------------------------------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def start_draining(self) -> None:
+        self._draining = True
+
+    @property
+    def num_active(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Submit `req` and yield its outputs until every choice has finished.
+
+        Raises the engine's validation errors before the first output. Leaving the iterator early
+        (client cancelled, GeneratorExit) aborts the request, which frees its blocks at the next step.
+        """
+        if self._draining or self._stopping:
+            raise EngineUnavailableError("the engine is draining and accepts no new requests")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), open_choices=req.params.n)
+        admitted: asyncio.Future[None] = loop.create_future()
+
+        def add() -> None:
+            try:
+                with self._lock:
+                    if req.request_id in self._streams:
+                        raise DuplicateRequestError(
+                            "request_id", f"request {req.request_id!r} is already running"
+                        )
+                    self.engine.add_request(req)
+                    self._streams[req.request_id] = stream
+                loop.call_soon_threadsafe(_set_result, admitted, None)
+            except BaseException as exc:
+                loop.call_soon_threadsafe(_set_exception, admitted, exc)
+
+        self._submit(add)
+        finished = False
+        try:
+            await admitted
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    stream.open_choices -= 1
+                    if stream.open_choices == 0:
+                        finished = True
+                        return
+        finally:
+            if not finished:
+                self.abort_nowait(req.request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a live request; True if it was live."""
+        with self._lock:
+            live = request_id in self._streams
+        if live:
+            self.abort_nowait(request_id)
+        return live
+
+    def abort_nowait(self, request_id: str) -> None:
+        self._submit(lambda: self._deliver(self.engine.abort(request_id)))
+
+    async def run_sync(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between steps (for reads that must not race a step)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def call() -> None:
+            try:
+                loop.call_soon_threadsafe(_set_result, fut, fn())
+            except BaseException as exc:
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
+
+        self._submit(call)
+        return await fut
+
+    async def stats(self) -> EngineStats:
+        return await self.run_sync(self.engine.stats)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    # ----- loop thread -------------------------------------------------------------------------------
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_commands()
+            if not self.engine.has_work():
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                log.exception("engine step failed; failing the running requests")
+                self._fail_all(exc)
+                continue
+            self._deliver(outputs)
+            if not self.engine.has_work():
+                self._check_integrity()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, out))
+            for request_id in {out.request_id for out in outputs if out.finished}:
+                if not self.engine.has_request(request_id):
+                    self._streams.pop(request_id, None)
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            streams = dict(self._streams)
+            self._streams.clear()
+        for request_id in streams:
+            self.engine.abort(request_id)
+        error = EngineError(f"engine step failed: {exc}")
+        for stream in streams.values():
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+
+    def _check_integrity(self) -> None:
+        # Idle: every block must be free or cached; a violation is a bug worth failing loudly in logs.
+        try:
+            self.engine.check_integrity()
+        except AssertionError as exc:
+            self._integrity_error = exc
+            log.error("KV cache integrity check failed: %s", exc)
+
+
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)
+
+
+def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,199 @@
+"""Paged KV-cache block manager: fixed-size blocks, ref counts, an LRU free queue and prefix caching.
+
+Plain Python: no torch. A full, computed block is identified by a chained hash of its tokens and of
+every block before it; when its last owner frees it, it stays in the free queue with its hash, so a
+later request with the same prefix can take it back instead of recomputing it. A free block is reused
+for new content in least-recently-freed order, which evicts its cached content.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from conduit_engine.sequence import Sequence
+
+BlockHash = int
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: BlockHash | None = None  # set once the block is full and computed
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStats:
+    total: int
+    used: int  # ref_count > 0
+    free: int  # ref_count == 0 (includes cached)
+    cached: int  # free blocks still holding reusable prefix content
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of which served from it
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+def chain_hash(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHash:
+    """Hash of a full block given its parent block's hash; equal hashes mean equal prefixes."""
+    return hash((parent, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks, least recently freed first; allocation pops from the front.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}  # hash → block id holding that content
+        # Per sequence: hashes of its full computed blocks, in order (chain state).
+        self._seq_hashes: dict[int, list[BlockHash]] = {}
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    # ----- queries -------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def stats(self) -> BlockStats:
+        free = len(self._free)
+        cached = sum(1 for b in self._free if self.blocks[b].hash is not None)
+        return BlockStats(
+            total=self.num_blocks,
+            used=self.num_blocks - free,
+            free=free,
+            cached=cached,
+            prefix_queries=self._prefix_queries,
+            prefix_hits=self._prefix_hits,
+        )
+
+    # ----- allocation ----------------------------------------------------------------------------
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """First admission: take the longest cached prefix of `seq`'s tokens. Returns tokens reused.
+
+        At least one token is always left to compute, so the model has something to sample from.
+        """
+        assert not seq.block_table, "allocate_prefix on a sequence that already holds blocks"
+        hashes: list[BlockHash] = []
+        self._seq_hashes[seq.seq_id] = hashes
+        if not self.enable_prefix_caching:
+            return 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        parent: BlockHash | None = None
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = chain_hash(parent, tokens)
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            self._take(block_id, keep_content=True)
+            seq.block_table.append(block_id)
+            hashes.append(h)
+            parent = h
+        reused = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = reused
+        if not seq.was_admitted:
+            self._prefix_queries += seq.num_prompt_tokens
+            self._prefix_hits += reused
+        return reused
+
+    def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow `seq`'s block table to hold `num_tokens` tokens; all or nothing."""
+        needed = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        if needed > len(self._free):
+            return False
+        for _ in range(needed):
+            block_id = next(iter(self._free))
+            self._take(block_id, keep_content=False)
+            seq.block_table.append(block_id)
+        return True
+
+    def commit_computed_blocks(self, seq: Sequence) -> None:
+        """Register every newly full, computed block of `seq` in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._seq_hashes.setdefault(seq.seq_id, [])
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = chain_hash(parent, tokens)
+            hashes.append(h)
+            parent = h
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self._cached:
+                block.hash = h
+                self._cached[h] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks, last block first so a prefix's tail is evicted before its head."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        seq.block_table.clear()
+        seq.num_computed_tokens = 0
+        self._seq_hashes.pop(seq.seq_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached content of free blocks."""
+        for block_id in self._free:
+            self._uncache(self.blocks[block_id])
+
+    # ----- invariants ----------------------------------------------------------------------------
+    def check_integrity(self, live: list[Sequence] | None = None) -> None:
+        """Assert free + used == total and the ref counts match the live sequences' block tables."""
+        free = set(self._free)
+        assert len(free) == len(self._free)
+        for block in self.blocks:
+            in_free = block.block_id in free
+            assert in_free == (block.ref_count == 0), f"block {block.block_id} ref/free mismatch"
+            if block.hash is not None:
+                assert self._cached.get(block.hash) == block.block_id, f"block {block.block_id} hash lost"
+        for h, block_id in self._cached.items():
+            assert self.blocks[block_id].hash == h
+        if live is not None:
+            counts = [0] * self.num_blocks
+            for seq in live:
+                assert len(set(seq.block_table)) == len(seq.block_table), (
+                    f"seq {seq.seq_id} owns a block twice"
+                )
+                for block_id in seq.block_table:
+                    counts[block_id] += 1
+            for block in self.blocks:
+                assert counts[block.block_id] == block.ref_count, f"block {block.block_id} ref count wrong"
+
+    # ----- internals -----------------------------------------------------------------------------
+    def _take(self, block_id: int, keep_content: bool) -> None:
+        """Add a reference; a free block leaves the free queue, and loses its cached content unless
+        it is being reused for exactly that content (a prefix-cache hit)."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+            if not keep_content:
+                self._uncache(block)
+        block.ref_count += 1
+
+    def _uncache(self, block: Block) -> None:
+        if block.hash is not None:
+            if self._cached.get(block.hash) == block.block_id:
+                del self._cached[block.hash]
+            block.hash = None

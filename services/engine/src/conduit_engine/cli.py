@@ -1,0 +1,130 @@
+"""`conduit-engine`: command-line flags and CONDUIT_* environment variables → EngineConfig, in one place.
+
+Every flag `--some-flag` can also be set as `CONDUIT_SOME_FLAG`; an explicit flag wins over the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from conduit_engine.errors import ModelLoadError
+
+
+def _bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
+
+
+# (flag, type, default, help). None as default means "not set".
+FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
+    ("--model", str, None, "Hugging Face model folder (config.json, safetensors, tokenizer.json)"),
+    ("--served-model-name", str, None, "name reported to clients (default: the folder name)"),
+    ("--host", str, "0.0.0.0", "address to listen on"),
+    ("--port", int, 50051, "gRPC port"),
+    ("--device", str, "cpu", "cpu (torch ops) or cuda (CuPy kernels)"),
+    ("--dtype", str, "auto", "auto, float32, bfloat16 or float16"),
+    ("--max-model-len", int, None, "longest prompt + completion (default: the model's limit)"),
+    ("--max-num-seqs", int, 64, "most sequences in one batch"),
+    ("--max-num-batched-tokens", int, 2048, "token budget of one step (chunked prefill)"),
+    ("--max-queued-requests", int, 1024, "waiting-queue bound; beyond it Generate fails RESOURCE_EXHAUSTED"),
+    ("--block-size", int, 16, "KV cache block size in tokens (power of two)"),
+    ("--kv-cache-blocks", int, None, "number of KV cache blocks (default: from the memory fraction)"),
+    ("--kv-cache-memory-fraction", float, 0.1, "share of memory for the KV cache when blocks are not given"),
+    ("--enable-prefix-caching", _bool, True, "reuse cached KV blocks of shared prompt prefixes"),
+    ("--enable-chunked-prefill", _bool, True, "split long prompts over several steps"),
+    ("--enforce-eager", _bool, False, "on cuda: do not capture CUDA graphs"),
+    ("--drain-seconds", float, 30.0, "on SIGTERM, how long in-flight streams may finish"),
+    ("--seed", int, 0, "seed of the engine's unseeded random draws"),
+    ("--log-level", str, "INFO", "logging level"),
+)
+
+
+def env_name(flag: str) -> str:
+    return "CONDUIT_" + flag.removeprefix("--").replace("-", "_").upper()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="conduit-engine",
+        description="Conduit engine: serve a Llama-family model over gRPC (conduit.engine.v1.Engine).",
+        epilog="Every flag can also be set through the environment variable CONDUIT_<FLAG_NAME>.",
+    )
+    for flag, kind, default, help_text in FLAGS:
+        raw = os.environ.get(env_name(flag))
+        value = default
+        if raw is not None:
+            try:
+                value = kind(raw)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                parser.error(f"{env_name(flag)}={raw!r}: {exc}")
+        parser.add_argument(flag, type=kind, default=value, help=f"{help_text} [env {env_name(flag)}]")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    if not args.model:
+        raise ValueError("--model is required (or CONDUIT_MODEL)")
+    return EngineConfig(
+        model=ModelConfig(
+            path=args.model,
+            served_name=args.served_model_name,
+            device=args.device,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.kv_cache_blocks,
+            memory_fraction=args.kv_cache_memory_fraction,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_queued_requests=args.max_queued_requests,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+        ),
+        server=ServerConfig(host=args.host, port=args.port, drain_seconds=args.drain_seconds),
+        enforce_eager=args.enforce_eager,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from conduit_engine.server import EngineServer
+
+    async def run() -> None:
+        server = EngineServer(config)
+        await server.serve()
+
+    try:
+        asyncio.run(run())
+    except ModelLoadError as exc:
+        logging.getLogger("conduit_engine").error("cannot load the model: %s", exc)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

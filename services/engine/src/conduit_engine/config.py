@@ -1,0 +1,104 @@
+"""Engine configuration: one frozen dataclass per concern, validated on construction.
+
+The CLI and the CONDUIT_* environment variables map onto these in one place (`cli.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What to load and how to run it."""
+
+    path: str
+    served_name: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"  # auto → the checkpoint's torch_dtype for float32/bfloat16, float32 otherwise on CPU
+    max_model_len: int | None = None  # None → the model's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.device in ("cpu", "cuda"), f"--device must be cpu or cuda, got {self.device!r}")
+        _require(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}",
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len >= 1,
+            f"--max-model-len must be >= 1, got {self.max_model_len}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache geometry."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None → sized from memory_fraction
+    memory_fraction: float = 0.1  # of total (CPU) or free (GPU) memory, when num_blocks is None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+            f"--block-size must be a power of two, got {self.block_size}",
+        )
+        _require(
+            self.num_blocks is None or self.num_blocks >= 1,
+            f"--kv-cache-blocks must be >= 1, got {self.num_blocks}",
+        )
+        _require(
+            0.0 < self.memory_fraction <= 0.95,
+            f"--kv-cache-memory-fraction must be in (0, 0.95], got {self.memory_fraction}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Admission and per-step budgets."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_queued_requests: int = 1024
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _require(
+            self.max_queued_requests >= 0,
+            f"--max-queued-requests must be >= 0, got {self.max_queued_requests}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """gRPC listener."""
+
+    host: str = "0.0.0.0"
+    port: int = 50051
+    drain_seconds: float = 30.0
+    max_message_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
+        _require(self.drain_seconds >= 0, f"--drain-seconds must be >= 0, got {self.drain_seconds}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    server: ServerConfig = ServerConfig()
+    enforce_eager: bool = False

@@ -1,0 +1,31 @@
+"""Domain errors; the gRPC layer maps each class to one status code in one place."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of errors the engine reports to callers."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request parameter is wrong (→ INVALID_ARGUMENT). `field` names the parameter."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is at its bound (→ RESOURCE_EXHAUSTED)."""
+
+
+class EngineUnavailableError(EngineError):
+    """The engine is not ready or is draining (→ UNAVAILABLE)."""
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A live request already has this id (→ INVALID_ARGUMENT)."""
+
+
+class ModelLoadError(EngineError):
+    """A checkpoint folder cannot be loaded (missing file, unsupported architecture, bad config)."""

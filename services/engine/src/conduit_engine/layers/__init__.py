@@ -1,0 +1,1 @@
+"""Shared building blocks of the Llama family; model files compose them with flags."""

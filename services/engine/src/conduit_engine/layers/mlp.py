@@ -1,0 +1,20 @@
+"""SwiGLU feed-forward with a fused gate|up projection."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from conduit_engine.models.config import ArchConfig
+from conduit_engine.ops import Ops
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: ArchConfig, ops: Ops) -> None:
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

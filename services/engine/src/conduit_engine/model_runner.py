@@ -1,0 +1,161 @@
+"""The only place sequences become tensors: builds a step's inputs, runs the model, samples.
+
+Owns the model, the KV cache tensors and the sampler. Everything above it is plain Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from conduit_engine.models.config import ArchConfig
+from conduit_engine.models.llama import KVCache, LlamaForCausalLM
+from conduit_engine.ops import AttentionMetadata
+from conduit_engine.sampling import (
+    Sampler,
+    SamplingRow,
+    TokenLogprobs,
+    build_sampling_metadata,
+    compute_prompt_logprobs,
+)
+from conduit_engine.scheduler import SchedulerOutput
+from conduit_engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class SeqStepResult:
+    seq: Sequence
+    token_id: int | None = None  # sampled token, when the step reached the sequence's end
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for prompt positions computed now
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the hidden states to sample from
+    sampling_seqs: list[Sequence]
+
+
+def kv_block_bytes(config: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: ArchConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.eos_token_ids = eos_token_ids
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches: list[KVCache] = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_layers)
+        ]
+        self.sampler = Sampler()
+
+    # ----- inputs ----------------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_rows: list[int] = []
+        sampling_seqs: list[Sequence] = []
+        bs = self.block_size
+        for item in out.scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(item.num_new_tokens)
+            seq_lens.append(end)
+            if item.samples:
+                logits_rows.append(len(input_ids) - 1)
+                sampling_seqs.append(seq)
+        max_blocks = max((len(item.seq.block_table) for item in out.scheduled), default=0)
+        tables = [
+            item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table)) for item in out.scheduled
+        ]
+        query_start = [0]
+        for q in query_lens:
+            query_start.append(query_start[-1] + q)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev).reshape(len(tables), max_blocks),
+            query_lens_cpu=tuple(query_lens),
+            seq_lens_cpu=tuple(seq_lens),
+            block_size=bs,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            sampling_seqs=sampling_seqs,
+        )
+
+    # ----- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[SeqStepResult]:
+        inputs = self.prepare(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        results = {id(item.seq): SeqStepResult(item.seq) for item in out.scheduled}
+        self._prompt_logprobs(out, hidden, results)
+        if inputs.sampling_seqs:
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+            rows = [
+                SamplingRow(
+                    params=seq.params,
+                    prompt_token_ids=seq.prompt_token_ids,
+                    output_token_ids=seq.output_token_ids,
+                    seed=seq.seed,
+                    eos_token_ids=self.eos_token_ids,
+                )
+                for seq in inputs.sampling_seqs
+            ]
+            meta = build_sampling_metadata(rows, logits.shape[-1], logits.device)
+            sampled = self.sampler(logits, meta)
+            for seq, token_id, logprobs in zip(
+                inputs.sampling_seqs, sampled.token_ids, sampled.logprobs, strict=True
+            ):
+                result = results[id(seq)]
+                result.token_id = token_id
+                result.logprobs = logprobs
+        return list(results.values())
+
+    def _prompt_logprobs(
+        self, out: SchedulerOutput, hidden: torch.Tensor, results: dict[int, SeqStepResult]
+    ) -> None:
+        offset = 0
+        for item in out.scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            k = seq.params.prompt_logprobs
+            # Positions start..end-1 predict tokens start+1..end; only prompt targets count.
+            end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if k is not None and seq.num_output_tokens == 0 and end > start:
+                rows = hidden[offset : offset + (end - start)]
+                logits = self.model.compute_logits(rows)
+                targets = seq.prompt_token_ids[start + 1 : end + 1]
+                results[id(seq)].prompt_logprobs = compute_prompt_logprobs(logits, targets, k)
+            offset += item.num_new_tokens

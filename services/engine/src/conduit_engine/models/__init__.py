@@ -1,0 +1,1 @@
+"""Model definitions (Llama family) and their loading from Hugging Face folders."""

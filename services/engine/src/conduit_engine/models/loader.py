@@ -1,0 +1,110 @@
+"""Build a model from a Hugging Face folder: config.json + model.safetensors (or sharded with an index)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from conduit_engine.errors import ModelLoadError
+from conduit_engine.models.config import ArchConfig
+from conduit_engine.models.llama import LlamaForCausalLM
+from conduit_engine.ops import Ops
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Checkpoint projections that we store fused: (fused name, part names in order)
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def resolve_dtype(requested: str, config: ArchConfig, device: str) -> torch.dtype:
+    if requested != "auto":
+        return DTYPES[requested]
+    if config.torch_dtype in DTYPES and not (device == "cpu" and config.torch_dtype == "float16"):
+        return DTYPES[config.torch_dtype]
+    return torch.float32
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{folder}: shards named in the index are missing: {', '.join(missing)}")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    folder: Path, config: ArchConfig, ops: Ops, dtype: torch.dtype, device: str, max_positions: int
+) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, ops, max_positions)
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.init_rope(torch.device(device))
+    params = dict(model.named_parameters())
+    pending: dict[str, list[torch.Tensor | None]] = {}
+    loaded: set[str] = set()
+    for raw_name, tensor in iter_checkpoint(folder):
+        name = raw_name.removeprefix("model.")
+        if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        fused = _fused_target(name)
+        if fused is not None:
+            target, index, count = fused
+            parts = pending.setdefault(target, [None] * count)
+            parts[index] = tensor
+            if all(p is not None for p in parts):
+                _copy(params, target, torch.cat(parts, dim=0), dtype)  # type: ignore[arg-type]
+                loaded.add(target)
+                del pending[target]
+            continue
+        _copy(params, name, tensor, dtype)
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelLoadError(f"{folder}: checkpoint lacks weights: {', '.join(missing[:5])}")
+    model.eval()
+    return model
+
+
+def _fused_target(name: str) -> tuple[str, int, int] | None:
+    """layers.3.self_attn.k_proj.weight → (layers.3.self_attn.qkv_proj.weight, 1, 3)."""
+    for fused, parts in _FUSED.items():
+        for index, part in enumerate(parts):
+            marker = f".{part}."
+            if marker in name:
+                return name.replace(marker, f".{fused}."), index, len(parts)
+    return None
+
+
+def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    param = params.get(name)
+    if param is None:
+        raise ModelLoadError(f"unexpected weight {name!r} in checkpoint")
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ModelLoadError(
+            f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.data = tensor.to(device=param.device, dtype=dtype).contiguous()

@@ -1,0 +1,21 @@
+"""Ops backends: one interface (`Ops`), chosen once at start-up by device name, imported lazily."""
+
+from __future__ import annotations
+
+from conduit_engine.ops.base import AttentionMetadata, Ops
+
+__all__ = ["AttentionMetadata", "Ops", "get_ops"]
+
+
+def get_ops(device: str) -> Ops:
+    """Return the ops backend for `device` ("cpu" → torch reference ops, "cuda" → CuPy raw kernels)."""
+    if device == "cpu":
+        from conduit_engine.ops.torch_ops import TorchOps
+
+        return TorchOps()
+    if device == "cuda":
+        # Imported only here: a CPU install never imports CuPy.
+        from conduit_engine.ops.cuda_ops import CudaOps
+
+        return CudaOps()
+    raise ValueError(f"unknown device {device!r}: expected 'cpu' or 'cuda'")

@@ -1,0 +1,97 @@
+"""The ops interface every backend implements, and the attention metadata it consumes.
+
+Tensors of all sequences in a step are packed along dim 0 ("tokens"). The paged KV cache of one layer
+is a pair of tensors shaped [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
+`block_id * block_size + offset`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """One step's batch as the attention op sees it.
+
+    Sequence i owns packed tokens [query_start_loc[i], query_start_loc[i+1]); those are its last
+    `query_len` positions, so its earlier `seq_lens[i] - query_len` tokens are already in the cache.
+    A decode sequence has query_len == 1; a prefill chunk may start after cached tokens.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step (cached + new)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    query_lens_cpu: tuple[int, ...]  # host copy of the query lengths
+    seq_lens_cpu: tuple[int, ...]  # host copy of seq_lens
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class Ops(ABC):
+    """Numerical building blocks of the model. `TorchOps` is the reference; others must match it."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, H] → x / rms(x) * weight (computed in float32, returned in x.dtype)."""
+
+    @abstractmethod
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (rms_norm(x + residual), x + residual); the sum is the next residual."""
+
+    @abstractmethod
+    def rotary_embedding(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> None:
+        """Rotate-half RoPE applied in place. q [T, Hq, D], k [T, Hk, D], positions [T] int64,
+        cos_sin_cache [max_positions, D] float32 with cos in [:, :D/2] and sin in [:, D/2:]."""
+
+    @abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] → silu(x[:, :I]) * x[:, I:]  ([T, I])."""
+
+    @abstractmethod
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store k, v [T, Hk, D] into the paged caches at slot_mapping [T]; slot -1 is skipped."""
+
+    @abstractmethod
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of the packed queries q [T, Hq, D] over each sequence's cached context
+        (new keys already written). Grouped-query: head h reads kv head h // (Hq // Hk). → [T, Hq, D]."""

@@ -1,0 +1,135 @@
+"""Torch ops backend: runs on the CPU and is the numerical reference for every other backend."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from conduit_engine.ops.base import AttentionMetadata, Ops
+
+
+class TorchOps(Ops):
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        summed = x + residual
+        return self.rms_norm(summed, weight, eps), summed
+
+    def rotary_embedding(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> None:
+        cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+        sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
+        for t in (q, k):
+            t32 = t.float()
+            half = t32.shape[-1] // 2
+            rotated = torch.cat((-t32[..., half:], t32[..., :half]), dim=-1)
+            t.copy_(t32 * cos + rotated * sin)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        valid = slot_mapping >= 0
+        if not bool(valid.all()):
+            k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if meta.is_decode_only:
+            return self._decode_attention(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
+        k_flat = k_cache.view(-1, *k_cache.shape[2:])
+        v_flat = v_cache.view(-1, *v_cache.shape[2:])
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+            slots = _context_slots(meta.block_tables[i], seq_len, meta.block_size)
+            k = k_flat.index_select(0, slots)
+            v = v_flat.index_select(0, slots)
+            qi = q[start : start + q_len]
+            out[start : start + q_len] = _sdpa(qi, k, v, scale, causal_offset=seq_len - q_len)
+            start += q_len
+        return out
+
+    def _decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # One query per sequence: gather every context into a padded [B, L, Hk, D] batch and mask.
+        num_seqs, max_len, bs = meta.num_seqs, meta.max_seq_len, meta.block_size
+        max_blocks = (max_len + bs - 1) // bs
+        blocks = meta.block_tables[:, :max_blocks].long()
+        offsets = torch.arange(bs, device=q.device)
+        slots = (blocks.unsqueeze(-1) * bs + offsets).reshape(num_seqs, -1)[:, :max_len]
+        k = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [B, L, Hk, D]
+        v = v_cache.view(-1, *v_cache.shape[2:])[slots]
+        positions = torch.arange(max_len, device=q.device)
+        mask = positions.unsqueeze(0) < meta.seq_lens.to(q.device).unsqueeze(1)  # [B, L]
+        num_heads, num_kv_heads = q.shape[1], k.shape[2]
+        qb = q.unsqueeze(2)  # [B, Hq, 1, D]
+        kb = k.transpose(1, 2)  # [B, Hk, L, D]
+        vb = v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            qb,
+            kb,
+            vb,
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        return out.squeeze(2)
+
+
+def _context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:num_blocks].long()
+    offsets = torch.arange(block_size, device=block_table.device)
+    return (blocks.unsqueeze(-1) * block_size + offsets).reshape(-1)[:seq_len]
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int
+) -> torch.Tensor:
+    """q [Lq, Hq, D] against k, v [Lk, Hk, D]; query i sees keys 0..causal_offset + i."""
+    q_len, k_len = q.shape[0], k.shape[0]
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if causal_offset == 0 and q_len == k_len:
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
+    else:
+        rows = torch.arange(q_len, device=q.device).unsqueeze(1) + causal_offset
+        mask = torch.arange(k_len, device=q.device).unsqueeze(0) <= rows
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
+    return out.transpose(0, 1)

@@ -1,0 +1,49 @@
+"""What a caller submits (`GenerationRequest`) and what the engine streams back (`RequestOutput`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conduit_engine.sampling import TokenLogprobs
+from conduit_engine.sampling_params import SamplingParams
+from conduit_engine.sequence import FinishReason
+from conduit_engine.tokenizer import ChatMessage
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """Exactly one of text, token_ids or messages is the prompt."""
+
+    request_id: str
+    params: SamplingParams
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """New tokens of one choice since the previous output of that choice."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    usage: Usage
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_string: str | None = None
+    stop_token_id: int | None = None
+    prompt_token_ids: list[int] | None = None  # on the first output of the request
+    prompt_logprobs: list[TokenLogprobs] | None = None  # on the first output, when asked for
+    error: str | None = None

@@ -1,0 +1,256 @@
+"""Per-step sampling metadata: turns the rows of one batch into the tensors the sampler works on.
+
+The model runner builds one `SamplingMetadata` per step with `build_sampling_metadata`. Everything a
+batch does not need stays `None`, so the sampler can skip that work (an all-greedy batch without
+penalties, bias or logprobs is a plain argmax).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from conduit_engine.errors import InvalidRequestError
+from conduit_engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+class SamplingRow(NamedTuple):
+    """One row of the logits batch: one choice of one request at this step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]  # the prompt
+    output_token_ids: Sequence[int]  # tokens generated so far (this row's choice only)
+    seed: int | None  # effective seed of this row (request seed + choice index), None = unseeded
+    eos_token_ids: tuple[int, ...]  # model EOS ids (min_tokens suppresses these and stop_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingMetadata:
+    """Tensors (on the logits' device) and small lists describing one batch; `None` = not needed."""
+
+    num_rows: int
+    vocab_size: int
+    # Rows sampled at random (temperature > 0), as indices into the batch; None when all are greedy.
+    random_rows: torch.Tensor | None
+    # [B] bool, True for greedy rows; None when no row is greedy.
+    greedy_mask: torch.Tensor | None
+    # [B] temperature with greedy rows at 1.0; None when every row would divide by 1.
+    temperature: torch.Tensor | None
+    # Truncation of the random rows (aligned with random_rows); None when no random row uses it.
+    top_k: torch.Tensor | None  # long, vocab_size where disabled
+    top_p: torch.Tensor | None  # float, 1.0 where disabled
+    min_p: torch.Tensor | None  # float, 0.0 where disabled
+    # Draw seeds of the random rows (aligned with random_rows): mixed from (row seed, step), or None.
+    draw_seeds: tuple[int | None, ...]
+    # Additive logit bias as sparse (rows, token ids, values); None when no row has a bias.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # (rows, token ids) set to -inf because the row has not reached min_tokens yet.
+    min_tokens_block: tuple[torch.Tensor, torch.Tensor] | None
+    # [B] repetition penalty and [B, V] "token occurs in prompt or output" mask.
+    repetition_penalty: torch.Tensor | None
+    seen_mask: torch.Tensor | None
+    # [B] presence / frequency penalties and [B, V] counts of each token in the output.
+    presence_penalty: torch.Tensor | None
+    frequency_penalty: torch.Tensor | None
+    output_counts: torch.Tensor | None
+    # Per row: how many alternatives to return (None = no logprobs for that row).
+    num_logprobs: tuple[int | None, ...]
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.random_rows is None
+
+    @property
+    def needs_logprobs(self) -> bool:
+        return any(k is not None for k in self.num_logprobs)
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.logit_bias is not None
+            or self.min_tokens_block is not None
+            or self.repetition_penalty is not None
+            or self.output_counts is not None
+        )
+
+
+def mix_seed(seed: int, step: int) -> int:
+    """A 64-bit generator seed that depends only on (seed, step): splitmix64 of both.
+
+    Mixing (rather than seed + step) keeps the streams of neighbouring seeds unrelated, since
+    request seeds are offset by the choice index.
+    """
+    return _splitmix64((_splitmix64(seed & _MASK64) + step) & _MASK64)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def build_sampling_metadata(
+    rows: list[SamplingRow], vocab_size: int, device: torch.device
+) -> SamplingMetadata:
+    """Collect the per-row parameters of one step into batch tensors on `device`.
+
+    Raises InvalidRequestError (naming the field) for token ids outside the vocabulary.
+    """
+    if not rows:
+        raise ValueError("build_sampling_metadata needs at least one row")
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    params = [row.params for row in rows]
+    greedy = [p.is_greedy for p in params]
+    random_idx = [i for i, g in enumerate(greedy) if not g]
+    random_params = [params[i] for i in random_idx]
+
+    def floats(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+    top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in random_params]
+    top_p = [p.top_p for p in random_params]
+    min_p = [p.min_p for p in random_params]
+    rep = [p.repetition_penalty for p in params]
+    presence = [p.presence_penalty for p in params]
+    frequency = [p.frequency_penalty for p in params]
+    needs_rep = any(r != 1.0 for r in rep)
+    needs_counts = any(p != 0.0 for p in presence) or any(f != 0.0 for f in frequency)
+
+    return SamplingMetadata(
+        num_rows=len(rows),
+        vocab_size=vocab_size,
+        random_rows=torch.tensor(random_idx, dtype=torch.long, device=device) if random_idx else None,
+        greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device) if any(greedy) else None,
+        temperature=floats(temperatures) if any(t != 1.0 for t in temperatures) else None,
+        top_k=torch.tensor(top_k, dtype=torch.long, device=device)
+        if any(k < vocab_size for k in top_k)
+        else None,
+        top_p=floats(top_p) if any(p < 1.0 for p in top_p) else None,
+        min_p=floats(min_p) if any(p > 0.0 for p in min_p) else None,
+        draw_seeds=tuple(
+            None if rows[i].seed is None else mix_seed(rows[i].seed, len(rows[i].output_token_ids))
+            for i in random_idx
+        ),
+        logit_bias=_logit_bias(params, vocab_size, device),
+        min_tokens_block=_min_tokens_block(rows, vocab_size, device),
+        repetition_penalty=floats(rep) if needs_rep else None,
+        seen_mask=_seen_mask(rows, rep, vocab_size, device) if needs_rep else None,
+        presence_penalty=floats(presence) if needs_counts else None,
+        frequency_penalty=floats(frequency) if needs_counts else None,
+        output_counts=_output_counts(rows, presence, frequency, vocab_size, device) if needs_counts else None,
+        num_logprobs=tuple(p.logprobs for p in params),
+    )
+
+
+def _logit_bias(
+    params: list[SamplingParams], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    row_idx: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        for token_id, bias in p.logit_bias.items():
+            _check_token_id(token_id, vocab_size, "logit_bias")
+            row_idx.append(i)
+            token_ids.append(token_id)
+            values.append(float(bias))
+    if not row_idx:
+        return None
+    return (
+        torch.tensor(row_idx, dtype=torch.long, device=device),
+        torch.tensor(token_ids, dtype=torch.long, device=device),
+        torch.tensor(values, dtype=torch.float32, device=device),
+    )
+
+
+def _min_tokens_block(
+    rows: list[SamplingRow], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    row_idx: list[int] = []
+    token_ids: list[int] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        if len(row.output_token_ids) >= p.min_tokens:
+            continue
+        for token_id in p.stop_token_ids:
+            _check_token_id(token_id, vocab_size, "stop_token_ids")
+        # As vLLM: with ignore_eos the EOS does not end the choice, so there is nothing to hold off.
+        eos = () if p.ignore_eos else tuple(t for t in row.eos_token_ids if 0 <= t < vocab_size)
+        for token_id in sorted(set(p.stop_token_ids) | set(eos)):
+            row_idx.append(i)
+            token_ids.append(token_id)
+    if not row_idx:
+        return None
+    return (
+        torch.tensor(row_idx, dtype=torch.long, device=device),
+        torch.tensor(token_ids, dtype=torch.long, device=device),
+    )
+
+
+def _seen_mask(
+    rows: list[SamplingRow], rep: list[float], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    row_idx, token_ids = _flatten(
+        [
+            (list(row.prompt_token_ids) + list(row.output_token_ids)) if r != 1.0 else []
+            for row, r in zip(rows, rep, strict=True)
+        ],
+        vocab_size,
+        "prompt_token_ids",
+        device,
+    )
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    mask[row_idx, token_ids] = True
+    return mask
+
+
+def _output_counts(
+    rows: list[SamplingRow],
+    presence: list[float],
+    frequency: list[float],
+    vocab_size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    row_idx, token_ids = _flatten(
+        [
+            row.output_token_ids if (p != 0.0 or f != 0.0) else []
+            for row, p, f in zip(rows, presence, frequency, strict=True)
+        ],
+        vocab_size,
+        "output_token_ids",
+        device,
+    )
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
+    # accumulate=True is a scatter-add: repeated (row, token) pairs add up to the count.
+    counts.index_put_((row_idx, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True)
+    return counts
+
+
+def _flatten(
+    per_row: list[Sequence[int]], vocab_size: int, field: str, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs of every token of every row, as two long tensors."""
+    row_idx: list[int] = []
+    token_ids: list[int] = []
+    for i, ids in enumerate(per_row):
+        row_idx.extend([i] * len(ids))
+        token_ids.extend(ids)
+    rows_t = torch.tensor(row_idx, dtype=torch.long)
+    ids_t = torch.tensor(token_ids, dtype=torch.long)
+    if ids_t.numel() and (int(ids_t.min()) < 0 or int(ids_t.max()) >= vocab_size):
+        bad = ids_t[(ids_t < 0) | (ids_t >= vocab_size)][0].item()
+        raise InvalidRequestError(field, f"token id {bad} outside the vocabulary [0, {vocab_size})")
+    return rows_t.to(device), ids_t.to(device)
+
+
+def _check_token_id(token_id: int, vocab_size: int, field: str) -> None:
+    if not 0 <= token_id < vocab_size:
+        raise InvalidRequestError(field, f"token id {token_id} outside the vocabulary [0, {vocab_size})")

@@ -1,0 +1,174 @@
+"""Continuous (iteration-level) batching: which sequences advance by how many tokens this step.
+
+Plain Python: no torch. Each step has a token budget. Running sequences go first (decodes and the
+rest of chunked prefills), then waiting sequences are admitted in (priority, arrival) order while
+the budget, the batch size and the cache allow. When the cache runs out of blocks, the running
+sequence with the lowest priority (latest admitted among equals) is preempted: its blocks are freed
+and it is recomputed later, reusing whatever prefix is still cached.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from conduit_engine.block_manager import BlockManager
+from conduit_engine.config import SchedulerConfig
+from conduit_engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed for this sequence this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self._waiting: list[tuple[int, int, int, Sequence]] = []  # heap of (priority, arrival, id, seq)
+        self.running: list[Sequence] = []  # admission order
+        self._admissions = 0
+
+    # ----- queue -----------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return [entry[3] for entry in sorted(self._waiting)]
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting, (seq.priority, seq.arrival, seq.seq_id, seq))
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues (abort/finish) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            entries = [e for e in self._waiting if e[3] is not seq]
+            if len(entries) != len(self._waiting):
+                self._waiting = entries
+                heapq.heapify(self._waiting)
+        self.block_manager.free(seq)
+
+    # ----- one step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self.config.enable_chunked_prefill and num_new < seq.num_uncomputed_tokens:
+                continue
+            while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
+                victim = self._pick_victim()
+                self._preempt(victim, out)
+                if victim.seq_id in scheduled_ids:
+                    budget += self._unschedule(victim, out, scheduled_ids)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                scheduled_ids.add(seq.seq_id)
+                budget -= num_new
+
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        deferred: list[tuple[int, int, int, Sequence]] = []
+        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            entry = self._waiting[0]
+            seq = entry[3]
+            if seq.parent is not None and not _prompt_computed(seq.parent):
+                # n > 1: wait until the first choice has computed (and cached) the shared prompt.
+                deferred.append(heapq.heappop(self._waiting))
+                continue
+            if not seq.block_table:
+                self.block_manager.allocate_prefix(seq)
+                if not seq.was_admitted:
+                    seq.num_cached_tokens = seq.num_computed_tokens
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            chunk_ok = self.config.enable_chunked_prefill or num_new == seq.num_uncomputed_tokens
+            if not chunk_ok or not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
+                self.block_manager.free(seq)
+                break
+            heapq.heappop(self._waiting)
+            seq.status = SequenceStatus.RUNNING
+            seq.was_admitted = True
+            self._admissions += 1
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        for entry in deferred:
+            heapq.heappush(self._waiting, entry)
+
+    def _pick_victim(self) -> Sequence:
+        # Lowest priority first (largest value); among equals the most recently admitted.
+        return max(reversed(self.running), key=lambda s: s.priority)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)
+
+    def _unschedule(self, seq: Sequence, out: SchedulerOutput, scheduled_ids: set[int]) -> int:
+        for i, item in enumerate(out.scheduled):
+            if item.seq is seq:
+                del out.scheduled[i]
+                scheduled_ids.discard(seq.seq_id)
+                return item.num_new_tokens
+        return 0
+
+    # ----- after the model ran ---------------------------------------------------------------------
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counters and publish newly full blocks to the prefix cache."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit_computed_blocks(item.seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished sequence (status already set) and free its blocks."""
+        self.remove(seq)
+
+
+def _prompt_computed(seq: Sequence) -> bool:
+    return seq.is_finished or seq.num_computed_tokens >= seq.num_prompt_tokens

@@ -1,0 +1,301 @@
+"""Thin grpc.aio servicer: proto → domain objects → engine → proto, plus health, reflection and drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from conduit.engine.v1 import engine_pb2 as pb
+from conduit.engine.v1 import engine_pb2_grpc as pb_grpc
+from conduit_engine.async_engine import AsyncEngine
+from conduit_engine.config import EngineConfig
+from conduit_engine.engine import LLMEngine
+from conduit_engine.errors import (
+    EngineError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from conduit_engine.proto_mapping import messages_from_pb, output_to_pb, request_from_pb
+from conduit_engine.request import GenerationRequest
+from conduit_engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Engine"].full_name
+_METHOD_PREFIX = f"/{SERVICE_NAME}/"
+
+
+class ModelNotFoundError(EngineError):
+    """The request names a model this engine does not serve (→ NOT_FOUND)."""
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The one place engine errors become gRPC status codes."""
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, EngineUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, ModelNotFoundError):
+        return grpc.StatusCode.NOT_FOUND
+    return grpc.StatusCode.INTERNAL
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Turns exceptions raised by Engine RPCs into status codes with the exception's message."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(_METHOD_PREFIX):
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext) -> None:
+    code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("internal error in an Engine RPC")
+    await context.abort(code, str(exc))
+
+
+def _wrap_unary(inner: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await inner(request, context)
+        except (EngineError, ValueError) as exc:
+            await _abort_for(exc, context)
+
+    return call
+
+
+def _wrap_stream(inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in inner(request, context):
+                yield item
+        except (EngineError, ValueError) as exc:
+            await _abort_for(exc, context)
+
+    return call
+
+
+def _metadata_request_id(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id" and value:
+            return str(value)
+    return None
+
+
+class EngineServicer(pb_grpc.EngineServicer):
+    """Registered before the model loads: every RPC answers UNAVAILABLE until `attach()`."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self._engine: AsyncEngine | None = None
+        self.ready = False
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise EngineUnavailableError("the engine is still loading the model")
+        return self._engine
+
+    @property
+    def core(self) -> LLMEngine:
+        return self.engine.engine
+
+    def _check_ready(self) -> None:
+        if self.engine.draining:
+            raise EngineUnavailableError("the engine is draining and accepts no new requests")
+        if not self.ready:
+            raise EngineUnavailableError("the engine is still warming up")
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self._check_ready()
+        if request.HasField("model") and request.model and request.model != self.core.model_name:
+            raise ModelNotFoundError(
+                f"model {request.model!r} is not served here (this engine serves {self.core.model_name!r})"
+            )
+        if request.WhichOneof("input") is None:
+            raise InvalidRequestError("input", "one of text, token_ids or chat is required")
+        req = request_from_pb(request)
+        if not request.request_id:
+            req.request_id = _metadata_request_id(context) or req.request_id
+        decode = self.core.tokenizer.token_text
+        async for out in self.engine.generate(req):
+            yield output_to_pb(out, decode)
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        if not request.request_id:
+            raise InvalidRequestError("request_id", "must not be empty")
+        return pb.AbortResponse(aborted=await self.engine.abort(request.request_id))
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        tok = self.core.tokenizer
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            ids = tok.encode(request.text, add_special_tokens=add_special)
+        elif kind == "chat":
+            add_prompt = (
+                request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
+            )
+            ids = tok.encode_chat(messages_from_pb(request.chat), add_prompt)
+        else:
+            raise InvalidRequestError("input", "one of text or chat is required")
+        return pb.TokenizeResponse(token_ids=ids, tokens=[tok.token_text(i) for i in ids])
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        core = self.core
+        return pb.GetModelInfoResponse(
+            model=core.model_name,
+            architecture=core.arch.architecture,
+            vocab_size=core.arch.vocab_size,
+            max_model_len=core.max_model_len,
+            dtype=str(core.dtype).removeprefix("torch."),
+            device=self.device,
+            block_size=core.block_size,
+            num_kv_blocks=core.num_blocks,
+            max_num_seqs=core.config.scheduler.max_num_seqs,
+            eos_token_ids=list(core.eos_token_ids),
+            has_chat_template=core.tokenizer.chat_template is not None,
+        )
+
+    async def GetLoad(
+        self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetLoadResponse:
+        stats = await self.engine.stats()
+        return pb.GetLoadResponse(
+            running_requests=stats.running,
+            waiting_requests=stats.waiting,
+            kv_blocks_used=stats.blocks.used,
+            kv_blocks_total=stats.blocks.total,
+            kv_blocks_cached=stats.blocks.cached,
+            prefix_cache_hit_rate=stats.blocks.hit_rate,
+            finished_requests=stats.finished_requests,
+            generated_tokens=stats.generated_tokens,
+        )
+
+
+async def warm_up(engine: AsyncEngine) -> None:
+    """One short generation through the whole path; health turns SERVING only after it succeeds."""
+    core = engine.engine
+    first = core.arch.bos_token_id if core.arch.bos_token_id is not None else 0
+    req = GenerationRequest(
+        request_id=f"warmup-{uuid.uuid4().hex}",
+        params=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+        token_ids=[first],
+    )
+    async for _ in engine.generate(req):
+        pass
+
+
+class EngineServer:
+    """Owns the grpc.aio server: start (NOT_SERVING) → load → warm up → SERVING → drain on signal."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.health = health.aio.HealthServicer()
+        options = [
+            ("grpc.max_send_message_length", config.server.max_message_bytes),
+            ("grpc.max_receive_message_length", config.server.max_message_bytes),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=options)
+        self.port = self.server.add_insecure_port(f"{config.server.host}:{config.server.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {config.server.host}:{config.server.port}")
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self.server,
+        )
+        self.servicer = EngineServicer(config.model.device)
+        pb_grpc.add_EngineServicer_to_server(self.servicer, self.server)
+        self.engine: AsyncEngine | None = None
+        self._stop = asyncio.Event()
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def start(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        log.info(
+            "gRPC listening on %s:%d (NOT_SERVING until the model is loaded)",
+            self.config.server.host,
+            self.port,
+        )
+        loop = asyncio.get_running_loop()
+        core = await loop.run_in_executor(None, LLMEngine, self.config)
+        self.engine = AsyncEngine(core)
+        self.servicer.attach(self.engine)
+        await warm_up(self.engine)
+        self.servicer.ready = True
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("SERVING %s", core.model_name)
+
+    async def drain_and_stop(self) -> None:
+        """Stop taking requests, let in-flight streams finish (up to drain_seconds), then stop."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.engine is not None:
+            self.engine.start_draining()
+            deadline = asyncio.get_running_loop().time() + self.config.server.drain_seconds
+            while self.engine.num_active and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.1)
+        await self.server.stop(grace=1.0)
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        await self.start()
+        await self._stop.wait()
+        log.info("signal received: draining")
+        await self.drain_and_stop()

@@ -1,0 +1,115 @@
+"""The model's tokenizer: tokenizer.json through `tokenizers`, plus its chat template (Jinja, like HF)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from conduit_engine.errors import InvalidRequestError, ModelLoadError
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+    name: str | None = None
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_id: str | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = list(self.tool_calls)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class ModelTokenizer:
+    def __init__(self, folder: Path) -> None:
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{folder}: no tokenizer.json")
+        self.hf = Tokenizer.from_file(str(path))
+        self.config = _read_json(folder / "tokenizer_config.json")
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.chat_template = _chat_template(folder, self.config)
+        self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(
+            i for i, tok in self.hf.get_added_tokens_decoder().items() if tok.special
+        )
+        self._template = None
+        if self.chat_template is not None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent)
+            self._template = env.from_string(self.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise InvalidRequestError("messages", "this model has no chat template; send text or token ids")
+        if not messages:
+            raise InvalidRequestError("messages", "must contain at least one message")
+        try:
+            return self._template.render(
+                messages=[m.as_template_dict() for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as exc:
+            raise InvalidRequestError("messages", f"chat template rejected the messages: {exc}") from exc
+
+    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        # As transformers' apply_chat_template: the template places special tokens itself.
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _raise_template_error(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path}: invalid JSON: {exc}") from exc
+
+
+def _token_text(value: object) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None

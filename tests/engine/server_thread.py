@@ -1,0 +1,66 @@
+"""Run a real EngineServer (grpc.aio, 127.0.0.1, free port) in a background thread for tests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from conduit.engine.v1 import engine_pb2_grpc
+from conduit_engine.config import EngineConfig
+from conduit_engine.server import EngineServer
+
+
+class ServerThread:
+    def __init__(
+        self, config: EngineConfig, before_start: Callable[[EngineServer], None] | None = None
+    ) -> None:
+        self.config = config
+        self.server: EngineServer | None = None
+        self.loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._before_start = before_start
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.server = EngineServer(self.config)
+            if self._before_start is not None:
+                self._before_start(self.server)
+            self.loop.run_until_complete(self.server.start())
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._started.set()
+        if self._error is None:
+            self.loop.run_forever()
+
+    def start(self, wait: bool = True) -> ServerThread:
+        self._thread.start()
+        if wait:
+            self.wait_started()
+        return self
+
+    def wait_started(self) -> None:
+        self._started.wait(timeout=300)
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None
+        return f"127.0.0.1:{self.server.port}"
+
+    def stub(self) -> engine_pb2_grpc.EngineStub:
+        return engine_pb2_grpc.EngineStub(grpc.insecure_channel(self.address))
+
+    def stop(self) -> None:
+        if self.server is not None and self._error is None:
+            fut = asyncio.run_coroutine_threadsafe(self.server.drain_and_stop(), self.loop)
+            fut.result(timeout=60)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
