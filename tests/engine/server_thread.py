@@ -58,6 +58,12 @@ class ServerThread:
     def stub(self) -> engine_pb2_grpc.EngineStub:
         return engine_pb2_grpc.EngineStub(grpc.insecure_channel(self.address))
 
+    def check_integrity(self) -> None:
+        """Run the block manager's integrity check on the engine thread (raises AssertionError)."""
+        assert self.server is not None and self.server.engine is not None
+        engine = self.server.engine
+        asyncio.run_coroutine_threadsafe(engine.run_sync(engine.engine.check_integrity), self.loop).result(30)
+
     def stop(self) -> None:
         if self.server is not None and self._error is None:
             fut = asyncio.run_coroutine_threadsafe(self.server.drain_and_stop(), self.loop)

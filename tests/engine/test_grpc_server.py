@@ -166,7 +166,7 @@ def kv_used(stub):
     return stub.GetLoad(pb.GetLoadRequest()).kv_blocks_used
 
 
-def test_cancel_mid_stream_frees_blocks(stub):
+def test_cancel_mid_stream_frees_blocks(server, stub):
     req = pb.GenerateRequest(
         request_id="cancel-me", token_ids=pb.TokenIds(ids=[1]), sampling=greedy_params(400, ignore_eos=True)
     )
@@ -179,9 +179,10 @@ def test_cancel_mid_stream_frees_blocks(stub):
     assert wait_until(lambda: kv_used(stub) == 0)
     load = stub.GetLoad(pb.GetLoadRequest())
     assert load.running_requests == 0 and load.waiting_requests == 0
+    server.check_integrity()
 
 
-def test_abort_rpc_ends_stream_and_frees_blocks(stub):
+def test_abort_rpc_ends_stream_and_frees_blocks(server, stub):
     req = pb.GenerateRequest(
         request_id="abort-me", token_ids=pb.TokenIds(ids=[1]), sampling=greedy_params(400, ignore_eos=True)
     )
@@ -191,6 +192,7 @@ def test_abort_rpc_ends_stream_and_frees_blocks(stub):
     rest = list(call)
     assert rest[-1].finished and rest[-1].finish_reason == pb.FINISH_REASON_ABORT
     assert wait_until(lambda: kv_used(stub) == 0)
+    server.check_integrity()
     assert not stub.Abort(pb.AbortRequest(request_id="abort-me")).aborted
 
 

@@ -1,0 +1,80 @@
+"""Checkpoint loading (sharded, errors) and the CLI/env-var mapping."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conduit_engine.cli import build_parser, config_from_args, env_name
+from conduit_engine.errors import ModelLoadError
+from tests.engine.harness import generate, greedy, make_engine
+from tests.engine.model_factory import greedy_with, load_hf, make_tiny_model
+
+
+def test_sharded_checkpoint_loads_and_matches(tmp_path):
+    folder = make_tiny_model(tmp_path / "sharded", family="llama", num_layers=3)
+    # re-save sharded: several safetensors files plus model.safetensors.index.json
+    model = load_hf(folder)
+    sharded = tmp_path / "sharded2"
+    model.save_pretrained(sharded, safe_serialization=True, max_shard_size="40KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (sharded / name).write_bytes((folder / name).read_bytes())
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    engine = make_engine(sharded)
+    out = generate(engine, {"a": [1, 20, 30]}, greedy(10, ignore_eos=True))["a"]
+    assert out.token_ids == greedy_with(model, [1, 20, 30], 10)
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    folder = make_tiny_model(tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*GPT2LMHeadModel"):
+        make_engine(folder)
+
+
+@pytest.mark.parametrize("missing", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_missing_file_is_a_clear_error(tmp_path, missing):
+    folder = make_tiny_model(tmp_path / "m")
+    (folder / missing).unlink()
+    with pytest.raises(ModelLoadError, match=missing.replace(".", r"\.")):
+        make_engine(folder)
+
+
+def test_missing_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        make_engine(tmp_path / "nope")
+
+
+def test_flags_and_env_vars_map_onto_config(monkeypatch):
+    monkeypatch.setenv("CONDUIT_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("CONDUIT_ENABLE_PREFIX_CACHING", "false")
+    monkeypatch.setenv("CONDUIT_MODEL", "/models/x")
+    args = build_parser().parse_args(["--port", "6000", "--block-size", "32"])
+    config = config_from_args(args)
+    assert config.model.path == "/models/x"
+    assert config.scheduler.max_num_seqs == 7
+    assert config.cache.enable_prefix_caching is False
+    assert config.server.port == 6000 and config.cache.block_size == 32
+    # an explicit flag wins over the variable
+    args = build_parser().parse_args(["--max-num-seqs", "9"])
+    assert config_from_args(args).scheduler.max_num_seqs == 9
+    assert env_name("--kv-cache-blocks") == "CONDUIT_KV_CACHE_BLOCKS"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "m", "--block-size", "12"], "--block-size must be a power of two"),
+        (["--model", "m", "--device", "tpu"], "--device must be cpu or cuda"),
+        (["--model", "m", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        ([], "--model is required"),
+    ],
+)
+def test_bad_flags_are_refused(argv, message, monkeypatch):
+    monkeypatch.delenv("CONDUIT_MODEL", raising=False)
+    with pytest.raises(ValueError, match=message):
+        config_from_args(build_parser().parse_args(argv))
