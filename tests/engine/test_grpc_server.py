@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -257,3 +258,25 @@ def test_queue_bound_is_resource_exhausted(stories_path):
         assert wait_until(lambda: kv_used(stub) == 0)
     finally:
         srv.stop()
+
+
+def test_drain_lets_streams_finish_and_refuses_new_ones(stories_path):
+    srv = ServerThread(engine_config(stories_path)).start()
+    stub = srv.stub()
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(srv.address))
+    call = stub.Generate(
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=greedy_params(200, ignore_eos=True))
+    )
+    received = [next(call)]
+    assert srv.server is not None
+    drain = asyncio.run_coroutine_threadsafe(srv.server.drain_and_stop(), srv.loop)
+    assert wait_until(lambda: srv.server.engine.draining)
+    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(text="hi")))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    received.extend(call)  # the in-flight stream runs to its end
+    assert received[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert sum(len(m.token_ids) for m in received) == 200
+    drain.result(timeout=60)
+    srv.loop.call_soon_threadsafe(srv.loop.stop)
