@@ -62,8 +62,11 @@ run-engine: venv
 bench: venv
 	$(PY) bench/engine_throughput.py
 
+# Engine profile of docker-compose.yml: cpu (default) or gpu. Needs a machine with Docker.
+COMPOSE_PROFILE ?= cpu
 compose-up:
-	docker compose up --build
+	@if [ -z "$(MODEL)" ]; then $(MAKE) --no-print-directory demo-model; fi
+	CONDUIT_MODEL_DIR="$(if $(MODEL),$(MODEL),.models/demo-llama)" docker compose --profile $(COMPOSE_PROFILE) up --build
 
 clean:
 	rm -rf $(VENV) $(GEN) .models

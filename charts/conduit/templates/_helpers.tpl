@@ -1,0 +1,114 @@
+{{/* Names, labels and the addresses the components use to find each other. */}}
+
+{{- define "conduit.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name of the release; components append -engine, -gateway, -envoy (so it stays under 45 chars). */}}
+{{- define "conduit.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 45 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "conduit.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "conduit.labels" -}}
+helm.sh/chart: {{ include "conduit.chart" . }}
+app.kubernetes.io/name: {{ include "conduit.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: conduit
+{{- end }}
+
+{{/* Selector labels of one component: call with (dict "root" $ "component" "engine"). */}}
+{{- define "conduit.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "conduit.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "conduit.componentLabels" -}}
+{{ include "conduit.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "conduit.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "conduit.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* image reference: call with (dict "root" $ "image" .Values.engine.image). */}}
+{{- define "conduit.image" -}}
+{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) }}
+{{- end }}
+
+{{- define "conduit.engine.fullname" -}}
+{{- printf "%s-engine" (include "conduit.fullname" .) }}
+{{- end }}
+
+{{- define "conduit.engine.headlessName" -}}
+{{- printf "%s-engine-headless" (include "conduit.fullname" .) }}
+{{- end }}
+
+{{- define "conduit.gateway.fullname" -}}
+{{- printf "%s-gateway" (include "conduit.fullname" .) }}
+{{- end }}
+
+{{- define "conduit.envoy.fullname" -}}
+{{- printf "%s-envoy" (include "conduit.fullname" .) }}
+{{- end }}
+
+{{/* FQDN of the headless Service: it resolves to every engine pod (Envoy's engine cluster). */}}
+{{- define "conduit.engine.headlessHost" -}}
+{{- printf "%s.%s.svc.%s" (include "conduit.engine.headlessName" .) .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
+{{/*
+The gateway's --engine list: every StatefulSet pod by its stable name through the headless Service, so
+the gateway tracks health and load per replica instead of seeing one balanced address.
+*/}}
+{{- define "conduit.engine.addresses" -}}
+{{- $root := . }}
+{{- $addresses := list }}
+{{- range $i := until (int .Values.engine.replicas) }}
+{{- $host := printf "%s-%d.%s" (include "conduit.engine.fullname" $root) $i (include "conduit.engine.headlessHost" $root) }}
+{{- $addresses = append $addresses (printf "%s:%d" $host (int $root.Values.engine.port)) }}
+{{- end }}
+{{- join "," $addresses }}
+{{- end }}
+
+{{- define "conduit.gateway.host" -}}
+{{- printf "%s.%s.svc.%s" (include "conduit.gateway.fullname" .) .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
+{{/* Hardening shared by every container: the images run as an unprivileged user. */}}
+{{- define "conduit.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: ["ALL"]
+{{- end }}
+
+{{- define "conduit.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ . }}
+runAsGroup: {{ . }}
+fsGroup: {{ . }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}

@@ -1,0 +1,176 @@
+"""docker-compose.yml, checked without a Docker engine: the real Compose CLI resolves it for each profile,
+and every command, port, volume and health check agrees with the CLIs, the Dockerfiles and Envoy's config."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+
+from conduit_engine import cli as engine_cli
+from conduit_gateway import cli as gateway_cli
+from tests.deploy import dockerfiles, envoy_config, strict_yaml
+from tests.deploy.paths import COMPOSE_FILE, ENVOY_CONFIG, MAKEFILE, REPO, tool
+
+PROFILES = {"cpu": "engine", "gpu": "engine-gpu"}
+
+
+def _compose(*args: str) -> subprocess.CompletedProcess[str]:
+    # Variables of the caller's shell must not leak into what is being checked.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CONDUIT_", "COMPOSE_", "DOCKER_"))}
+    return subprocess.run(
+        [str(tool("docker-compose")), "--project-directory", str(REPO), "-f", str(COMPOSE_FILE), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(PROFILES))
+def project(request):
+    """(profile, engine service name, the project as `docker compose --profile P config` resolves it)."""
+    result = _compose("--profile", request.param, "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    return request.param, PROFILES[request.param], json.loads(result.stdout)
+
+
+def test_file_parses_strictly():
+    document = strict_yaml.load(COMPOSE_FILE.read_text())
+    assert set(document["services"]) == {"engine", "engine-gpu", "gateway", "envoy"}
+
+
+def test_compose_rejects_an_invalid_file(tmp_path):
+    # The real loader validates against the Compose schema: a wrong type is an error, not ignored.
+    broken = tmp_path / "compose.yml"
+    broken.write_text("services:\n  gateway:\n    image: x\n    ports: 8080\n")
+    result = subprocess.run(
+        [str(tool("docker-compose")), "-f", str(broken), "config"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode != 0
+    assert "ports" in result.stderr
+
+
+def test_each_profile_starts_one_engine_the_gateway_and_envoy(project):
+    _, engine, config = project
+    assert set(config["services"]) == {engine, "gateway", "envoy"}
+
+
+def test_every_service_has_a_dockerfile_or_a_pinned_image(project):
+    _, _, config = project
+    for name, service in config["services"].items():
+        if "build" in service:
+            assert service["build"]["context"] == str(REPO), name
+            dockerfile = REPO / service["build"]["dockerfile"]
+            assert dockerfile.is_file(), name
+            parsed = dockerfiles.parse(dockerfile)
+            assert set(service["build"].get("args", {})) <= set(parsed.global_args), name
+            assert service["image"].startswith("conduit/"), name
+        else:
+            assert re.fullmatch(r"[\w./-]+:v?\d+\.\d+\.\d+", service["image"]), name
+
+
+def test_engine_command_volume_and_port_match_the_engine_cli(project):
+    profile, engine, config = project
+    service = config["services"][engine]
+    assert service["build"]["args"]["VARIANT"] == {"cpu": "cpu", "gpu": "cuda"}[profile]
+    args = engine_cli.build_parser().parse_args(service["command"])
+    engine_config = engine_cli.config_from_args(args)
+    assert engine_config.model.device == {"cpu": "cpu", "gpu": "cuda"}[profile]
+    assert service["expose"] == [str(engine_config.server.port)]
+    (volume,) = service["volumes"]
+    assert volume["type"] == "bind" and volume["read_only"] is True
+    assert volume["target"] == engine_config.model.path
+    # The default model folder is the one `make demo-model` writes, served under its own name.
+    assert volume["source"] == str(REPO / ".models" / "demo-llama")
+    assert engine_config.model.served_name == "demo-llama"
+    assert "demo-model:" in MAKEFILE.read_text() and ".models/demo-llama" in MAKEFILE.read_text()
+
+
+def test_gpu_engine_reserves_an_nvidia_device():
+    result = _compose("--profile", "gpu", "config", "--format", "json")
+    service = json.loads(result.stdout)["services"]["engine-gpu"]
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and device["count"] == 1
+    assert service["networks"]["default"]["aliases"] == ["engine"]
+
+
+def _engine_names(config, engine: str) -> set[str]:
+    service = config["services"][engine]
+    aliases = (service.get("networks", {}).get("default") or {}).get("aliases", [])
+    return {engine, *aliases}
+
+
+def test_gateway_reaches_the_engine_the_profile_started(project):
+    _, engine, config = project
+    gateway = config["services"]["gateway"]
+    gateway_config = gateway_cli.config_from_args(gateway["command"], gateway.get("environment") or {})
+    engine_port = engine_cli.build_parser().parse_args(config["services"][engine]["command"]).port
+    for address in gateway_config.engines:
+        host, _, port = address.rpartition(":")
+        assert host in _engine_names(config, engine) and int(port) == engine_port
+    assert gateway["expose"] == [str(gateway_config.port)]
+    # API keys come from the caller's environment; unset means none.
+    assert gateway["environment"] == {"CONDUIT_API_KEY": ""}
+    assert gateway_config.api_keys == ()
+
+
+def test_envoy_mounts_the_config_and_routes_to_the_compose_services(project):
+    _, engine, config = project
+    envoy = config["services"]["envoy"]
+    (volume,) = envoy["volumes"]
+    assert volume["source"] == str(ENVOY_CONFIG) and volume["read_only"] is True
+    assert envoy["command"][:3] == ["envoy", "-c", volume["target"]]
+    proxy = envoy_config.load()
+    gateway_upstream = envoy_config.upstream_address(envoy_config.cluster(proxy, "gateway"))
+    engine_upstream = envoy_config.upstream_address(envoy_config.cluster(proxy, "engine"))
+    gateway_port = gateway_cli.config_from_args(config["services"]["gateway"]["command"], {}).port
+    engine_port = engine_cli.build_parser().parse_args(config["services"][engine]["command"]).port
+    assert gateway_upstream == {"address": "gateway", "port_value": gateway_port}
+    assert engine_upstream["address"] in _engine_names(config, engine)
+    assert engine_upstream["port_value"] == engine_port
+    listener_ports = {
+        envoy_config.listener(proxy, name)["address"]["socket_address"]["port_value"]
+        for name in ("http_ingress", "grpc_internal")
+    }
+    published = envoy["ports"]
+    assert {p["target"] for p in published} == listener_ports
+    assert {p["published"] for p in published} == {str(p) for p in listener_ports}
+    assert {p["host_ip"] for p in published} == {"127.0.0.1"}
+
+
+def test_health_checks_match_the_images_and_order_the_start(project):
+    _, engine, config = project
+    services = config["services"]
+    for name, dockerfile in (
+        (engine, "services/engine/Dockerfile"),
+        ("gateway", "services/gateway/Dockerfile"),
+    ):
+        image_check = dockerfiles.parse(REPO / dockerfile).final.one("HEALTHCHECK")
+        assert services[name]["healthcheck"]["test"] == list(image_check.value), name
+    # The gateway waits for a healthy engine (the one this profile runs), Envoy for a healthy gateway.
+    # The other profile's engine is not running, so neither dependency may be required.
+    gateway_needs = services["gateway"]["depends_on"]
+    assert gateway_needs[engine]["condition"] == "service_healthy"
+    assert gateway_needs[engine]["required"] is False
+    envoy_needs = services["envoy"]["depends_on"]
+    assert set(envoy_needs) == {"gateway"} and envoy_needs["gateway"]["condition"] == "service_healthy"
+
+
+def test_make_compose_up_selects_an_engine_profile():
+    text = MAKEFILE.read_text()
+    recipe = re.search(r"^compose-up:.*\n((?:\t.*\n)+)", text, re.MULTILINE)
+    assert recipe, "Makefile has no compose-up target"
+    match = re.search(r"--profile\s+(\S+)", recipe.group(1))
+    assert match, "make compose-up must pass --profile: without one Compose starts no engine"
+    profile = match.group(1)
+    variable = re.fullmatch(r"\$\((\w+)\)", profile)
+    if variable:
+        default = re.search(rf"^{variable.group(1)}\s*\?=\s*(\S+)", text, re.MULTILINE)
+        assert default, f"{variable.group(1)} has no default in the Makefile"
+        profile = default.group(1)
+    assert profile == "cpu"

@@ -1,0 +1,337 @@
+"""charts/conduit: rendered by Helm's SDK, linted strictly, every manifest validated for new Kubernetes."""
+
+from __future__ import annotations
+
+import copy
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from conduit_engine import cli as engine_cli
+from conduit_gateway import cli as gateway_cli
+from tests.deploy import chart_render, envoy_config
+from tests.deploy.chart_render import NAMESPACE, component, find
+from tests.deploy.paths import CHART
+
+VALUES = list(chart_render.VALUES_FILES)
+KUBERNETES_VERSIONS = chart_render.newest_kubernetes_versions(2)
+# Custom resources whose schemas kubernetes-validate cannot know; checked field by field below instead.
+CUSTOM_KINDS = {"ServiceMonitor"}
+
+
+@pytest.fixture(scope="module", params=VALUES)
+def release(request):
+    """(values name, values, rendered templates, parsed objects) for one values file."""
+    values = chart_render.values(request.param)
+    rendered = chart_render.render(values)
+    return request.param, values, rendered, chart_render.manifests(rendered)
+
+
+def _container(obj):
+    (container,) = obj["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_rendered_objects_per_values_file(release):
+    name, _, _, objects = release
+    expected = {
+        "default": [
+            "Deployment",
+            "HorizontalPodAutoscaler",
+            "PodDisruptionBudget",
+            "PodDisruptionBudget",
+            "Service",
+            "Service",
+            "Service",
+            "ServiceAccount",
+            "StatefulSet",
+        ],
+        "gpu": [
+            "Deployment",
+            "HorizontalPodAutoscaler",
+            "PodDisruptionBudget",
+            "PodDisruptionBudget",
+            "Service",
+            "Service",
+            "Service",
+            "ServiceAccount",
+            "StatefulSet",
+        ],
+        "full": [
+            "ConfigMap",
+            "Deployment",
+            "Deployment",
+            "HorizontalPodAutoscaler",
+            "PodDisruptionBudget",
+            "PodDisruptionBudget",
+            "Service",
+            "Service",
+            "Service",
+            "Service",
+            "ServiceAccount",
+            "ServiceMonitor",
+            "StatefulSet",
+        ],
+    }[name]
+    assert chart_render.kinds(objects) == expected
+
+
+@pytest.mark.parametrize("kubernetes_version", KUBERNETES_VERSIONS)
+def test_every_manifest_validates_strictly(release, kubernetes_version):
+    _, _, _, objects = release
+    for obj in objects:
+        if obj["kind"] in CUSTOM_KINDS:
+            with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                kubernetes_validate.validate(obj, kubernetes_version, strict=True)
+            continue
+        try:
+            kubernetes_validate.validate(obj, kubernetes_version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} at {where}: {exc.message}")
+
+
+def test_kubernetes_validate_strict_catches_an_unknown_field(release):
+    _, _, _, objects = release
+    broken = copy.deepcopy(find(objects, "StatefulSet"))
+    broken["spec"]["replica"] = 2
+    with pytest.raises(kubernetes_validate.ValidationError, match="replica"):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize("kubernetes_version", KUBERNETES_VERSIONS)
+def test_strict_lint_passes(release, kubernetes_version):
+    _, values, _, _ = release
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE, kube_version=f"v{kubernetes_version}")
+    assert report["errors"] == []
+    # Severity 2 is a warning, 3 an error; "icon is recommended" (1) is information only.
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_engine_args_are_accepted_by_the_engine_cli(release):
+    _, _, _, objects = release
+    container = _container(find(objects, "StatefulSet"))
+    args = engine_cli.build_parser().parse_args(container["args"])
+    config = engine_cli.config_from_args(args)
+    assert config.server.port == container["ports"][0]["containerPort"]
+    assert config.server.host == "0.0.0.0"
+    model_mount = next(m for m in container["volumeMounts"] if m["name"] == "model")
+    assert config.model.path == model_mount["mountPath"]
+    assert model_mount["readOnly"] is True
+
+
+def test_gateway_finds_every_engine_replica_by_its_stable_name(release):
+    _, values, _, objects = release
+    engine = find(objects, "StatefulSet")
+    headless = find(objects, "Service", engine["spec"]["serviceName"])
+    gateway = _container(component(objects, "Deployment", "gateway"))
+    env = {e["name"]: "secret-value" for e in gateway.get("env", []) if "valueFrom" in e}
+    config = gateway_cli.config_from_args(gateway["args"], env)
+    port = headless["spec"]["ports"][0]["port"]
+    assert config.engines == tuple(
+        f"{engine['metadata']['name']}-{i}.{headless['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{port}"
+        for i in range(engine["spec"]["replicas"])
+    )
+    assert config.port == gateway["ports"][0]["containerPort"]
+    assert config.api_keys == (("secret-value",) if values.get("gateway", {}).get("apiKeys") else ())
+
+
+def test_engine_probes_use_grpc_health_and_startup_allows_model_loading(release):
+    _, _, _, objects = release
+    container = _container(find(objects, "StatefulSet"))
+    port = container["ports"][0]["containerPort"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        # A grpc probe calls grpc.health.v1.Health/Check, which SERVES only after load and warm-up.
+        assert container[probe]["grpc"] == {"port": port}
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+
+
+def test_engine_drains_before_it_is_killed(release):
+    _, _, _, objects = release
+    engine = find(objects, "StatefulSet")
+    container = _container(engine)
+    args = engine_cli.build_parser().parse_args(container["args"])
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    grace = engine["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert pre_stop > 0
+    assert grace > pre_stop + args.drain_seconds
+
+
+def test_gpu_values_request_gpus_and_run_on_gpu_nodes():
+    objects = chart_render.manifests(chart_render.render(chart_render.values("gpu")))
+    engine = find(objects, "StatefulSet")
+    container = _container(engine)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert engine_cli.build_parser().parse_args(container["args"]).device == "cuda"
+    pod = engine["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def test_default_values_run_on_cpu_without_gpu_resources():
+    objects = chart_render.manifests(chart_render.render({}))
+    container = _container(find(objects, "StatefulSet"))
+    assert engine_cli.build_parser().parse_args(container["args"]).device == "cpu"
+    assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+
+
+def test_engine_has_a_headless_service_for_discovery_and_a_clusterip_for_clients(release):
+    _, _, _, objects = release
+    engine = find(objects, "StatefulSet")
+    headless = find(objects, "Service", engine["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    client_service = find(objects, "Service", engine["metadata"]["name"])
+    assert client_service["spec"]["type"] == "ClusterIP"
+    assert "clusterIP" not in client_service["spec"]
+    for service in (headless, client_service):
+        assert service["spec"]["ports"][0]["appProtocol"] == "grpc"
+
+
+def test_services_and_budgets_select_the_pods_and_name_real_ports(release):
+    _, _, _, objects = release
+    workloads = [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+    selectors = [(o, o["spec"]["selector"]) for o in objects if o["kind"] == "PodDisruptionBudget"]
+    selectors += [(o, {"matchLabels": o["spec"]["selector"]}) for o in objects if o["kind"] == "Service"]
+    for obj, selector in selectors:
+        matched = [
+            w
+            for w in workloads
+            if selector["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert len(matched) == 1, f"{obj['kind']}/{obj['metadata']['name']} selects {len(matched)} workloads"
+        if obj["kind"] == "Service":
+            port_names = {p["name"] for p in _container(matched[0])["ports"]}
+            assert {p["targetPort"] for p in obj["spec"]["ports"]} <= port_names
+
+
+def test_gateway_autoscaler_and_disruption_budget(release):
+    _, _, _, objects = release
+    hpa = find(objects, "HorizontalPodAutoscaler")
+    gateway = find(objects, "Deployment", hpa["spec"]["scaleTargetRef"]["name"])
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "Deployment"
+    # The autoscaler owns the replica count.
+    assert "replicas" not in gateway["spec"]
+    assert hpa["spec"]["minReplicas"] >= 2
+    readiness = _container(gateway)["readinessProbe"]
+    assert readiness["httpGet"]["path"] == "/health"
+
+
+def test_api_keys_come_from_a_secret_and_never_from_values(release):
+    _, values, _, objects = release
+    assert "Secret" not in chart_render.kinds(objects)
+    env = {e["name"]: e for e in _container(component(objects, "Deployment", "gateway")).get("env", [])}
+    api_keys = values.get("gateway", {}).get("apiKeys")
+    if api_keys:
+        assert env["CONDUIT_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+            "name": api_keys["existingSecret"],
+            "key": api_keys["secretKey"],
+        }
+    else:
+        assert "CONDUIT_API_KEY" not in env
+
+
+def test_envoy_config_in_the_chart_validates_and_targets_the_release_services(tmp_path):
+    objects = chart_render.manifests(chart_render.render(chart_render.values("full")))
+    config_map = find(objects, "ConfigMap", "conduit-envoy")
+    path = tmp_path / "envoy.yaml"
+    path.write_text(config_map["data"]["envoy.yaml"])
+    result = envoy_config.validate(path)
+    assert result.returncode == 0, result.stderr + result.stdout
+
+    rendered = envoy_config.load(path)
+    gateway_address = envoy_config.upstream_address(envoy_config.cluster(rendered, "gateway"))
+    engine_address = envoy_config.upstream_address(envoy_config.cluster(rendered, "engine"))
+    assert gateway_address == {
+        "address": f"conduit-gateway.{NAMESPACE}.svc.cluster.local",
+        "port_value": 8000,
+    }
+    assert engine_address == {
+        "address": f"conduit-engine-headless.{NAMESPACE}.svc.cluster.local",
+        "port_value": 50051,
+    }
+    # Apart from those two addresses it is deploy/envoy/envoy.yaml.
+    gateway_address.update(address="gateway")
+    engine_address.update(address="engine")
+    assert rendered == envoy_config.load()
+
+    deployment = find(objects, "Deployment", "conduit-envoy")
+    container = _container(deployment)
+    assert container["args"][:2] == ["-c", "/etc/envoy/envoy.yaml"]
+    assert {p["containerPort"] for p in container["ports"]} == {
+        envoy_config.listener(rendered, name)["address"]["socket_address"]["port_value"]
+        for name in ("http_ingress", "grpc_internal")
+    }
+
+
+def test_service_monitor_scrapes_the_gateway_metrics():
+    objects = chart_render.manifests(chart_render.render(chart_render.values("full")))
+    monitor = find(objects, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    selected = [
+        s
+        for s in objects
+        if s["kind"] == "Service"
+        and monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+    ]
+    assert [s["metadata"]["name"] for s in selected] == ["conduit-gateway"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["port"] in {p["name"] for p in selected[0]["spec"]["ports"]}
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+
+
+def test_notes_tell_how_to_call_it(release):
+    name, _, rendered, _ = release
+    notes = rendered["conduit/templates/NOTES.txt"]
+    assert "port-forward service/" in notes
+    assert "/v1/completions" in notes
+    assert ("conduit-envoy" in notes) == (name == "full")
+
+
+def test_shipped_values_files_satisfy_the_schema():
+    with helm.Chart.load(CHART) as chart:
+        for name in VALUES:
+            chart.validate_schema(chart_render.values(name))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"engine": {"replicas": -1}}, "/engine/replicas"),
+        ({"gateway": {"replicas": 0}}, "/gateway/replicas"),
+        ({"engine": {"dtype": "float64"}}, "/engine/dtype"),
+        ({"engine": {"gpu": {"count": "one"}}}, "/engine/gpu/count"),
+        (
+            {"gateway": {"autoscaling": {"targetCPUUtilizationPercentage": 150}}},
+            "targetCPUUtilizationPercentage",
+        ),
+        # A misspelt key is refused rather than silently ignored.
+        ({"engine": {"replica": 2}}, "replica"),
+        # There is no place for a literal key in values.
+        ({"gateway": {"apiKeys": {"existingSecret": "", "secretKey": "k", "value": "sk-123"}}}, "value"),
+    ],
+)
+def test_schema_rejects_bad_values(overrides, message):
+    with helm.Chart.load(CHART) as chart:
+        with pytest.raises(helm.HelmValuesError, match=message):
+            chart.validate_schema(overrides)
+        # An install renders through the same schema.
+        with pytest.raises(helm.HelmValuesError):
+            chart.render(overrides, name="demo", namespace=NAMESPACE)
+
+
+def test_grace_period_shorter_than_drain_is_refused():
+    with pytest.raises(helm.HelmRenderError, match="terminationGracePeriodSeconds"):
+        chart_render.render({"engine": {"terminationGracePeriodSeconds": 100, "drainSeconds": 240}})
+
+
+def test_values_file_documents_parse_strictly():
+    # Duplicate keys in values.yaml would be silently merged by Helm.
+    for path in [CHART / "values.yaml", CHART / "Chart.yaml", *sorted((CHART / "ci").glob("*.yaml"))]:
+        chart_render.strict_yaml.load(path.read_text())
+    assert yaml.safe_load((CHART / "Chart.yaml").read_text())["name"] == "conduit"
