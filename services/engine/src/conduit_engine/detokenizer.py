@@ -21,8 +21,8 @@ Stop strings: the first match to complete wins (smallest end; at equal ends the 
 one), which is the match a token-by-token stream sees first whatever the token boundaries are. The stop
 string and everything after it are cut, unless include_stop_str_in_output keeps the stop string.
 
-Cost per step: two decodes of a window of a few tokens (the last released group plus what is held),
-never the whole output.
+Cost per step: at most two decodes of a window of a few tokens (the last released group plus what is
+held), never the whole output; a long run of byte-fallback tokens widens the window until it ends.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class IncrementalDetokenizer:
     def _append(self, token_id: int) -> None:
         if token_id in self._dropped:
             return
-        if token_id in self._byte_ids and False:
+        if token_id in self._byte_ids:
             if self._run_start is None:
                 self._run_start = len(self._tokens)
         else:

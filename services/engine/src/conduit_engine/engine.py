@@ -274,8 +274,10 @@ class LLMEngine:
         if seq.is_finished:
             return text + detok.finish()
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish(FinishReason.LENGTH)
             text += detok.finish()
+            # The held-back tail may complete a stop string only now: that is a stop, not a length.
+            seq.stop_string = detok.stop_string
+            seq.finish(FinishReason.STOP if detok.stop_string is not None else FinishReason.LENGTH)
         return text
 
     def _output(

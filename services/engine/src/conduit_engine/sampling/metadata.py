@@ -17,6 +17,7 @@ from conduit_engine.errors import InvalidRequestError
 from conduit_engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 
 
 class SamplingRow(NamedTuple):
@@ -37,16 +38,15 @@ class SamplingMetadata:
     vocab_size: int
     # Rows sampled at random (temperature > 0), as indices into the batch; None when all are greedy.
     random_rows: torch.Tensor | None
-    # [B] bool, True for greedy rows; None when no row is greedy.
-    greedy_mask: torch.Tensor | None
     # [B] temperature with greedy rows at 1.0; None when every row would divide by 1.
     temperature: torch.Tensor | None
     # Truncation of the random rows (aligned with random_rows); None when no random row uses it.
     top_k: torch.Tensor | None  # long, vocab_size where disabled
     top_p: torch.Tensor | None  # float, 1.0 where disabled
     min_p: torch.Tensor | None  # float, 0.0 where disabled
-    # Draw seeds of the random rows (aligned with random_rows): mixed from (row seed, step), or None.
-    draw_seeds: tuple[int | None, ...]
+    # Uniform draw in [0, 1) of each random row (aligned with random_rows): a pure function of
+    # (row seed, tokens generated so far); None for unseeded rows, which the sampler draws itself.
+    seeded_uniforms: tuple[float | None, ...]
     # Additive logit bias as sparse (rows, token ids, values); None when no row has a bias.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     # (rows, token ids) set to -inf because the row has not reached min_tokens yet.
@@ -66,6 +66,10 @@ class SamplingMetadata:
         return self.random_rows is None
 
     @property
+    def all_random(self) -> bool:
+        return len(self.seeded_uniforms) == self.num_rows
+
+    @property
     def needs_logprobs(self) -> bool:
         return any(k is not None for k in self.num_logprobs)
 
@@ -79,17 +83,19 @@ class SamplingMetadata:
         )
 
 
-def mix_seed(seed: int, step: int) -> int:
-    """A 64-bit generator seed that depends only on (seed, step): splitmix64 of both.
+def seeded_uniform(seed: int, step: int) -> float:
+    """The uniform in [0, 1) that a row with `seed` draws at `step`: element `step` of a splitmix64 stream.
 
-    Mixing (rather than seed + step) keeps the streams of neighbouring seeds unrelated, since
-    request seeds are offset by the choice index.
+    A pure function of (seed, step), so a seeded row's tokens never depend on the batch around it, on
+    the device, or on the process. The seed is mixed first so that neighbouring seeds (request seed +
+    choice index) start unrelated streams.
     """
-    return _splitmix64((_splitmix64(seed & _MASK64) + step) & _MASK64)
+    state = (_mix64(seed & _MASK64) + (step + 1) * _GOLDEN_GAMMA) & _MASK64
+    return (_mix64(state) >> 11) * 2.0**-53  # top 53 bits: every double in [0, 1) on a 2^-53 grid
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers with full avalanche."""
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
@@ -128,15 +134,14 @@ def build_sampling_metadata(
         num_rows=len(rows),
         vocab_size=vocab_size,
         random_rows=torch.tensor(random_idx, dtype=torch.long, device=device) if random_idx else None,
-        greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device) if any(greedy) else None,
         temperature=floats(temperatures) if any(t != 1.0 for t in temperatures) else None,
         top_k=torch.tensor(top_k, dtype=torch.long, device=device)
         if any(k < vocab_size for k in top_k)
         else None,
         top_p=floats(top_p) if any(p < 1.0 for p in top_p) else None,
         min_p=floats(min_p) if any(p > 0.0 for p in min_p) else None,
-        draw_seeds=tuple(
-            None if rows[i].seed is None else mix_seed(rows[i].seed, len(rows[i].output_token_ids))
+        seeded_uniforms=tuple(
+            None if rows[i].seed is None else seeded_uniform(rows[i].seed, len(rows[i].output_token_ids))
             for i in random_idx
         ),
         logit_bias=_logit_bias(params, vocab_size, device),

@@ -2,12 +2,15 @@
 
 Pipeline, every stage per row and vectorised over the batch: penalties (bias, min_tokens, repetition,
 presence/frequency; see penalties.py) → greedy rows take the argmax → temperature scaling → top-k →
-top-p → min-p → random selection by the exponential race: argmax(probs / q) with q ~ Exp(1), which
-draws a token with probability `probs` (equivalent to the Gumbel-max trick).
+top-p → min-p → random selection by inverse CDF: the first token whose cumulative probability
+(float64) exceeds the row's uniform draw u ∈ [0, 1). One uniform per row rather than one noise value
+per vocabulary entry (the exponential race) keeps a step cheap on CPU, where noise over 32k entries
+per row would cost more than the softmax itself.
 
-Seeds: a seeded row draws its noise from its own generator seeded by mix_seed(seed, tokens generated
-so far), so its tokens depend only on (seed, step) and its own logits — never on the batch around it.
-Unseeded rows share one generator seeded from OS entropy, so they vary between runs and processes.
+Seeds: a seeded row's uniform is a pure function of (seed, tokens generated so far) (see
+metadata.seeded_uniform), so its tokens never depend on the batch, the row's place in it, or the
+device. Unseeded rows draw from one generator per Sampler seeded from OS entropy, so they vary between
+runs and processes.
 
 Logprobs are log_softmax of the processed logits after penalties and temperature, before top-k/p/min-p
 truncation (vLLM's "processed" mode), so a logprob never reads -inf merely because truncation removed
@@ -16,6 +19,7 @@ that token; greedy rows use temperature 1. Prompt logprobs are raw (see logprobs
 
 from __future__ import annotations
 
+import random
 import secrets
 from typing import NamedTuple
 
@@ -38,9 +42,8 @@ class Sampler:
     """Stateless apart from the shared generator that unseeded rows draw from."""
 
     def __init__(self, seed: int | None = None) -> None:
-        # `seed` only fixes the unseeded rows' stream (for reproducible benchmarks); default: OS entropy.
-        self._shared_seed = secrets.randbits(64) if seed is None else seed
-        self._shared: dict[torch.device, torch.Generator] = {}
+        # `seed` only fixes the unseeded rows' stream (reproducible benchmarks); default: OS entropy.
+        self._unseeded = random.Random(secrets.randbits(64) if seed is None else seed)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or tuple(logits.shape) != (meta.num_rows, meta.vocab_size):
@@ -53,7 +56,7 @@ class Sampler:
 
         if meta.random_rows is None:
             token_ids = processed.argmax(dim=-1)
-        elif meta.greedy_mask is None:
+        elif meta.all_random:
             token_ids = self._sample(scaled, meta)
         else:
             token_ids = processed.argmax(dim=-1)
@@ -65,38 +68,26 @@ class Sampler:
         """Draw one token per row of the temperature-scaled logits of the random rows."""
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         logits = apply_min_p(logits, meta.min_p)
-        probs = logits.softmax(dim=-1)
-        noise = self._exponential_noise(meta.draw_seeds, logits.shape[1], logits.device)
-        return probs.div_(noise).argmax(dim=-1)
+        uniforms = [self._unseeded.random() if u is None else u for u in meta.seeded_uniforms]
+        return sample_inverse_cdf(logits, torch.tensor(uniforms, dtype=torch.float64, device=logits.device))
 
-    def _exponential_noise(
-        self, seeds: tuple[int | None, ...], vocab_size: int, device: torch.device
-    ) -> torch.Tensor:
-        noise = torch.empty(len(seeds), vocab_size, dtype=torch.float32, device=device)
-        unseeded = [i for i, seed in enumerate(seeds) if seed is None]
-        shared = self._shared_generator(device)
-        if len(unseeded) == len(seeds):
-            noise.exponential_(generator=shared)
-        else:
-            if unseeded:
-                draws = torch.empty(len(unseeded), vocab_size, dtype=torch.float32, device=device)
-                noise[unseeded] = draws.exponential_(generator=shared)
-            # The only per-row loop: each seeded row needs its own stream (vLLM does the same).
-            for i, seed in enumerate(seeds):
-                if seed is not None:
-                    generator = torch.Generator(device=device)
-                    generator.manual_seed(seed)
-                    noise[i].exponential_(generator=generator)
-        # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax would pick.
-        return noise.clamp_(min=torch.finfo(torch.float32).tiny)
 
-    def _shared_generator(self, device: torch.device) -> torch.Generator:
-        generator = self._shared.get(device)
-        if generator is None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(self._shared_seed)
-            self._shared[device] = generator
-        return generator
+def sample_inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first whose cumulative probability exceeds uniforms[i] (in [0, 1)).
+
+    A token at -inf has probability exactly 0, so the cumulative sum does not rise there and the
+    search never lands on it.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # float64: the tail of a 32k sum stays exact enough
+    total = cdf[:, -1:]
+    # Scale to the row's actual total (rounding leaves it a hair off 1) and stay strictly below it.
+    target = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    token_ids = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[1] - 1)
+    # A parallel scan (CUDA) may round a zero-probability step differently; never return such a token.
+    chosen = probs.gather(1, token_ids)
+    token_ids = torch.where(chosen > 0, token_ids, probs.argmax(dim=-1, keepdim=True))
+    return token_ids.squeeze(1)
 
 
 def _logprobs(
