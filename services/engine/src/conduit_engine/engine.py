@@ -87,6 +87,9 @@ class LLMEngine:
             self.dtype,
             config.model.device,
             self.eos_token_ids,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            use_cuda_graphs=not config.enforce_eager,
         )
         self.block_manager = BlockManager(
             self.num_blocks, self.block_size, config.cache.enable_prefix_caching

@@ -55,6 +55,9 @@ class ModelRunner:
         dtype: torch.dtype,
         device: str,
         eos_token_ids: tuple[int, ...],
+        max_num_seqs: int = 64,
+        max_model_len: int = 2048,
+        use_cuda_graphs: bool = False,
     ) -> None:
         self.model = model
         self.config = config
@@ -67,6 +70,19 @@ class ModelRunner:
             for _ in range(config.num_layers)
         ]
         self.sampler = Sampler()
+        self.graphs = None
+        if use_cuda_graphs and self.device.type == "cuda":
+            self._capture_cuda_graphs(max_num_seqs, max_model_len)
+
+    def _capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture decode steps for a set of batch sizes (CUDA only; `--enforce-eager` skips this)."""
+        from conduit_engine.cuda_graphs import CudaGraphRunner, StaticDecodeInputs, capture_batch_sizes
+
+        sizes = capture_batch_sizes(max_num_seqs)
+        max_blocks = (max_model_len + self.block_size - 1) // self.block_size
+        inputs = StaticDecodeInputs(max(sizes), max_blocks, max_model_len, self.block_size, self.device)
+        self.graphs = CudaGraphRunner(self.model, self.kv_caches, sizes, inputs)
+        self.graphs.capture()
 
     # ----- inputs ----------------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepInputs:
@@ -119,7 +135,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SeqStepResult]:
         inputs = self.prepare(out)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if self.graphs is not None and self.graphs.can_run(inputs.meta):
+            # A view of the graph's output buffer: consumed below, before the next step.
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         results = {id(item.seq): SeqStepResult(item.seq) for item in out.scheduled}
         self._prompt_logprobs(out, hidden, results)
         if inputs.sampling_seqs:

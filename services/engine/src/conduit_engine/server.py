@@ -156,9 +156,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         async for out in self.engine.generate(req):
             yield output_to_pb(out, decode)
 
-    async def Abort(
-        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AbortResponse:
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:
             raise InvalidRequestError("request_id", "must not be empty")
         return pb.AbortResponse(aborted=await self.engine.abort(request.request_id))

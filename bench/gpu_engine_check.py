@@ -1,0 +1,146 @@
+"""The engine on CUDA against the engine on the CPU, and its decode speed (needs a CUDA device and CuPy).
+
+- greedy parity: the same prompts, float32, --device cpu vs --device cuda, on stories260K and on a
+  ~1B-parameter random Llama (hidden 2048, 22 layers, 32/4 heads, made here in a temp folder);
+- decode tokens/s on the 1B model in bfloat16 at batch 1 and 64, with and without CUDA graphs.
+
+    python3 bench/gpu_engine_check.py [--stories PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from conduit_engine.engine import LLMEngine
+from conduit_engine.request import GenerationRequest
+from conduit_engine.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def find_stories(explicit: str | None) -> Path:
+    for path in (
+        explicit,
+        REPO.parent / "shared" / "models" / "stories260K",
+        REPO / "build" / "gpu_carry" / "stories260K",
+    ):
+        if path and (Path(path) / "model.safetensors").is_file():
+            return Path(path)
+    raise SystemExit("stories260K not found: pass --stories or carry it as build/gpu_carry/stories260K")
+
+
+def make_random_llama_1b(stories: Path, folder: Path) -> Path:
+    """A random Llama of ~1B parameters with stories260K's 512-token tokenizer (so every id decodes)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
+    for item in stories.iterdir():
+        if item.name.startswith("tokenizer") or item.suffix == ".jinja":
+            shutil.copy(item, folder / item.name)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    torch.cuda.empty_cache()
+    print(f"random Llama: {params / 1e9:.2f} B parameters in {folder}")
+    return folder
+
+
+def engine(folder: Path, device: str, dtype: str, max_num_seqs: int, enforce_eager: bool) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(path=str(folder), device=device, dtype=dtype, max_model_len=1024),
+            cache=CacheConfig(num_blocks=max(512, max_num_seqs * 24)),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096),
+            enforce_eager=enforce_eager,
+        )
+    )
+
+
+def generate(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        eng.add_request(GenerationRequest(f"r{i}", params, token_ids=prompt))
+    start = time.perf_counter()
+    while eng.has_work():
+        for out in eng.step():
+            tokens[out.request_id].extend(out.token_ids)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return [tokens[f"r{i}"] for i in range(len(prompts))], time.perf_counter() - start
+
+
+def parity(name: str, folder: Path, max_tokens: int) -> dict:
+    prompts = [[1], [1, 403, 407, 261, 378], [1, 65, 300, 12, 77, 401, 5]]
+    cpu, _ = generate(engine(folder, "cpu", "float32", 4, True), prompts, max_tokens)
+    result = {"model": name}
+    for eager in (True, False):
+        cuda, _ = generate(engine(folder, "cuda", "float32", 4, eager), prompts, max_tokens)
+        mismatches = [
+            (i, next((j for j, (a, b) in enumerate(zip(c, g, strict=True)) if a != b), None))
+            for i, (c, g) in enumerate(zip(cpu, cuda, strict=True))
+            if c != g
+        ]
+        result["eager" if eager else "graphs"] = (
+            "equal" if not mismatches else f"differ (row, first index): {mismatches}"
+        )
+    print(
+        f"greedy parity cpu vs cuda float32, {name}, {max_tokens} tokens x {len(prompts)} prompts: {result}"
+    )
+    return result
+
+
+def throughput(folder: Path) -> dict:
+    figures = {}
+    for batch, max_tokens in ((1, 128), (64, 64)):
+        prompts = [[1, 5 + i, 17, 300, 42, 7, 99, 250] for i in range(batch)]
+        for eager in (True, False):
+            eng = engine(folder, "cuda", "bfloat16", max(batch, 1), eager)
+            generate(eng, prompts[:1], 8)  # warm-up: kernel compilation, graph capture
+            out, seconds = generate(eng, prompts, max_tokens)
+            rate = sum(len(t) for t in out) / seconds
+            key = f"batch {batch}, {'eager' if eager else 'CUDA graphs'}"
+            figures[key] = round(rate, 1)
+            print(f"decode, 1B random Llama bf16, {key}: {rate:,.0f} tokens/s ({seconds:.2f} s)")
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stories")
+    parser.add_argument("--out", help="write the figures as JSON here")
+    args = parser.parse_args()
+    stories = find_stories(args.stories)
+    report = {"parity": [parity("stories260K", stories, 62)]}
+    with tempfile.TemporaryDirectory() as tmp:
+        big = make_random_llama_1b(stories, Path(tmp))
+        report["parity"].append(parity("random-llama-1B", big, 12))
+        report["decode_tokens_per_s"] = throughput(big)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""GPU kernel figures, measured side by side in one run (needs a CUDA device and CuPy):
+
+- device-to-device copy bandwidth (bytes read + written per second), the ceiling;
+- paged decode attention bandwidth (K/V bytes read per second) as a fraction of it (goal >= 0.6),
+  for a large batch and for one long sequence with split-K on and off;
+- prefill attention and sampling times, for reference.
+
+    python3 bench/gpu_kernels_bench.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conduit_engine.ops.base import AttentionMetadata
+from conduit_engine.ops.cuda_ops import CudaOps
+
+
+def timed(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Mean seconds per call, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000 / iters
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src))
+    return 2 * src.numel() / seconds
+
+
+def paged_batch(batch: int, context: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype):
+    blocks_per_seq = context // block_size
+    num_blocks = batch * blocks_per_seq
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k_cache = torch.randn(
+        num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=dtype, generator=gen
+    )
+    v_cache = torch.randn_like(k_cache)
+    tables = (
+        torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32).view(batch, blocks_per_seq)
+    )
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.int64, device="cuda"),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
+        block_tables=tables,
+        query_lens_cpu=(1,) * batch,
+        seq_lens_cpu=(context,) * batch,
+        block_size=block_size,
+    )
+    return k_cache, v_cache, meta
+
+
+def decode_bandwidth(
+    ops: CudaOps, batch: int, context: int, heads: int, kv_heads: int, head_dim: int
+) -> float:
+    dtype = torch.bfloat16
+    k_cache, v_cache, meta = paged_batch(batch, context, kv_heads, head_dim, 16, dtype)
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype)
+    seconds = timed(lambda: ops.attention(q, k_cache, v_cache, meta, head_dim**-0.5))
+    kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
+    return kv_bytes / seconds
+
+
+def main() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"device: {torch.cuda.get_device_name()}")
+    ceiling = copy_bandwidth()
+    print(f"device-to-device copy: {ceiling / 1e12:.2f} TB/s (read + write)")
+    ops = CudaOps()
+    for label, kwargs, shape in (
+        ("batch 64 x 4096 tokens, 32/8 heads, d128", {}, (64, 4096, 32, 8, 128)),
+        ("batch 1 x 32768 tokens, split-K on (512)", {}, (1, 32768, 32, 8, 128)),
+        ("batch 1 x 32768 tokens, split-K off", {"decode_partition_size": 32768}, (1, 32768, 32, 8, 128)),
+    ):
+        bw = decode_bandwidth(CudaOps(**kwargs) if kwargs else ops, *shape)
+        print(f"paged decode attention, {label}: {bw / 1e12:.2f} TB/s = {bw / ceiling:.2f} of copy bandwidth")
+    # prefill: 8 sequences of 1024 new tokens after 1024 cached ones
+    k_cache, v_cache, meta = paged_batch(8, 2048, 8, 128, 16, torch.bfloat16)
+    q_lens = (1024,) * 8
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(8192, dtype=torch.int64, device="cuda"),
+        query_start_loc=torch.arange(0, 8193, 1024, dtype=torch.int32, device="cuda"),
+        seq_lens=meta.seq_lens,
+        block_tables=meta.block_tables,
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=meta.seq_lens_cpu,
+        block_size=16,
+    )
+    q = torch.randn(8192, 32, 128, device="cuda", dtype=torch.bfloat16)
+    seconds = timed(lambda: ops.attention(q, k_cache, v_cache, meta, 128**-0.5), iters=5)
+    flops = 8 * 32 * 4 * 128 * sum(1024 + i + 1 for i in range(1024))  # QK and PV, causal with prefix
+    rate = flops / seconds / 1e12
+    print(f"prefill attention 8 x 1024 after 1024 cached: {seconds * 1e3:.2f} ms, {rate:.1f} TFLOP/s")
+    logits = torch.randn(64, 128256, device="cuda") * 3
+    ones = torch.ones(64, device="cuda")
+    args = (
+        ones * 0.8,
+        torch.full((64,), 50, dtype=torch.int32, device="cuda"),
+        ones * 0.9,
+        ones * 0.05,
+        ones * 0.5,
+    )
+    seconds = timed(lambda: ops.sample(logits, *args), iters=10)
+    print(f"sampling 64 rows x 128256 vocab (top-k 50, top-p 0.9, min-p 0.05): {seconds * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Where the CUDA kernel sources live, how each kernel specialisation is named, and the launcher protocol.
+
+The kernels in kernels/*.cu are templates; a specialisation is named by a C++ name expression such as
+`rms_norm_kernel<conduit::f16>`. The same `KernelRef` is compiled by CuPy/NVRTC on a GPU (ops/cuda_ops.py), by
+nvcc in the compile checks and by g++ against kernels/emulation/cuda_emu.h in the CPU emulation tests, so
+every backend runs exactly the same source. Nothing here imports CuPy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+# Scalars are passed as NumPy scalars so their C type is explicit (int vs long long vs float); tensors
+# by pointer; None as a null pointer (buffers a kernel does not touch in that configuration).
+KernelArg = torch.Tensor | np.int32 | np.int64 | np.float32 | None
+
+KERNEL_SOURCES = (
+    "norm.cu",
+    "rotary.cu",
+    "activation.cu",
+    "cache.cu",
+    "decode_attention.cu",
+    "prefill_attention.cu",
+    "sampling.cu",
+)
+
+_CTYPES = {torch.float32: "float", torch.float16: "conduit::f16", torch.bfloat16: "conduit::bf16"}
+
+
+class KernelRef(NamedTuple):
+    """One kernel specialisation: the source file under kernels/ and its C++ name expression."""
+
+    source: str
+    name: str
+
+
+class KernelLauncher(Protocol):
+    """Runs one kernel specialisation with CUDA launch semantics (grid, block, dynamic shared memory)."""
+
+    def launch(
+        self,
+        kernel: KernelRef,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: Sequence[KernelArg],
+        shared_mem: int = 0,
+    ) -> None: ...
+
+
+def kernels_dir() -> Path:
+    """The kernels/ folder: $CONDUIT_KERNELS_DIR, else the repository's (the engine is installed editable)."""
+    override = os.environ.get("CONDUIT_KERNELS_DIR")
+    path = Path(override) if override else Path(__file__).resolve().parents[5] / "kernels"
+    if not (path / "common.cuh").is_file():
+        raise FileNotFoundError(
+            f"CUDA kernel sources not found in {path}: "
+            "set CONDUIT_KERNELS_DIR to the repository's kernels/ folder"
+        )
+    return path
+
+
+def read_source(source: str) -> str:
+    """Text of kernels/<source>; `source` must be one of KERNEL_SOURCES."""
+    if source not in KERNEL_SOURCES:
+        raise ValueError(f"unknown kernel source {source!r}: expected one of {', '.join(KERNEL_SOURCES)}")
+    return (kernels_dir() / source).read_text()
+
+
+def compile_unit(source: str) -> str:
+    """Source text to hand to NVRTC: kernels/<source> behind a digest of the shared headers, so that a
+    compile cache keyed by the source text (CuPy's on-disk cache) misses when only a header changed."""
+    headers = hashlib.sha256()
+    for path in sorted(kernels_dir().glob("*.cuh")):
+        headers.update(path.name.encode() + path.read_bytes())
+    return f"// conduit kernel headers {headers.hexdigest()[:16]}\n" + read_source(source)
+
+
+def ctype(dtype: torch.dtype) -> str:
+    """C++ element type of a torch dtype in the kernels (float, conduit::f16, conduit::bf16: dtypes.cuh)."""
+    try:
+        return _CTYPES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"dtype {dtype} is not supported by the CUDA kernels: use float32, float16 or bfloat16"
+        ) from None
+
+
+def rms_norm_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("norm.cu", f"rms_norm_kernel<{ctype(dtype)}>")
+
+
+def add_rms_norm_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("norm.cu", f"add_rms_norm_kernel<{ctype(dtype)}>")
+
+
+def rotary_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("rotary.cu", f"rotary_embedding_kernel<{ctype(dtype)}>")
+
+
+def silu_and_mul_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("activation.cu", f"silu_and_mul_kernel<{ctype(dtype)}>")
+
+
+def write_kv_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("cache.cu", f"write_kv_kernel<{ctype(dtype)}>")
+
+
+def decode_attention_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("decode_attention.cu", f"paged_decode_attention_kernel<{ctype(dtype)}>")
+
+
+def decode_reduce_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("decode_attention.cu", f"paged_decode_reduce_kernel<{ctype(dtype)}>")
+
+
+def prefill_attention_kernel(dtype: torch.dtype, head_dim: int) -> KernelRef:
+    return KernelRef("prefill_attention.cu", f"paged_prefill_attention_kernel<{ctype(dtype)}, {head_dim}>")
+
+
+SAMPLE_KERNEL = KernelRef("sampling.cu", "sample_kernel")
+
+
+def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int]) -> list[KernelRef]:
+    """Every specialisation the CUDA ops may launch for these model dtypes and head sizes."""
+    refs: list[KernelRef] = []
+    for dtype in dtypes:
+        refs += [
+            rms_norm_kernel(dtype),
+            add_rms_norm_kernel(dtype),
+            rotary_kernel(dtype),
+            silu_and_mul_kernel(dtype),
+            write_kv_kernel(dtype),
+            decode_attention_kernel(dtype),
+            decode_reduce_kernel(dtype),
+        ]
+        refs += [prefill_attention_kernel(dtype, head_dim) for head_dim in head_dims]
+    refs.append(SAMPLE_KERNEL)
+    return refs

@@ -1,0 +1,103 @@
+"""CudaOps' input checks and its import hygiene (no CuPy unless the CuPy launcher is built)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conduit_engine.ops.cuda_ops import CudaOps, decode_shared_bytes, prefill_shared_bytes
+from conduit_engine.ops.kernel_loader import all_specializations, ctype, kernels_dir, read_source
+
+
+def test_importing_the_cuda_backend_does_not_import_cupy():
+    code = (
+        "import sys; import conduit_engine.ops.cuda_ops, conduit_engine.cuda_graphs; "
+        "from conduit_engine.ops import get_ops; get_ops('cpu'); "
+        "assert 'cupy' not in sys.modules, 'cupy imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_specialisation_names_an_existing_kernel():
+    for ref in all_specializations([torch.float32, torch.float16, torch.bfloat16], [64]):
+        assert ref.name.split("<")[0] in read_source(ref.source), ref
+    assert (kernels_dir() / "emulation" / "cuda_emu.h").is_file()
+    with pytest.raises(ValueError, match="float64 is not supported"):
+        ctype(torch.float64)
+
+
+def test_every_kernel_source_documents_layout_grid_and_limits():
+    for path in sorted(kernels_dir().glob("*.cu")):
+        header = path.read_text().split("#include")[0]
+        for word in ("Layout", "Grid", "Limits"):
+            assert word in header, f"{path.name}: header comment lacks '{word}'"
+
+
+def test_shared_memory_fits_the_default_limit_for_common_shapes():
+    assert decode_shared_bytes(group_size=8, head_dim=128, threads=128) <= 48 * 1024
+    assert prefill_shared_bytes(128) <= 48 * 1024
+    assert prefill_shared_bytes(256) <= 227 * 1024  # opts in to more than 48 KiB through the launcher
+
+
+@pytest.fixture
+def ops(launcher) -> CudaOps:
+    return CudaOps(launcher)
+
+
+def test_wrappers_name_the_bad_field(ops):
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"weight: expected shape \(8,\)"):
+        ops.rms_norm(x, torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="weight: expected dtype torch.float32"):
+        ops.rms_norm(x, torch.ones(8, dtype=torch.float16), 1e-5)
+    with pytest.raises(ValueError, match="x: last dimension must be even"):
+        ops.silu_and_mul(torch.randn(2, 7))
+    cache = torch.zeros(4, 3, 2, 8)
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        ops.write_kv(
+            torch.zeros(1, 2, 8),
+            torch.zeros(1, 2, 8),
+            cache,
+            cache.clone(),
+            torch.zeros(1, dtype=torch.int64),
+        )
+    cache = torch.zeros(4, 4, 2, 8)
+    with pytest.raises(ValueError, match="slot_mapping: expected int64"):
+        ops.write_kv(
+            torch.zeros(1, 2, 8),
+            torch.zeros(1, 2, 8),
+            cache,
+            cache.clone(),
+            torch.zeros(1, dtype=torch.int32),
+        )
+    q = torch.zeros(3, 4, 16)
+    with pytest.raises(ValueError, match="q, k: expected"):
+        ops.rotary_embedding(torch.zeros(3, dtype=torch.int64), q, torch.zeros(3, 16), torch.zeros(10, 16))
+    with pytest.raises(ValueError, match="positions: expected contiguous int64"):
+        ops.rotary_embedding(torch.zeros(3, dtype=torch.int32), q, q.clone(), torch.zeros(10, 16))
+    with pytest.raises(ValueError, match="top_k: expected dtype torch.int32"):
+        ops.sample(
+            torch.zeros(2, 5), torch.ones(2), torch.zeros(2), torch.ones(2), torch.zeros(2), torch.zeros(2)
+        )
+    with pytest.raises(ValueError, match="decode_partition_size"):
+        CudaOps(ops._launcher, decode_partition_size=100)
+
+
+def test_empty_batches_launch_nothing(launcher):
+    ops = CudaOps(launcher)
+    assert ops.rms_norm(torch.zeros(0, 8), torch.ones(8), 1e-5).shape == (0, 8)
+    assert ops.silu_and_mul(torch.zeros(0, 8)).shape == (0, 4)
+    ops.write_kv(
+        torch.zeros(0, 2, 8),
+        torch.zeros(0, 2, 8),
+        torch.zeros(2, 4, 2, 8),
+        torch.zeros(2, 4, 2, 8),
+        torch.zeros(0, dtype=torch.int64),
+    )
+    assert ops.sample(
+        torch.zeros(0, 5), *(torch.zeros(0),) * 1, torch.zeros(0, dtype=torch.int32), *(torch.zeros(0),) * 3
+    ).shape == (0,)
+    assert launcher.launches == []

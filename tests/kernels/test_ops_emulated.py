@@ -1,0 +1,332 @@
+"""CudaOps on the CPU emulation of kernels/*.cu against the torch reference ops (TorchOps).
+
+The wrappers in ops/cuda_ops.py run unchanged; only the launcher differs from the GPU path. Shapes are
+random (fixed seeds) and include odd lengths, block-table edges, GQA ratios 1/4/8 and split-K on and off.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import DTYPES
+from kernel_emulator import REVERSE, SHUFFLED, EmulatedLauncher
+from sampling_reference import sample_reference
+
+from conduit_engine.ops.base import AttentionMetadata
+from conduit_engine.ops.cuda_ops import CudaOps
+from conduit_engine.ops.torch_ops import TorchOps
+
+REF = TorchOps()
+TOL = {
+    torch.float32: {"atol": 2e-5, "rtol": 2e-5},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
+}
+DTYPE_IDS = ["f32", "f16", "bf16"]
+
+
+def _ops(launcher, **kwargs) -> CudaOps:
+    return CudaOps(launcher, **kwargs)
+
+
+def _rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+# ---- norms, activation, rotary, cache writes -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("tokens,hidden", [(1, 64), (7, 96), (5, 200), (3, 1000)])
+def test_rms_norm_matches_reference(launcher, dtype, tokens, hidden):
+    gen = torch.Generator().manual_seed(tokens * 1000 + hidden)
+    x = _rand(gen, tokens, hidden, dtype=dtype, scale=2.0)
+    weight = _rand(gen, hidden, dtype=dtype)
+    got = _ops(launcher).rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got, REF.rms_norm(x, weight, 1e-5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("tokens,hidden", [(1, 64), (6, 72), (4, 333)])
+def test_add_rms_norm_matches_reference(launcher, dtype, tokens, hidden):
+    gen = torch.Generator().manual_seed(tokens + hidden)
+    x = _rand(gen, tokens, hidden, dtype=dtype)
+    residual = _rand(gen, tokens, hidden, dtype=dtype)
+    weight = _rand(gen, hidden, dtype=dtype)
+    got, got_sum = _ops(launcher).add_rms_norm(x, residual, weight, 1e-6)
+    want, want_sum = REF.add_rms_norm(x, residual, weight, 1e-6)
+    torch.testing.assert_close(got_sum, want_sum, atol=0, rtol=0)  # one rounding of x + residual
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_rms_norm_on_strided_rows_and_3d_input(launcher):
+    gen = torch.Generator().manual_seed(3)
+    wide = _rand(gen, 5, 160)
+    x = wide[:, 16:80]  # rows 160 apart, 64 wide: the kernel walks the stride, no copy
+    weight = _rand(gen, 64)
+    torch.testing.assert_close(_ops(launcher).rms_norm(x, weight, 1e-5), REF.rms_norm(x, weight, 1e-5))
+    heads = _rand(gen, 3, 4, 16)  # per-head norm (qk-norm) over the last dimension
+    w16 = _rand(gen, 16)
+    torch.testing.assert_close(_ops(launcher).rms_norm(heads, w16, 1e-5), REF.rms_norm(heads, w16, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("tokens,inter", [(1, 172), (5, 64), (3, 1001)])
+def test_silu_and_mul_matches_reference(launcher, dtype, tokens, inter):
+    gen = torch.Generator().manual_seed(tokens * 7 + inter)
+    x = _rand(gen, tokens, 2 * inter, dtype=dtype, scale=3.0)
+    torch.testing.assert_close(_ops(launcher).silu_and_mul(x), REF.silu_and_mul(x), **TOL[dtype])
+
+
+def _cos_sin_cache(max_positions: int, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 8, 4, 8), (9, 4, 1, 64), (3, 8, 8, 128)])
+def test_rotary_on_fused_qkv_views_matches_reference(launcher, dtype, tokens, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(tokens + heads + head_dim)
+    qkv = _rand(gen, tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    positions = torch.randint(0, 300, (tokens,), generator=gen)
+    cache = _cos_sin_cache(300, head_dim)
+    ref_qkv = qkv.clone()
+    for buf, ops in ((qkv, _ops(launcher)), (ref_qkv, REF)):
+        q = buf[:, : heads * head_dim].view(tokens, heads, head_dim)
+        k = buf[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+        ops.rotary_embedding(positions, q, k, cache)
+    torch.testing.assert_close(qkv, ref_qkv, **TOL[dtype])  # v is untouched in both
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_write_kv_skips_negative_slots_and_reads_strided_views(launcher, dtype):
+    gen = torch.Generator().manual_seed(11)
+    num_blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 2, 16, 7
+    kv = _rand(gen, tokens, 2 * kv_heads * head_dim, dtype=dtype)
+    k = kv[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = kv[:, kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([0, 5, -1, 23, 12, -1, 3])
+    caches = [_rand(gen, num_blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2)]
+    ref = [c.clone() for c in caches]
+    _ops(launcher).write_kv(k, v, caches[0], caches[1], slots)
+    REF.write_kv(k, v, ref[0], ref[1], slots)
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+
+
+# ---- attention -----------------------------------------------------------------------------------------
+
+
+class PagedBatch:
+    """Random paged KV caches holding `seq_lens` tokens per sequence, plus the step's metadata."""
+
+    def __init__(self, gen, seq_lens, query_lens, block_size, kv_heads, head_dim, dtype, spare_blocks=3):
+        blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+        num_blocks = sum(blocks_per_seq) + spare_blocks
+        perm = torch.randperm(num_blocks, generator=gen)
+        width = max(blocks_per_seq) + 1  # one padding column of zeros past the longest table
+        table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+        used = 0
+        for i, n in enumerate(blocks_per_seq):
+            table[i, :n] = perm[used : used + n].to(torch.int32)
+            used += n
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k_cache = _rand(gen, *shape, dtype=dtype)
+        self.v_cache = _rand(gen, *shape, dtype=dtype)
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        slot_mapping = []
+        for i, (n, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
+            for pos in range(n - q, n):
+                slot_mapping.append(int(table[i, pos // block_size]) * block_size + pos % block_size)
+        self.meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=table,
+            query_lens_cpu=tuple(query_lens),
+            seq_lens_cpu=tuple(seq_lens),
+            block_size=block_size,
+        )
+
+
+def _check_attention(
+    launcher, dtype, seq_lens, query_lens, block_size, heads, kv_heads, head_dim, seed, **ops_kw
+):
+    gen = torch.Generator().manual_seed(seed)
+    batch = PagedBatch(gen, seq_lens, query_lens, block_size, kv_heads, head_dim, dtype)
+    q = _rand(gen, sum(query_lens), heads, head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+    ops = _ops(launcher, **ops_kw)
+    got = ops.attention(q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    want = REF.attention(q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    return got
+
+
+DECODE_CASES = [
+    # seq_lens, block_size, heads, kv_heads, head_dim, partition, threads (split-K off when partition > len)
+    ((1, 17, 5), 16, 8, 8, 8, 512, 128),  # GQA 1, one-token context, short contexts
+    ((33, 64, 127), 1, 8, 2, 64, 512, 128),  # GQA 4, block size 1
+    ((130, 65, 257), 32, 16, 2, 64, 64, 64),  # GQA 8, split-K with 64-token partitions
+    ((200, 1, 96), 64, 4, 1, 128, 64, 64),  # GQA 4 (MQA), split-K, one sequence inside one partition
+    ((48, 16), 16, 8, 4, 8, 32, 32),  # stories260K shape, contexts exactly on block edges, split-K
+    ((300, 64, 97), 8, 8, 1, 64, 128, 32),  # GQA 8, split-K with 4 tiles per partition (online rescale)
+    ((77, 500), 2, 4, 4, 16, 512, 64),  # GQA 1, no split, 8 tiles in one partition
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[f"decode{i}" for i in range(len(DECODE_CASES))])
+def test_decode_attention_matches_reference(launcher, dtype, case):
+    seq_lens, block_size, heads, kv_heads, head_dim, partition, threads = case
+    _check_attention(
+        launcher,
+        dtype,
+        seq_lens,
+        [1] * len(seq_lens),
+        block_size,
+        heads,
+        kv_heads,
+        head_dim,
+        seed=sum(seq_lens) + block_size,
+        decode_partition_size=partition,
+        decode_threads=threads,
+    )
+    split = max(seq_lens) > partition
+    names = [k.name.split("<")[0] for k in launcher.launches]
+    assert names.count("paged_decode_reduce_kernel") == (1 if split else 0)
+
+
+PREFILL_CASES = [
+    # seq_lens, query_lens, block_size, heads, kv_heads, head_dim
+    ((7,), (7,), 4, 8, 8, 8),  # one fresh prompt, odd length, GQA 1
+    ((19, 40, 5), (19, 9, 1), 16, 8, 2, 64),  # fresh prompt + chunk after 31 cached tokens + a decode row
+    ((70, 33), (37, 33), 8, 8, 1, 64),  # GQA 8, 33 cached tokens (prefix cache hit), multi-tile keys
+    ((50,), (17,), 32, 4, 1, 128),  # chunked prefill across a 32-token block edge
+    ((16, 3), (16, 2), 16, 8, 4, 8),  # stories260K shape, exactly one block
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=[f"prefill{i}" for i in range(len(PREFILL_CASES))])
+def test_prefill_attention_matches_reference(launcher, dtype, case):
+    seq_lens, query_lens, block_size, heads, kv_heads, head_dim = case
+    _check_attention(
+        launcher, dtype, seq_lens, query_lens, block_size, heads, kv_heads, head_dim, seed=sum(seq_lens)
+    )
+    assert [k.name.split("<")[0] for k in launcher.launches] == ["paged_prefill_attention_kernel"]
+
+
+def test_decode_grid_sized_for_longer_contexts_gives_same_result(launcher):
+    """Under CUDA graphs the grid is sized for max_model_len; extra partitions must exit cleanly."""
+    gen = torch.Generator().manual_seed(5)
+    batch = PagedBatch(gen, (40, 9), (1, 1), 8, 2, 16, torch.float32)
+    q = _rand(gen, 2, 4, 16)
+    ops = _ops(launcher, decode_partition_size=32, decode_threads=32)
+    want = ops.attention(q, batch.k_cache, batch.v_cache, batch.meta, 0.25)
+    padded_meta = AttentionMetadata(
+        slot_mapping=batch.meta.slot_mapping,
+        query_start_loc=batch.meta.query_start_loc,
+        seq_lens=batch.meta.seq_lens,
+        block_tables=batch.meta.block_tables,
+        query_lens_cpu=(1, 1),
+        seq_lens_cpu=(256, 256),  # host copy says "up to 256": 8 partitions, most of them empty
+        block_size=8,
+    )
+    got = ops.attention(q, batch.k_cache, batch.v_cache, padded_meta, 0.25)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("schedule", [REVERSE, SHUFFLED], ids=["reverse", "shuffled"])
+def test_kernels_are_race_free_under_other_schedules(emu_build, schedule):
+    """Bit-identical results when the emulator resumes threads in another order between barriers."""
+    library, symbols = emu_build
+    results = []
+    for order in (0, schedule):
+        launcher = EmulatedLauncher(library, symbols, schedule=order, seed=7)
+        gen = torch.Generator().manual_seed(21)
+        ops = _ops(launcher, decode_partition_size=64, decode_threads=64, sampling_threads=64)
+        decode = PagedBatch(gen, (150, 3), (1, 1), 16, 1, 64, torch.float16)
+        prefill = PagedBatch(gen, (40, 21), (30, 21), 8, 2, 64, torch.bfloat16)
+        q_dec = _rand(gen, 2, 4, 64, dtype=torch.float16)
+        q_pre = _rand(gen, 51, 4, 64, dtype=torch.bfloat16)
+        x = _rand(gen, 3, 96)
+        logits = _rand(gen, 4, 300, scale=3.0)
+        params = (
+            torch.tensor([0.0, 1.0, 0.7, 1.3]),
+            torch.tensor([0, 0, 20, 5], dtype=torch.int32),
+            torch.tensor([1.0, 0.9, 0.8, 1.0]),
+            torch.tensor([0.0, 0.0, 0.05, 0.0]),
+            torch.tensor([0.5, 0.25, 0.75, 0.1]),
+        )
+        results.append(
+            [
+                ops.attention(q_dec, decode.k_cache, decode.v_cache, decode.meta, 0.125),
+                ops.attention(q_pre, prefill.k_cache, prefill.v_cache, prefill.meta, 0.125),
+                ops.add_rms_norm(x, x.flip(0), torch.ones(96), 1e-5)[0],
+                ops.sample(logits, *params),
+            ]
+        )
+    for first, second in zip(*results, strict=True):
+        assert torch.equal(first, second)
+
+
+# ---- sampling ------------------------------------------------------------------------------------------
+
+
+def _sampling_params(gen, rows, vocab):
+    temperature = torch.rand(rows, generator=gen) * 1.5 + 0.2
+    temperature[0] = 0.0  # greedy row
+    top_k = torch.randint(1, 12, (rows,), generator=gen, dtype=torch.int32)
+    top_k[3::5] = vocab + 1  # larger than the vocabulary: disabled
+    top_k[1::3] = 0  # disabled
+    top_p = torch.rand(rows, generator=gen) * 0.9 + 0.05
+    top_p[2::4] = 1.0  # disabled
+    min_p = torch.rand(rows, generator=gen) * 0.2
+    min_p[::2] = 0.0  # disabled
+    uniform = torch.rand(rows, generator=gen)
+    return temperature, top_k, top_p, min_p, uniform
+
+
+@pytest.mark.parametrize("rows,vocab,threads", [(48, 512, 128), (32, 1000, 64), (16, 37, 32)])
+def test_sample_matches_torch_reference(launcher, rows, vocab, threads):
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = _rand(gen, rows, vocab, scale=4.0)
+    params = _sampling_params(gen, rows, vocab)
+    got = _ops(launcher, sampling_threads=threads).sample(logits, *params)
+    assert got.tolist() == sample_reference(logits, *params).tolist()
+
+
+def test_sample_filters_and_greedy_ties(launcher):
+    """Each row's uniform is ~1, so the draw is the last kept index: it shows where each filter cuts."""
+    logits = torch.tensor([[3.0, 0.0, 3.0, 2.0, 1.0, -1.0]] * 7)
+    temperature = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5])
+    top_k = torch.tensor([0, 1, 3, 0, 0, 0, 0], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.01, 0.9, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.3, 0.0])
+    uniform = torch.full((7,), 0.99999)
+    got = _ops(launcher, sampling_threads=32).sample(logits, temperature, top_k, top_p, min_p, uniform)
+    # row 0 greedy: first of the tied maxima (0). row 1 top-1 keeps the tie {0, 2}. row 2 top-3 keeps
+    # {0, 2, 3}. row 3 top-p 0.01 keeps the tie group {0, 2}. row 4 top-p 0.9: {0, 2} hold 0.81 of the
+    # mass, adding index 3 passes 0.9. row 5 min-p 0.3 keeps z >= 3 + log 0.3 = 1.80: {0, 2, 3}.
+    # row 6 (temperature 0.5, no filters) keeps everything: the last index.
+    assert got.tolist() == [0, 2, 3, 2, 3, 3, 5]
+    assert got.tolist() == sample_reference(logits, temperature, top_k, top_p, min_p, uniform).tolist()
+
+
+def test_sample_draws_follow_the_distribution(launcher):
+    """Many rows with the same logits and evenly spaced uniforms reproduce the probabilities."""
+    rows = 200
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(rows, 1)
+    ones = torch.ones(rows)
+    uniform = (torch.arange(rows, dtype=torch.float32) + 0.5) / rows
+    ids = _ops(launcher, sampling_threads=32).sample(
+        logits, ones, torch.zeros(rows, dtype=torch.int32), ones, torch.zeros(rows), uniform
+    )
+    cdf = torch.cumsum(torch.softmax(logits[0].double(), 0), 0)
+    expected = torch.bincount(torch.searchsorted(cdf, uniform.double(), right=True), minlength=4)
+    assert torch.bincount(ids, minlength=4).tolist() == expected.tolist() == [6, 18, 47, 129]

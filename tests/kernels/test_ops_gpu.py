@@ -1,0 +1,115 @@
+"""The emulated kernel tests again, on a GPU through CuPy (the production launcher), plus CUDA graph capture.
+
+Runs only where torch sees a CUDA device and CuPy imports (bench/gpu_check.sh); elsewhere every test here
+is skipped with that reason. `launcher` bridges the CPU tensors the shared test bodies build: each
+argument's whole storage is copied to the GPU (so views keep their strides and views of one buffer stay
+one buffer), the kernel runs through CupyLauncher, and the storages are copied back.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from conduit_engine.ops.kernel_loader import KernelArg, KernelRef
+
+HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
+pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and CuPy (run bench/gpu_check.sh)")
+
+if HAS_GPU:
+    # Re-collected here, so each runs with this module's `launcher` fixture.
+    from test_cuda_graphs import test_padded_decode_attention_matches_unpadded_rows  # noqa: F401
+    from test_ops_emulated import (  # noqa: F401
+        test_add_rms_norm_matches_reference,
+        test_decode_attention_matches_reference,
+        test_decode_grid_sized_for_longer_contexts_gives_same_result,
+        test_prefill_attention_matches_reference,
+        test_rms_norm_matches_reference,
+        test_rms_norm_on_strided_rows_and_3d_input,
+        test_rotary_on_fused_qkv_views_matches_reference,
+        test_sample_draws_follow_the_distribution,
+        test_sample_filters_and_greedy_ties,
+        test_sample_matches_torch_reference,
+        test_silu_and_mul_matches_reference,
+        test_write_kv_skips_negative_slots_and_reads_strided_views,
+    )
+
+
+class CudaBridgeLauncher:
+    def __init__(self) -> None:
+        from conduit_engine.ops.cuda_ops import CupyLauncher
+
+        self._inner = CupyLauncher()
+        self.launches: list[KernelRef] = []
+
+    def launch(self, kernel, grid, block, args, shared_mem=0) -> None:
+        buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        moved: list[KernelArg] = []
+        for arg in args:
+            if not isinstance(arg, torch.Tensor):
+                moved.append(arg)
+                continue
+            storage = arg.untyped_storage()
+            if storage.data_ptr() not in buffers:
+                host = torch.empty(0, dtype=torch.uint8).set_(storage)
+                buffers[storage.data_ptr()] = (host, host.to("cuda"))
+            device_bytes = buffers[storage.data_ptr()][1]
+            moved.append(
+                device_bytes.view(arg.dtype).as_strided(arg.shape, arg.stride(), arg.storage_offset())
+            )
+        self.launches.append(kernel)
+        self._inner.launch(kernel, grid, block, moved, shared_mem)
+        torch.cuda.synchronize()
+        for host, device_bytes in buffers.values():
+            host.copy_(device_bytes.cpu())
+
+
+@pytest.fixture
+def launcher() -> CudaBridgeLauncher:
+    return CudaBridgeLauncher()
+
+
+def test_decode_step_captured_as_cuda_graph_matches_eager():
+    """A toy decode 'model' (norm, KV write, paged attention) replays from a graph like it runs eagerly."""
+    from conduit_engine.cuda_graphs import CudaGraphRunner, StaticDecodeInputs, capture_batch_sizes
+    from conduit_engine.ops.base import AttentionMetadata
+    from conduit_engine.ops.cuda_ops import CudaOps
+
+    torch.manual_seed(0)
+    ops = CudaOps(decode_partition_size=128)
+    heads, kv_heads, head_dim, block_size, hidden = 8, 2, 64, 16, 8 * 64
+    embed = torch.randn(100, hidden, device="cuda", dtype=torch.float16)
+    wk = torch.randn(hidden, kv_heads * head_dim, device="cuda", dtype=torch.float16) / hidden**0.5
+    norm_w = torch.nn.Parameter(torch.ones(hidden, device="cuda", dtype=torch.float16))  # as in the model
+    k_cache = torch.randn(64, block_size, kv_heads, head_dim, device="cuda", dtype=torch.float16)
+    caches = [(k_cache, torch.randn_like(k_cache))]
+
+    def model(input_ids, positions, kv_caches, meta):
+        x = ops.rms_norm(embed[input_ids], norm_w, 1e-5)
+        k = (x @ wk).view(-1, kv_heads, head_dim)
+        ops.write_kv(k, k, kv_caches[0][0], kv_caches[0][1], meta.slot_mapping)
+        return ops.attention(x.view(-1, heads, head_dim), kv_caches[0][0], kv_caches[0][1], meta, 0.125)
+
+    inputs = StaticDecodeInputs(8, 16, 256, block_size, torch.device("cuda"))
+    runner = CudaGraphRunner(model, caches, capture_batch_sizes(8), inputs)
+    runner.capture()
+    seq_lens = (40, 200, 7)
+    tables = torch.arange(48, dtype=torch.int32, device="cuda").view(3, 16)
+    slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(seq_lens)])
+    meta = AttentionMetadata(
+        slot_mapping=slots.cuda(),
+        query_start_loc=torch.arange(4, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        block_tables=tables,
+        query_lens_cpu=(1, 1, 1),
+        seq_lens_cpu=seq_lens,
+        block_size=block_size,
+    )
+    ids = torch.tensor([5, 17, 99], device="cuda")
+    positions = torch.tensor([n - 1 for n in seq_lens], device="cuda")
+    assert runner.can_run(meta)
+    replayed = runner.run(ids, positions, meta).clone()
+    eager = model(ids, positions, caches, meta)
+    torch.testing.assert_close(replayed, eager, atol=2e-3, rtol=2e-3)
