@@ -8,12 +8,14 @@ for new content in least-recently-freed order, which evicts its cached content.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from conduit_engine.sequence import Sequence
 
-BlockHash = int
+BlockHash = bytes
 
 
 @dataclass(slots=True)
@@ -38,8 +40,15 @@ class BlockStats:
 
 
 def chain_hash(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHash:
-    """Hash of a full block given its parent block's hash; equal hashes mean equal prefixes."""
-    return hash((parent, tokens))
+    """Hash of a full block given its parent block's hash; equal hashes mean equal prefixes.
+
+    SHA-256, not Python's 64-bit `hash()`: that one is not collision resistant, so a user who knows
+    a prompt others send (a shared system prompt) could craft different tokens with the same hash
+    and have the cache serve one request's KV to another.
+    """
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
 
 
 class BlockManager:
@@ -66,6 +75,10 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in the order they will be reused (least recently freed first)."""
+        return list(self._free)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
@@ -86,11 +99,15 @@ class BlockManager:
         """First admission: take the longest cached prefix of `seq`'s tokens. Returns tokens reused.
 
         At least one token is always left to compute, so the model has something to sample from.
+        A sequence that still owes prompt logprobs takes nothing: they come from the model's output
+        at every prompt position, which a cache hit would skip.
         """
         assert not seq.block_table, "allocate_prefix on a sequence that already holds blocks"
         hashes: list[BlockHash] = []
         self._seq_hashes[seq.seq_id] = hashes
         if not self.enable_prefix_caching:
+            return 0
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
             return 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
         parent: BlockHash | None = None
@@ -106,10 +123,12 @@ class BlockManager:
             parent = h
         reused = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = reused
-        if not seq.was_admitted:
-            self._prefix_queries += seq.num_prompt_tokens
-            self._prefix_hits += reused
         return reused
+
+    def record_prefix_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count one admitted request's prompt in the hit rate (once: not per admission attempt)."""
+        self._prefix_queries += prompt_tokens
+        self._prefix_hits += cached_tokens
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq`'s block table to hold `num_tokens` tokens; all or nothing."""

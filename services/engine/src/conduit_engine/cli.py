@@ -46,6 +46,7 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--enforce-eager", _bool, False, "on cuda: do not capture CUDA graphs"),
     ("--drain-seconds", float, 30.0, "on SIGTERM, how long in-flight streams may finish"),
     ("--seed", int, 0, "seed of the engine's unseeded random draws"),
+    ("--num-threads", int, 0, "torch CPU threads; 0 = auto (1 for models under 20M parameters)"),
     ("--log-level", str, "INFO", "logging level"),
 )
 
@@ -83,6 +84,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             seed=args.seed,
+            num_threads=args.num_threads,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -23,8 +23,10 @@ class ModelConfig:
     dtype: str = "auto"  # auto → the checkpoint's torch_dtype for float32/bfloat16, float32 otherwise on CPU
     max_model_len: int | None = None  # None → the model's max_position_embeddings
     seed: int = 0
+    num_threads: int = 0  # torch intra-op threads on CPU; 0 → auto (1 for tiny models, else torch's default)
 
     def __post_init__(self) -> None:
+        _require(self.num_threads >= 0, f"--num-threads must be >= 0, got {self.num_threads}")
         _require(self.device in ("cpu", "cuda"), f"--device must be cpu or cuda, got {self.device!r}")
         _require(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),

@@ -77,6 +77,7 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         ops = get_ops(config.model.device)
         model = load_model(folder, self.arch, ops, self.dtype, config.model.device, self.max_model_len)
+        _set_cpu_threads(config.model.num_threads, model)
         self.block_size = config.cache.block_size
         self.num_blocks = self._num_blocks()
         self.runner = ModelRunner(
@@ -338,6 +339,17 @@ class LLMEngine:
         per_seq = (self.max_model_len + self.block_size - 1) // self.block_size
         cap = _MAX_AUTO_BLOCKS_FACTOR * self.config.scheduler.max_num_seqs * per_seq
         return max(per_seq, min(budget // per_block, cap))
+
+
+_TINY_MODEL_PARAMS = 20_000_000
+
+
+def _set_cpu_threads(requested: int, model: torch.nn.Module) -> None:
+    """Intra-op threads only pay off for matrices big enough; for tiny models they just contend."""
+    if requested > 0:
+        torch.set_num_threads(requested)
+    elif sum(p.numel() for p in model.parameters()) < _TINY_MODEL_PARAMS:
+        torch.set_num_threads(1)
 
 
 def _eos_ids(folder: Path, arch: ArchConfig) -> tuple[int, ...]:

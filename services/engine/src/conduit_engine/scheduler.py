@@ -93,7 +93,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.config.enable_chunked_prefill and num_new < seq.num_uncomputed_tokens:
+            if not self._may_split(seq, num_new):
                 continue
             while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 victim = self._pick_victim()
@@ -122,14 +122,17 @@ class Scheduler:
                 continue
             if not seq.block_table:
                 self.block_manager.allocate_prefix(seq)
-                if not seq.was_admitted:
-                    seq.num_cached_tokens = seq.num_computed_tokens
             num_new = min(seq.num_uncomputed_tokens, budget)
-            chunk_ok = self.config.enable_chunked_prefill or num_new == seq.num_uncomputed_tokens
-            if not chunk_ok or not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
+            if not self._may_split(seq, num_new) or not self.block_manager.ensure_slots(
+                seq, seq.num_computed_tokens + num_new
+            ):
                 self.block_manager.free(seq)
                 break
             heapq.heappop(self._waiting)
+            if not seq.was_admitted:
+                # Only the first admission counts: a recompute after preemption is not a new prompt.
+                seq.num_cached_tokens = seq.num_computed_tokens
+                self.block_manager.record_prefix_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
             seq.status = SequenceStatus.RUNNING
             seq.was_admitted = True
             self._admissions += 1
@@ -138,6 +141,19 @@ class Scheduler:
             budget -= num_new
         for entry in deferred:
             heapq.heappush(self._waiting, entry)
+
+    def _may_split(self, seq: Sequence, num_new: int) -> bool:
+        """Whether `seq` may advance by `num_new` of its uncomputed tokens this step.
+
+        Without chunked prefill a prefill runs whole, except one longer than a whole step's budget
+        (a long prompt, or prompt + output recomputed after preemption): waiting for a step that can
+        hold it would wait forever, so it is split like a chunked prefill.
+        """
+        return (
+            self.config.enable_chunked_prefill
+            or num_new == seq.num_uncomputed_tokens
+            or seq.num_uncomputed_tokens > self.config.max_num_batched_tokens
+        )
 
     def _pick_victim(self) -> Sequence:
         # Lowest priority first (largest value); among equals the most recently admitted.
