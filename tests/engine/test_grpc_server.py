@@ -244,15 +244,33 @@ def test_queue_bound_is_resource_exhausted(stories_path):
     srv = ServerThread(engine_config(stories_path, max_num_seqs=1, max_queued_requests=1)).start()
     try:
         stub = srv.stub()
+        engine = srv.server.engine
+        # Fault injection: hold the engine loop between steps, so that requests pile up in its
+        # command queue and are admitted together, whatever the machine's speed.
+        gate = threading.Event()
+        real_step = engine.engine.step
+
+        def held_step():
+            gate.wait(timeout=60)
+            return real_step()
+
+        engine.engine.step = held_step
         long = greedy_params(300, ignore_eos=True)
-        calls = [
-            stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=long)) for _ in range(2)
-        ]
-        next(calls[0])  # running
-        assert wait_until(lambda: stub.GetLoad(pb.GetLoadRequest()).waiting_requests == 1)
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=long)
+        calls = [stub.Generate(request)]
+        assert wait_until(engine.engine.has_work)  # admitted; the loop now waits at the gate
+        calls.append(stub.Generate(request))
+        assert wait_until(lambda: engine._commands.qsize() == 1)
+        third = stub.Generate(request)
+        assert wait_until(lambda: engine._commands.qsize() == 2)
+        gate.set()
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=long)))
+            list(third)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue" in err.value.details()
+        assert not next(calls[0]).finished  # the admitted ones stream
+        load = stub.GetLoad(pb.GetLoadRequest())
+        assert load.running_requests + load.waiting_requests == 2
         for c in calls:
             c.cancel()
         assert wait_until(lambda: kv_used(stub) == 0)

@@ -174,3 +174,38 @@ def test_n_streams_over_grpc(stub):
     finals = [m for m in msgs if m.finished]
     assert sorted(m.index for m in finals) == [0, 1, 2]
     assert msgs[-1].usage.prompt_tokens == 5 and msgs[-1].usage.completion_tokens == 24
+
+
+def test_prompt_logprobs_once_with_n_and_after_preemption(stories_path):
+    prompt = [1, 403, 407, 261, 378, 300, 301]
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2, n=3, ignore_eos=True)
+    engine = make_engine(stories_path, block_size=4)
+    engine.add_request(GenerationRequest("n", params, token_ids=prompt))
+    outs = [o for c in run_to_completion(engine).values() for o in c.outputs]
+    with_prompt = [o for o in outs if o.prompt_logprobs is not None]
+    assert len(with_prompt) == 1  # sent once, on the request's first output
+    assert [p.token_id for p in with_prompt[0].prompt_logprobs] == prompt[1:]
+    # a cache so small that the request is preempted in the middle of its prompt
+    tiny = make_engine(stories_path, block_size=2, num_blocks=10, max_num_batched_tokens=4)
+    long_prompt = [1] + list(range(300, 314))
+    tiny.add_request(
+        GenerationRequest("big", SamplingParams(max_tokens=12, temperature=0.0), token_ids=[1] * 3)
+    )
+    tiny.add_request(
+        GenerationRequest(
+            "lp", SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1), token_ids=long_prompt
+        )
+    )
+    preempted_mid_prompt = []
+    real_preempt = tiny.scheduler._preempt
+
+    def record(seq, out):
+        if seq.request_id == "lp" and seq.num_output_tokens == 0:
+            preempted_mid_prompt.append(seq.num_computed_tokens)
+        real_preempt(seq, out)
+
+    tiny.scheduler._preempt = record
+    results = run_to_completion(tiny)
+    assert any(n > 0 for n in preempted_mid_prompt)  # the scenario really happened
+    lps = results[("lp", 0)].outputs[0].prompt_logprobs
+    assert [p.token_id for p in lps] == long_prompt[1:]

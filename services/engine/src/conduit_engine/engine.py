@@ -229,6 +229,11 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        for seq in out.preempted:
+            req = self._requests.get(seq.request_id)
+            if req is not None and seq.index == 0 and not req.sent_first:
+                # Its prompt is recomputed from position 0: the logprobs will come again.
+                req.pending_prompt_logprobs.clear()
         results = self.runner.execute(out)
         self.scheduler.update_after_step(out)
         return self._postprocess(results)
@@ -240,7 +245,7 @@ class LLMEngine:
             req = self._requests.get(seq.request_id)
             if req is None or seq.is_finished:
                 continue
-            if result.prompt_logprobs:
+            if result.prompt_logprobs and seq.index == 0:  # choices share one prompt
                 req.pending_prompt_logprobs.extend(result.prompt_logprobs)
             if result.token_id is None:
                 continue

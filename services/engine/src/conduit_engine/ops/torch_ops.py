@@ -9,7 +9,21 @@ from conduit_engine.ops.base import AttentionMetadata, Ops
 
 
 class TorchOps(Ops):
+    """Every layer of a step sees the same positions and metadata, so the tensors derived from them
+    (rotary cos/sin, gather indices, masks) are built once per step and reused by every layer."""
+
     name = "torch"
+
+    def __init__(self) -> None:
+        self._rope_key: torch.Tensor | None = None
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._meta_key: AttentionMetadata | None = None
+        self._derived: dict[str, object] = {}
+
+    def _per_step(self, meta: AttentionMetadata) -> dict[str, object]:
+        if meta is not self._meta_key:
+            self._meta_key, self._derived = meta, {}
+        return self._derived
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.float()
@@ -25,9 +39,12 @@ class TorchOps(Ops):
     def rotary_embedding(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
     ) -> None:
-        cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
-        cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
-        sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
+        if positions is not self._rope_key or self._rope is None:
+            cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+            cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+            sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
+            self._rope_key, self._rope = positions, (cos, sin)
+        cos, sin = self._rope
         for t in (q, k):
             t32 = t.float()
             half = t32.shape[-1] // 2
@@ -65,9 +82,17 @@ class TorchOps(Ops):
         out = torch.empty_like(q)
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
+        derived = self._per_step(meta)
+        all_slots = derived.get("context_slots")
+        if all_slots is None:
+            all_slots = [
+                _context_slots(meta.block_tables[i], seq_len, meta.block_size)
+                for i, seq_len in enumerate(meta.seq_lens_cpu)
+            ]
+            derived["context_slots"] = all_slots
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
-            slots = _context_slots(meta.block_tables[i], seq_len, meta.block_size)
+            slots = all_slots[i]  # type: ignore[index]
             k = k_flat.index_select(0, slots)
             v = v_flat.index_select(0, slots)
             qi = q[start : start + q_len]
@@ -85,14 +110,26 @@ class TorchOps(Ops):
     ) -> torch.Tensor:
         # One query per sequence: gather every context into a padded [B, L, Hk, D] batch and mask.
         num_seqs, max_len, bs = meta.num_seqs, meta.max_seq_len, meta.block_size
-        max_blocks = (max_len + bs - 1) // bs
-        blocks = meta.block_tables[:, :max_blocks].long()
-        offsets = torch.arange(bs, device=q.device)
-        slots = (blocks.unsqueeze(-1) * bs + offsets).reshape(num_seqs, -1)[:, :max_len]
-        k = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [B, L, Hk, D]
-        v = v_cache.view(-1, *v_cache.shape[2:])[slots]
-        positions = torch.arange(max_len, device=q.device)
-        mask = positions.unsqueeze(0) < meta.seq_lens.to(q.device).unsqueeze(1)  # [B, L]
+        derived = self._per_step(meta)
+        if "decode_slots" not in derived:
+            max_blocks = (max_len + bs - 1) // bs
+            blocks = meta.block_tables[:, :max_blocks].long()
+            offsets = torch.arange(bs, device=q.device)
+            slots = (blocks.unsqueeze(-1) * bs + offsets).reshape(num_seqs, -1)[:, :max_len]
+            positions = torch.arange(max_len, device=q.device)
+            mask = positions.unsqueeze(0) < meta.seq_lens.to(q.device).unsqueeze(1)  # [B, L]
+            derived["decode_slots"], derived["decode_mask"] = slots.reshape(-1), mask
+        slots, mask = derived["decode_slots"], derived["decode_mask"]
+        k = (
+            k_cache.view(-1, *k_cache.shape[2:])
+            .index_select(0, slots)
+            .view(num_seqs, max_len, *k_cache.shape[2:])
+        )
+        v = (
+            v_cache.view(-1, *v_cache.shape[2:])
+            .index_select(0, slots)
+            .view(num_seqs, max_len, *v_cache.shape[2:])
+        )
         num_heads, num_kv_heads = q.shape[1], k.shape[2]
         qb = q.unsqueeze(2)  # [B, Hq, 1, D]
         kb = k.transpose(1, 2)  # [B, Hk, L, D]

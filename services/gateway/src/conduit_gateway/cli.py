@@ -1,0 +1,134 @@
+"""`conduit-gateway`: command-line flags and CONDUIT_* environment variables → GatewayConfig → uvicorn.
+
+Each flag --some-name can also come from CONDUIT_SOME_NAME; a flag given on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from conduit_gateway.config import ROUTING_STRATEGIES, ConfigError, GatewayConfig
+
+ENV_PREFIX = "CONDUIT_"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="conduit-gateway",
+        description="OpenAI-compatible HTTP gateway in front of Conduit engines.",
+        epilog="Every flag can also be set as CONDUIT_<FLAG> (e.g. CONDUIT_ENGINE=127.0.0.1:50051).",
+    )
+    parser.add_argument(
+        "--engine",
+        action="append",
+        help="engine address HOST:PORT; comma-separated or repeated for several (round robin)",
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        help="accepted API key (Authorization: Bearer KEY); repeat or comma-separate for several",
+    )
+    parser.add_argument(
+        "--routing", default="round_robin", choices=ROUTING_STRATEGIES, help="engine selection"
+    )
+    parser.add_argument(
+        "--max-concurrent-requests", type=int, default=1024, help="more get 429 (default 1024)"
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger bodies get 413")
+    parser.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 429 (default 1)")
+    parser.add_argument(
+        "--health-interval", type=float, default=2.0, help="engine health poll period, seconds"
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=None, help="deadline of one generation, seconds"
+    )
+    parser.add_argument(
+        "--grpc-max-message-bytes", type=int, default=64 * 1024 * 1024, help="gRPC message limit"
+    )
+    parser.add_argument(
+        "--grpc-keepalive", type=float, default=30.0, help="HTTP/2 keepalive ping period, seconds"
+    )
+    parser.add_argument("--log-level", default="info", help="critical|error|warning|info|debug|trace")
+    return parser
+
+
+def _apply_env(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> dict[str, str]:
+    """Make CONDUIT_* variables the flags' defaults, so a flag on the command line still wins.
+
+    argparse converts string defaults with the flag's type, so a bad value is reported under the flag's
+    name. Repeatable flags are returned instead (an argparse default list would be appended to).
+    """
+    repeatable: dict[str, str] = {}
+    for action in parser._actions:
+        flag = next((option for option in action.option_strings if option.startswith("--")), None)
+        if flag is None or flag == "--help":
+            continue
+        value = environ.get(ENV_PREFIX + flag[2:].upper().replace("-", "_"))
+        if not value:
+            continue
+        if isinstance(action, argparse._AppendAction):
+            repeatable[action.dest] = value
+        else:
+            action.default = value
+    return repeatable
+
+
+def _split(values: Sequence[str] | None) -> tuple[str, ...]:
+    return tuple(item.strip() for value in values or () for item in value.split(",") if item.strip())
+
+
+def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> GatewayConfig:
+    """Parse flags and environment; raise ConfigError naming the option on a bad value."""
+    parser = build_parser()
+    from_env = _apply_env(parser, environ)
+    args = parser.parse_args(list(argv))
+    return GatewayConfig(
+        engines=_split(args.engine or [from_env.get("engine", "")]),
+        host=args.host,
+        port=args.port,
+        api_keys=_split(args.api_key or [from_env.get("api_key", "")]),
+        routing=args.routing,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_body_bytes=args.max_body_bytes,
+        retry_after_s=args.retry_after,
+        health_interval_s=args.health_interval,
+        request_timeout_s=args.request_timeout,
+        grpc_max_message_bytes=args.grpc_max_message_bytes,
+        grpc_keepalive_s=args.grpc_keepalive,
+        log_level=args.log_level.lower(),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of `conduit-gateway`."""
+    try:
+        config = config_from_args(sys.argv[1:] if argv is None else argv, os.environ)
+    except ConfigError as exc:
+        build_parser().error(str(exc))
+    import uvicorn
+
+    from conduit_gateway.http.app import create_app
+
+    logging.basicConfig(
+        level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        # grpc.aio runs on the standard asyncio loop; uvloop is not a supported grpc.aio loop.
+        loop="asyncio",
+        timeout_graceful_shutdown=10,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""The state one gateway app shares across requests: configuration, engines, limiter and metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conduit_gateway.config import GatewayConfig
+from conduit_gateway.engine.pool import EnginePool
+from conduit_gateway.http.limits import ConcurrencyLimiter
+from conduit_gateway.http.metrics import GatewayMetrics
+
+
+@dataclass(slots=True)
+class GatewayContext:
+    config: GatewayConfig
+    pool: EnginePool
+    limiter: ConcurrencyLimiter
+    metrics: GatewayMetrics
+
+    @classmethod
+    def create(cls, config: GatewayConfig) -> GatewayContext:
+        return cls(
+            config, EnginePool(config), ConcurrencyLimiter(config.max_concurrent_requests), GatewayMetrics()
+        )

@@ -1,0 +1,1 @@
+"""The gateway's side of the engine contract: channels, health, model info and engine selection."""

@@ -1,0 +1,276 @@
+"""The flow every generation request follows: validate → map to the proto → open the engine streams →
+stream SSE events or accumulate one response. Subclasses only map requests and shape choices."""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, ClassVar
+
+import grpc
+from pydantic import BaseModel
+from starlette.responses import Response
+
+from conduit.engine.v1 import engine_pb2
+from conduit_gateway.context import GatewayContext
+from conduit_gateway.errors import OpenAIError, from_rpc_error, invalid_param, too_many_requests
+from conduit_gateway.handlers import fields
+from conduit_gateway.handlers.choices import (
+    FINISH_REASONS,
+    ChoiceSet,
+    ChoiceState,
+    UsageTotals,
+    prompt_logprobs_entries,
+)
+from conduit_gateway.handlers.streams import PromptStream, cancel_all, open_streams, read_messages
+from conduit_gateway.http.sse import DONE_EVENT, ChunkEncoder, EventStreamResponse, error_event
+from conduit_gateway.schemas.common import SamplingRequest
+
+log = logging.getLogger(__name__)
+
+
+class GenerationHandler(ABC):
+    """Serves one request. Subclasses set the class constants and implement the five mapping hooks."""
+
+    endpoint: ClassVar[str]  # metrics label
+    id_prefix: ClassVar[str]  # "chatcmpl" / "cmpl"
+    chunk_object: ClassVar[str]  # `object` of streamed chunks
+    # model_dump `exclude` dropping the response's prompt_logprobs field(s) when they were not asked for.
+    absent_prompt_logprobs: ClassVar[dict[str, Any]]
+
+    def __init__(self, ctx: GatewayContext, body: SamplingRequest, request_id: str) -> None:
+        self.ctx = ctx
+        self.body = body
+        self.request_id = request_id
+        self.response_id = f"{self.id_prefix}-{request_id}"
+        self.created = int(time.time())
+        self.n = body.n or 1
+        self._started = time.perf_counter()
+        # Prompt index → the prompt's logprobs (vLLM's prompt_logprobs extra), from its first message.
+        self.prompt_logprobs: dict[int, list[engine_pb2.PositionLogprobs]] = {}
+
+    # -- hooks -------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def build_inputs(self) -> list[engine_pb2.GenerateRequest]:
+        """One request per prompt with its `input` set; raise OpenAIError(400) naming a bad field."""
+
+    @abstractmethod
+    def build_sampling(self) -> engine_pb2.SamplingParams:
+        """The sampling set (shared fields via handlers.sampling, plus the API's own spellings)."""
+
+    @abstractmethod
+    def param_aliases(self) -> dict[str, str]:
+        """Engine field name → this API's field name, for `param` in errors the engine reports."""
+
+    def new_choice(self, index: int, prompt_index: int) -> ChoiceState:
+        """State for a choice the engine just started streaming."""
+        return ChoiceState(index)
+
+    def opening_choice(self, choice: ChoiceState) -> dict[str, Any] | None:
+        """The choice of a chunk sent before a choice's first text (chat's role delta), or None."""
+        return None
+
+    @abstractmethod
+    def delta_choice(
+        self, choice: ChoiceState, text: str, logprobs: Sequence[engine_pb2.PositionLogprobs]
+    ) -> dict[str, Any]:
+        """The streamed choice for new text of `choice` (called before the text is added to it)."""
+
+    @abstractmethod
+    def finish_choice(self, choice: ChoiceState) -> dict[str, Any]:
+        """The streamed choice that carries `choice.finish_reason`."""
+
+    @abstractmethod
+    def response(self, choices: list[ChoiceState], usage: UsageTotals) -> BaseModel:
+        """The non-streamed response."""
+
+    # -- the flow ----------------------------------------------------------------------------------
+
+    async def handle(self) -> Response:
+        """Validate and open the streams (errors here become the HTTP status), then respond."""
+        self._check_stream_options()
+        requests = self.build_inputs()
+        sampling = self.build_sampling()
+        for prompt_index, request in enumerate(requests):
+            request.request_id = (
+                self.request_id if len(requests) == 1 else f"{self.request_id}-{prompt_index}"
+            )
+            request.model = self.body.model
+            request.sampling.CopyFrom(sampling)
+            if self.body.priority is not None:
+                request.priority = fields.int32("priority", self.body.priority)
+        log.info(
+            "request %s: %s model=%s prompts=%d n=%d stream=%s user=%s",
+            self.request_id,
+            self.endpoint,
+            self.body.model,
+            len(requests),
+            self.n,
+            bool(self.body.stream),
+            self.body.user,
+        )
+        limiter = self.ctx.limiter
+        if not limiter.try_acquire():
+            self.ctx.metrics.rejected.inc()
+            raise too_many_requests(
+                f"The gateway is serving its limit of {limiter.limit} concurrent requests; retry shortly.",
+                self.ctx.config.retry_after_s,
+            )
+        self.ctx.metrics.generations_in_flight.inc()
+        streaming = False
+        try:
+            streams = await self._open(requests)
+            self.ctx.metrics.first_token_seconds.labels(self.endpoint).observe(
+                time.perf_counter() - self._started
+            )
+            choices = ChoiceSet(self.n, self.new_choice)
+            usage = UsageTotals(len(requests))
+            if self.body.stream:
+                streaming = True
+                return EventStreamResponse(self._events(streams, choices, usage), on_close=self._release)
+            return await self._accumulate(streams, choices, usage)
+        finally:
+            if not streaming:
+                self._release()
+
+    def _release(self) -> None:
+        self.ctx.limiter.release()
+        self.ctx.metrics.generations_in_flight.dec()
+
+    def _check_stream_options(self) -> None:
+        if self.body.stream_options is not None and not self.body.stream:
+            raise invalid_param("stream_options", "only allowed when stream is true")
+        if self.body.prompt_logprobs is not None and self.body.stream:
+            raise invalid_param("prompt_logprobs", "not available when stream is true")
+
+    async def _open(self, requests: list[engine_pb2.GenerateRequest]) -> list[PromptStream]:
+        try:
+            return await open_streams(
+                self.ctx.pool, self.body.model, requests, self.ctx.config.request_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise self._rpc_error(exc) from None
+
+    def _rpc_error(self, exc: grpc.aio.AioRpcError) -> OpenAIError:
+        return from_rpc_error(exc, self.ctx.config.retry_after_s, self.param_aliases())
+
+    def _choice(
+        self, choices: ChoiceSet, prompt_index: int, message: engine_pb2.GenerateResponse
+    ) -> tuple[ChoiceState, bool]:
+        if message.index >= self.n:
+            raise OpenAIError(
+                502,
+                f"The engine sent choice index {message.index} for n={self.n}.",
+                type="server_error",
+                code="engine_error",
+            )
+        return choices.get(prompt_index, message.index)
+
+    def _finish(self, choice: ChoiceState, message: engine_pb2.GenerateResponse) -> None:
+        if message.finish_reason == engine_pb2.FINISH_REASON_ERROR:
+            raise OpenAIError(
+                500,
+                f"The engine failed while generating choice {choice.index}.",
+                type="server_error",
+                code="engine_error",
+            )
+        choice.finish_reason = FINISH_REASONS.get(message.finish_reason, "stop")
+
+    def _record_usage(self, usage: UsageTotals) -> None:
+        self.ctx.metrics.prompt_tokens.inc(usage.prompt_tokens)
+        self.ctx.metrics.completion_tokens.inc(usage.completion_tokens)
+
+    async def _accumulate(
+        self, streams: list[PromptStream], choices: ChoiceSet, usage: UsageTotals
+    ) -> Response:
+        try:
+            async for prompt_index, message in read_messages(streams):
+                usage.update(prompt_index, message.usage)
+                choice, _ = self._choice(choices, prompt_index, message)
+                choice.add(message)
+                if message.prompt_logprobs:
+                    self.prompt_logprobs[prompt_index] = list(message.prompt_logprobs)
+                if message.finished:
+                    self._finish(choice, message)
+        except grpc.aio.AioRpcError as exc:
+            raise self._rpc_error(exc) from None
+        finally:
+            cancel_all(streams)
+        self._record_usage(usage)
+        # prompt_logprobs is a vLLM extra: absent (not null) unless asked for, like OpenAI's shape.
+        exclude = self.absent_prompt_logprobs if self.body.prompt_logprobs is None else None
+        body = self.response(choices.ordered(), usage).model_dump_json(exclude=exclude)
+        return Response(body, media_type="application/json")
+
+    def _prompt_logprobs(self, prompt_index: int) -> list[dict[str, Any] | None] | None:
+        if self.body.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_entries(self.prompt_logprobs.get(prompt_index, ()))
+
+    async def _events(
+        self, streams: list[PromptStream], choices: ChoiceSet, usage: UsageTotals
+    ) -> AsyncIterator[str]:
+        options = self.body.stream_options
+        include_usage = bool(options and options.include_usage)
+        running = bool(options and options.continuous_usage_stats)
+        encoder = ChunkEncoder(
+            id=self.response_id,
+            object=self.chunk_object,
+            created=self.created,
+            model=self.body.model,
+            usage_mode="running" if running else "final" if include_usage else "none",
+        )
+        try:
+            try:
+                for stream in streams:
+                    # Opening chunks precede every token: running usage there counts the prompt only.
+                    first = stream.first.usage
+                    usage.update(
+                        stream.prompt_index,
+                        engine_pb2.Usage(
+                            prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens
+                        ),
+                    )
+                async for prompt_index, message in read_messages(streams):
+                    choice, is_new = self._choice(choices, prompt_index, message)
+                    events = ""
+                    opening = self.opening_choice(choice) if is_new else None
+                    if opening is not None:
+                        # Usage as it was before this message: the opening chunk precedes its tokens.
+                        events = encoder.chunk([opening], usage.as_dict)
+                    usage.update(prompt_index, message.usage)
+                    if message.text or message.logprobs:
+                        events += encoder.chunk(
+                            [self.delta_choice(choice, message.text, message.logprobs)], usage.as_dict
+                        )
+                        choice.texts.append(message.text)
+                    if message.finished:
+                        self._finish(choice, message)
+                        events += encoder.chunk([self.finish_choice(choice)], usage.as_dict)
+                    if events:
+                        yield events
+                if include_usage:
+                    yield encoder.usage_chunk(usage.as_dict())
+                self._record_usage(usage)
+            except grpc.aio.AioRpcError as exc:
+                yield self._stream_error(self._rpc_error(exc))
+            except OpenAIError as exc:
+                yield self._stream_error(exc)
+            except Exception:
+                log.exception("request %s: stream failed", self.request_id)
+                yield self._stream_error(
+                    OpenAIError(
+                        500, "Internal error while streaming.", type="server_error", code="internal_error"
+                    )
+                )
+            yield DONE_EVENT
+        finally:
+            cancel_all(streams)
+
+    def _stream_error(self, error: OpenAIError) -> str:
+        log.warning("request %s: stream ended by error %s: %s", self.request_id, error.status, error.message)
+        self.ctx.metrics.stream_errors.labels(error.code or str(error.status)).inc()
+        return error_event(error)

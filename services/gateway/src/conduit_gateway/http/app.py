@@ -1,0 +1,126 @@
+"""Builds the gateway's ASGI app: routes, OpenAI-shaped error handlers, middleware and engine lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from conduit_gateway import __version__
+from conduit_gateway.config import GatewayConfig
+from conduit_gateway.context import GatewayContext
+from conduit_gateway.errors import OpenAIError
+from conduit_gateway.http.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    MetricsMiddleware,
+    RequestIdMiddleware,
+    send_error,
+)
+from conduit_gateway.http.routes import router
+from conduit_gateway.http.validation import validation_error
+
+log = logging.getLogger(__name__)
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """The gateway app for `config`; engine channels open when the app starts (its lifespan)."""
+    ctx = GatewayContext.create(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await ctx.pool.start()
+        try:
+            yield
+        finally:
+            await ctx.pool.stop()
+
+    app = FastAPI(
+        title="Conduit gateway",
+        version=__version__,
+        description="OpenAI-compatible chat and completions over Conduit engines.",
+        lifespan=lifespan,
+        redoc_url=None,
+    )
+    app.state.ctx = ctx
+    app.include_router(router)
+    _add_error_handlers(app)
+    # add_middleware wraps: the last one added runs first.
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes)
+    app.add_middleware(ApiKeyMiddleware, api_keys=config.api_keys)
+    app.add_middleware(InternalErrorMiddleware)
+    app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
+    app.add_middleware(RequestIdMiddleware)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = validation_error(exc.errors())
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        error = OpenAIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+class InternalErrorMiddleware:
+    """Last resort: an unexpected exception becomes an OpenAI-shaped 500 (inside the request-id middleware,
+    so even that response carries X-Request-Id)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_and_watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            if started:
+                raise
+            await send_error(send, OpenAIError(500, "Internal server error.", type="server_error"))
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema with its default 422 responses removed: validation errors are OpenAI 400s here."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,0 +1,168 @@
+"""Pure-ASGI middleware, outermost first: request ids, metrics, API keys, body size limit.
+
+Pure ASGI (not BaseHTTPMiddleware) so that streamed responses pass through untouched and a client
+disconnect still reaches the SSE response's receive().
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import time
+import uuid
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from conduit_gateway.errors import OpenAIError
+from conduit_gateway.http.metrics import GatewayMetrics
+
+# Client ids are echoed into headers, logs and the engine: keep them short and printable.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+
+
+async def send_error(send: Send, error: OpenAIError) -> None:
+    body = error.body_json().encode("utf-8")
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(key.lower().encode(), value.encode()) for key, value in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequestIdMiddleware:
+    """Echo the client's X-Request-Id (or make one) in every response and in `request.state.request_id`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("x-request-id", "")
+        request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["x-request-id"] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class MetricsMiddleware:
+    """Count every response by route template and status; time it to its last byte."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 499  # stays so when the client left before any response started
+
+        async def send_and_watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        except Exception:
+            status = 500
+            raise
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
+            self.metrics.request_seconds.labels(route).observe(time.perf_counter() - started)
+
+
+class ApiKeyMiddleware:
+    """Require `Authorization: Bearer <key>` on /v1 paths when keys are configured (constant-time compare)."""
+
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
+        self.app = app
+        self._keys = [key.encode("utf-8") for key in api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self._keys or not scope["path"].startswith("/v1"):
+            await self.app(scope, receive, send)
+            return
+        authorization = Headers(scope=scope).get("authorization", "")
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            await send_error(
+                send, _unauthorized("You didn't provide an API key (Authorization: Bearer KEY).")
+            )
+            return
+        if not self._matches(token.strip().encode("utf-8")):
+            await send_error(send, _unauthorized("Incorrect API key provided."))
+            return
+        await self.app(scope, receive, send)
+
+    def _matches(self, token: bytes) -> bool:
+        # Compare against every key without stopping early, so timing says nothing about which matched.
+        matched = False
+        for key in self._keys:
+            matched |= hmac.compare_digest(key, token)
+        return matched
+
+
+def _unauthorized(message: str) -> OpenAIError:
+    return OpenAIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over `limit` bytes with 413 before the app parses them."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await send_error(send, self._too_large())
+            return
+        # Read the body here (bounded), then replay it: chunked uploads have no length to check up front.
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await send_error(send, self._too_large())
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            # After the body, hand through the real channel so disconnects are still seen.
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(
+            413,
+            f"Request body is larger than the limit of {self.limit} bytes.",
+            code="request_too_large",
+        )

@@ -1,0 +1,125 @@
+"""The HTTP endpoints: generation, models, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from conduit_gateway.context import GatewayContext
+from conduit_gateway.engine.client import EngineClient
+from conduit_gateway.engine.pool import require_serving
+from conduit_gateway.errors import model_not_found
+from conduit_gateway.handlers.chat import ChatHandler
+from conduit_gateway.handlers.completions import CompletionsHandler
+from conduit_gateway.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
+from conduit_gateway.schemas.common import error_responses
+from conduit_gateway.schemas.completions import Completion, CompletionRequest
+from conduit_gateway.schemas.models import ModelCard, ModelList
+
+router = APIRouter()
+
+_GENERATION_ERRORS = error_responses(400, 401, 404, 413, 429, 503)
+_SSE = {
+    "text/event-stream": {"schema": {"type": "string", "description": "data: {json} events, then [DONE]"}}
+}
+
+
+def _ctx(request: Request) -> GatewayContext:
+    return request.app.state.ctx
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    responses={200: {"content": _SSE, "description": f"With stream: {ChatCompletionChunk.__name__} events."}}
+    | _GENERATION_ERRORS,
+)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    handler = ChatHandler(_ctx(request), body, request.state.request_id)
+    return await _until_disconnect(request, handler.handle())
+
+
+@router.post(
+    "/v1/completions",
+    response_model=Completion,
+    responses={200: {"content": _SSE, "description": "With stream: completion chunk events."}}
+    | _GENERATION_ERRORS,
+)
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    handler = CompletionsHandler(_ctx(request), body, request.state.request_id)
+    return await _until_disconnect(request, handler.handle())
+
+
+@router.get("/v1/models", response_model=ModelList, responses=error_responses(401, 503))
+async def list_models(request: Request) -> ModelList:
+    pool = _ctx(request).pool
+    require_serving(pool)
+    return ModelList(data=[_card(name, engine) for name, engine in sorted(pool.served_models().items())])
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(401, 404, 503))
+async def retrieve_model(model_id: str, request: Request) -> ModelCard:
+    pool = _ctx(request).pool
+    require_serving(pool)
+    engine = pool.served_models().get(model_id)
+    if engine is None:
+        raise model_not_found(model_id)
+    return _card(model_id, engine)
+
+
+@router.get("/health", responses={503: {"description": "No engine is SERVING."}})
+async def health(request: Request) -> JSONResponse:
+    pool = _ctx(request).pool
+    # Checked now rather than from the poller's last round, so a probe sees the engines' current state.
+    ready = await pool.refresh()
+    engines = [{"address": e.address, "serving": e.serving, "model": e.model} for e in pool.engines]
+    return JSONResponse(
+        {"status": "ok" if ready else "unavailable", "engines": engines}, status_code=200 if ready else 503
+    )
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(request: Request) -> Response:
+    ctx = _ctx(request)
+    for engine in ctx.pool.engines:
+        ctx.metrics.engine_up.labels(engine.address).set(1 if engine.serving else 0)
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _card(name: str, engine: EngineClient) -> ModelCard:
+    info = engine.model_info
+    return ModelCard(
+        id=name, created=engine.model_seen_at, max_model_len=info.max_model_len if info is not None else None
+    )
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run `work`, cancelling it (and so its engine streams) if the client disconnects first.
+
+    Streamed responses watch for disconnects themselves once they start; this covers the wait for the
+    first token and a whole non-streamed generation.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        # Nobody is listening; the status only reaches the access log and metrics.
+        return Response(status_code=499)
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,105 @@
+"""Server-Sent Events: chunk encoding (`data: {json}`) and a response that stops on client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from conduit_gateway.errors import OpenAIError
+
+DONE_EVENT = "data: [DONE]\n\n"
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+class ChunkEncoder:
+    """Builds each chunk's JSON once: the fields every chunk of a request shares are encoded up front."""
+
+    def __init__(self, *, id: str, object: str, created: int, model: str, usage_mode: str) -> None:
+        # usage_mode: "none" (no usage key), "final" (null until the last chunk), "running" (every chunk).
+        self._head = (
+            f'data: {{"id":{_dumps(id)},"object":{_dumps(object)},"created":{created},'
+            f'"model":{_dumps(model)},"system_fingerprint":null,"choices":'
+        )
+        self._usage_mode = usage_mode
+
+    def chunk(self, choices: list[dict[str, Any]], usage: Callable[[], dict[str, Any]]) -> str:
+        """One event; `usage` is only called when running usage is on."""
+        if self._usage_mode == "none":
+            return f"{self._head}{_dumps(choices)}}}\n\n"
+        usage_json = _dumps(usage()) if self._usage_mode == "running" else "null"
+        return f'{self._head}{_dumps(choices)},"usage":{usage_json}}}\n\n'
+
+    def usage_chunk(self, usage: dict[str, Any]) -> str:
+        """The last chunk of `stream_options.include_usage`: no choices, the request's usage."""
+        return f'{self._head}[],"usage":{_dumps(usage)}}}\n\n'
+
+
+def error_event(error: OpenAIError) -> str:
+    """An error inside a started stream: the OpenAI SDKs raise APIError when an event has an `error` key."""
+    return f"data: {_dumps(error.body())}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """Streams `events` as text/event-stream; a client disconnect cancels the producer at once.
+
+    Starlette's StreamingResponse only notices a disconnect on its next write (ASGI >= 2.4) and leaves
+    closing the generator to the garbage collector; here the generator is always closed before
+    `on_close` runs, so its `finally` (which cancels the engine streams) runs promptly.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        headers: dict[str, str] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(
+            events,
+            status_code=200,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        )
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        producer = asyncio.create_task(self._produce(send))
+        watcher = asyncio.create_task(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (producer, watcher):
+                task.cancel()
+            outcome, _ = await asyncio.gather(producer, watcher, return_exceptions=True)
+            try:
+                await self._events.aclose()  # type: ignore[attr-defined]
+            finally:
+                self._close()
+        if isinstance(outcome, Exception) and not isinstance(outcome, OSError):
+            # OSError: the client went away mid-write, which is not the server's failure.
+            raise outcome
+
+    async def _produce(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for event in self._events:
+            await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
+        # Done before the response ends, so a client that sends its next request on [DONE] finds the
+        # slot already free.
+        self._close()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _close(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

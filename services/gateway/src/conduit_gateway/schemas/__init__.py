@@ -1,0 +1,1 @@
+"""Pydantic models of the OpenAI request and response shapes the gateway speaks."""

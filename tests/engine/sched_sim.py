@@ -1,0 +1,169 @@
+"""A model-free stand-in for the engine's step loop, for scheduler and block-manager tests (no torch).
+
+`SimEngine` drives the real `Scheduler` and `BlockManager` exactly as `LLMEngine.step()` does
+(schedule → run → update_after_step → append/finish), but the "model" is a pure function of the
+token prefix, and the "KV cache" is a dict from slot to the fingerprint of the prefix whose last
+token was written there. Every step checks what a real paged-attention model would rely on:
+
+- a sequence only writes into blocks it owns alone (a shared, cached block is never overwritten);
+- every slot a sequence reads (positions 0..end) holds exactly that sequence's prefix;
+- no slot is written twice in one step; the block manager's integrity holds after the step.
+
+So a scheduling or caching bug that would make a real model read wrong KV fails here as an
+assertion, and outputs are comparable across runs: the next token depends only on the prefix.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from conduit_engine.block_manager import BlockManager
+from conduit_engine.config import SchedulerConfig
+from conduit_engine.sampling_params import SamplingParams
+from conduit_engine.scheduler import Scheduler
+from conduit_engine.sequence import FinishReason, Sequence
+
+VOCAB = 97
+
+
+def prefix_fingerprint(tokens: list[int]) -> int:
+    return hash(tuple(tokens))
+
+
+def next_token(tokens: list[int]) -> int:
+    """The simulated model: a deterministic function of the whole prefix (like greedy decoding)."""
+    return prefix_fingerprint(tokens) % VOCAB
+
+
+def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
+    """What an uninterrupted run produces."""
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt) :]
+
+
+@dataclass
+class StepRecord:
+    advanced: dict[str, int] = field(default_factory=dict)  # request id → tokens computed this step
+    sampled: dict[str, int] = field(default_factory=dict)  # request id → token appended this step
+    preempted: list[str] = field(default_factory=list)
+
+
+class SimEngine:
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            self.block_manager,
+        )
+        self.block_size = block_size
+        self.kv: dict[int, int] = {}  # slot → fingerprint of the prefix ending at the token stored there
+        self.seqs: dict[str, Sequence] = {}
+        self.streams: dict[str, list[int]] = {}  # what a client would have received, in order
+        self.steps: list[StepRecord] = []
+        self._arrivals = itertools.count()
+
+    # ----- requests ----------------------------------------------------------------------------------
+    def add(
+        self, request_id: str, prompt: list[int], max_tokens: int, priority: int = 0, n: int = 1
+    ) -> list[Sequence]:
+        """Queue a request; choices after the first are named `<request_id>/<index>` (as siblings)."""
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n)
+        arrival = next(self._arrivals)
+        seqs: list[Sequence] = []
+        for index in range(n):
+            name = request_id if index == 0 else f"{request_id}/{index}"
+            seq = Sequence(
+                name,
+                list(prompt),
+                params,
+                index=index,
+                priority=priority,
+                arrival=arrival,
+                parent=seqs[0] if seqs else None,
+            )
+            seqs.append(seq)
+            self.seqs[name] = seq
+            self.streams[name] = []
+            self.scheduler.add(seq)
+        return seqs
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs[request_id]
+        if not seq.is_finished:
+            seq.finish(FinishReason.ABORT)
+            self.scheduler.finish(seq)
+
+    @property
+    def live(self) -> list[Sequence]:
+        return [s for s in self.seqs.values() if not s.is_finished]
+
+    # ----- the step --------------------------------------------------------------------------------
+    def step(self) -> StepRecord:
+        out = self.scheduler.schedule()
+        record = StepRecord(preempted=[s.request_id for s in out.preempted])
+        written: set[int] = set()
+        samplers: list[Sequence] = []
+        for item in out.scheduled:
+            seq = item.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
+            assert item.num_new_tokens > 0, f"{seq.request_id} scheduled for no tokens"
+            assert end <= seq.num_tokens, f"{seq.request_id} scheduled past its last token"
+            assert len(seq.block_table) * self.block_size >= end, f"{seq.request_id} has too few blocks"
+            for pos in range(start, end):
+                block_id = seq.block_table[pos // self.block_size]
+                owners = self.block_manager.blocks[block_id].ref_count
+                assert owners == 1, f"{seq.request_id} writes position {pos} into shared block {block_id}"
+                slot = block_id * self.block_size + pos % self.block_size
+                assert slot not in written, f"slot {slot} written twice in one step"
+                written.add(slot)
+                self.kv[slot] = prefix_fingerprint(seq.token_ids[: pos + 1])
+            record.advanced[seq.request_id] = item.num_new_tokens
+            if item.samples:
+                samplers.append(seq)
+        # Attention reads every earlier position: all of it must be this sequence's own prefix.
+        for item in out.scheduled:
+            seq = item.seq
+            end = seq.num_computed_tokens + item.num_new_tokens
+            for pos in range(end):
+                slot = seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+                assert self.kv.get(slot) == prefix_fingerprint(seq.token_ids[: pos + 1]), (
+                    f"{seq.request_id} would read wrong KV at position {pos}"
+                )
+        self.scheduler.update_after_step(out)
+        for seq in samplers:
+            token = next_token(seq.token_ids)
+            seq.append_token(token)
+            self.streams[seq.request_id].append(token)
+            record.sampled[seq.request_id] = token
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                seq.finish(FinishReason.LENGTH)
+                self.scheduler.finish(seq)
+        self.block_manager.check_integrity([s for s in self.live if s.block_table])
+        self.steps.append(record)
+        return record
+
+    def run(self, max_steps: int = 10_000) -> list[StepRecord]:
+        start = len(self.steps)
+        for _ in range(max_steps):
+            if not self.scheduler.has_work():
+                break
+            self.step()
+        assert not self.scheduler.has_work(), "the scheduler did not finish its work"
+        assert self.block_manager.stats().used == 0
+        return self.steps[start:]

@@ -1,0 +1,463 @@
+"""BlockManager: exact block ids and free-queue order, ref counts, LRU eviction, invariants (no torch).
+
+Every test ends with `check_integrity` against the sequences it still holds (the `bm` fixture does
+it on teardown). The property tests drive random allocate/append/compute/free/preempt sequences
+and keep a model of the KV slots, so a block shared or reused with the wrong content fails there.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from conduit_engine.block_manager import BlockManager, chain_hash
+from conduit_engine.sampling_params import SamplingParams
+from conduit_engine.sequence import Sequence
+
+
+def make_seq(tokens: list[int], **params: object) -> Sequence:
+    return Sequence("r", list(tokens), SamplingParams(max_tokens=8, **params))  # type: ignore[arg-type]
+
+
+def compute(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> None:
+    """What a step does for `seq`: slots for the tokens, the model computes them, full blocks publish."""
+    target = seq.num_tokens if num_tokens is None else seq.num_computed_tokens + num_tokens
+    assert bm.ensure_slots(seq, target)
+    seq.num_computed_tokens = target
+    bm.commit_computed_blocks(seq)
+
+
+def admit(bm: BlockManager, seq: Sequence) -> int:
+    """First admission of `seq` with its whole prompt computed; returns the tokens reused."""
+    reused = bm.allocate_prefix(seq)
+    compute(bm, seq)
+    return reused
+
+
+def ref_counts(bm: BlockManager) -> list[int]:
+    return [b.ref_count for b in bm.blocks]
+
+
+class Tracker:
+    """Holds the live sequences of a test so the fixture can check integrity against them."""
+
+    def __init__(self) -> None:
+        self.live: list[Sequence] = []
+        self.managers: list[BlockManager] = []
+
+    def __call__(self, seq: Sequence) -> Sequence:
+        self.live.append(seq)
+        return seq
+
+
+@pytest.fixture
+def live():
+    return Tracker()
+
+
+def manager(live: Tracker, num_blocks: int, block_size: int, **kw: bool) -> BlockManager:
+    bm = BlockManager(num_blocks, block_size, **kw)
+    live.managers.append(bm)
+    return bm
+
+
+@pytest.fixture(autouse=True)
+def _integrity_after_each_test(live):
+    yield
+    for bm in live.managers:
+        held = [s for s in live.live if s.block_table]
+        bm.check_integrity(held)
+        stats = bm.stats()
+        assert stats.used + stats.free == stats.total
+
+
+def test_fresh_blocks_come_in_id_order(live):
+    bm = manager(live, 8, 4)
+    seq = live(make_seq(list(range(10))))
+    assert admit(bm, seq) == 0
+    assert seq.block_table == [0, 1, 2]
+    assert bm.free_block_ids() == [3, 4, 5, 6, 7]
+    assert ref_counts(bm) == [1, 1, 1, 0, 0, 0, 0, 0]
+    stats = bm.stats()
+    assert (stats.used, stats.free, stats.cached) == (3, 5, 0)
+
+
+def test_free_puts_the_tail_block_first_in_the_queue(live):
+    bm = manager(live, 8, 4)
+    seq = make_seq(list(range(10)))
+    admit(bm, seq)
+    bm.free(seq)
+    # Freed last-block-first: the tail of a prefix is evicted before its head.
+    assert bm.free_block_ids() == [3, 4, 5, 6, 7, 2, 1, 0]
+    assert seq.block_table == [] and seq.num_computed_tokens == 0
+    # Blocks 0 and 1 are full and keep their content; block 2 held only two tokens.
+    assert bm.stats().cached == 2
+    assert [b.hash is not None for b in bm.blocks[:3]] == [True, True, False]
+
+
+def test_shared_prefix_shares_blocks_and_counts_references(live):
+    bm = manager(live, 8, 4)
+    a = live(make_seq(list(range(10))))
+    admit(bm, a)
+    b = live(make_seq(list(range(8)) + [50, 51, 52]))
+    assert admit(bm, b) == 8
+    assert b.block_table == [0, 1, 3]
+    assert ref_counts(bm) == [2, 2, 1, 1, 0, 0, 0, 0]
+    assert bm.free_block_ids() == [4, 5, 6, 7]
+    bm.free(a)
+    live.live.remove(a)
+    assert ref_counts(bm) == [1, 1, 0, 1, 0, 0, 0, 0]
+    assert bm.free_block_ids() == [4, 5, 6, 7, 2]
+    bm.free(b)
+    live.live.remove(b)
+    assert bm.free_block_ids() == [4, 5, 6, 7, 2, 3, 1, 0]
+    assert bm.stats().cached == 2
+
+
+def test_three_sequences_share_one_prefix(live):
+    bm = manager(live, 10, 2)
+    first = live(make_seq([7, 7, 8, 8, 9]))
+    admit(bm, first)
+    others = [live(make_seq([7, 7, 8, 8, 100 + i, 1])) for i in range(2)]
+    assert [admit(bm, s) for s in others] == [4, 4]
+    assert [s.block_table for s in others] == [[0, 1, 3], [0, 1, 4]]
+    assert ref_counts(bm)[:5] == [3, 3, 1, 1, 1]
+
+
+def test_a_hit_leaves_the_last_prompt_token_to_compute(live):
+    bm = manager(live, 8, 4)
+    a = make_seq(list(range(8)))
+    admit(bm, a)
+    bm.free(a)
+    assert bm.stats().cached == 2
+    again = live(make_seq(list(range(8))))
+    # Both blocks are cached, but the model must compute at least one token to sample from.
+    assert bm.allocate_prefix(again) == 4
+    assert again.block_table == [0] and again.num_computed_tokens == 4
+    compute(bm, again)
+    # The recomputed tail goes into the queue's head block; block 1 stays free and cached.
+    assert again.block_table == [0, 2]
+    assert bm.free_block_ids() == [3, 4, 5, 6, 7, 1]
+    assert bm.stats().cached == 1
+
+
+def test_taking_a_cached_block_back_removes_it_from_the_middle_of_the_queue(live):
+    bm = manager(live, 6, 2)
+    a = make_seq([1, 2, 3, 4, 5, 6, 9])
+    admit(bm, a)
+    bm.free(a)
+    assert bm.free_block_ids() == [4, 5, 3, 2, 1, 0]
+    b = live(make_seq([1, 2, 3, 4, 40]))
+    assert bm.allocate_prefix(b) == 4
+    assert bm.free_block_ids() == [4, 5, 3, 2]
+    compute(bm, b)
+    assert b.block_table == [0, 1, 4]
+
+
+def test_lru_eviction_takes_the_least_recently_freed_block_first(live):
+    bm = manager(live, 6, 2)
+    a = make_seq([1, 2, 3, 4, 5, 6, 7])  # blocks 0, 1, 2 full and cached, block 3 partial
+    admit(bm, a)
+    b = make_seq([20, 21, 22, 23])  # blocks 4, 5
+    admit(bm, b)
+    bm.free(a)
+    bm.free(b)
+    assert bm.free_block_ids() == [3, 2, 1, 0, 5, 4]
+    assert bm.stats().cached == 5
+    # New content needs three blocks: a's partial block, then a's tail, then the middle of a.
+    c = live(make_seq([90, 91, 92, 93, 94]))
+    admit(bm, c)
+    assert c.block_table == [3, 2, 1]
+    assert bm.free_block_ids() == [0, 5, 4]
+    assert bm.stats().cached == 3
+    # a's prefix now only hits its first block; b's blocks are untouched.
+    again_a = live(make_seq([1, 2, 3, 4, 5, 6, 7]))
+    assert bm.allocate_prefix(again_a) == 2
+    again_b = live(make_seq([20, 21, 22, 23, 24]))
+    assert bm.allocate_prefix(again_b) == 4
+    assert again_b.block_table == [4, 5]
+
+
+def test_the_chain_hash_makes_a_block_depend_on_everything_before_it(live):
+    bm = manager(live, 8, 2)
+    a = make_seq([1, 2, 3, 4, 9])
+    admit(bm, a)
+    bm.free(a)
+    # Same second block, different first block: no hit at all.
+    b = live(make_seq([1, 5, 3, 4, 9]))
+    assert bm.allocate_prefix(b) == 0
+    assert chain_hash(None, (1, 2)) != chain_hash(None, (1, 5))
+    assert chain_hash(chain_hash(None, (1, 2)), (3, 4)) != chain_hash(chain_hash(None, (1, 5)), (3, 4))
+
+
+def test_two_sequences_computing_the_same_prefix_publish_it_once(live):
+    bm = manager(live, 8, 2)
+    # Both admitted before either computed: no hit, each computes its own copy.
+    a, b = live(make_seq([1, 2, 3, 4, 5])), live(make_seq([1, 2, 3, 4, 6]))
+    assert bm.allocate_prefix(a) == 0 and bm.allocate_prefix(b) == 0
+    compute(bm, a)
+    compute(bm, b)
+    assert a.block_table == [0, 1, 2] and b.block_table == [3, 4, 5]
+    assert [blk.hash is not None for blk in bm.blocks[:6]] == [True, True, False, False, False, False]
+    for seq in (a, b):
+        bm.free(seq)
+    live.live.clear()
+    assert bm.stats().cached == 2
+    c = live(make_seq([1, 2, 3, 4, 7]))
+    assert bm.allocate_prefix(c) == 4
+    assert c.block_table == [0, 1]
+
+
+def test_decoded_tokens_fill_and_publish_blocks(live):
+    bm = manager(live, 8, 2)
+    seq = live(make_seq([1, 2, 3]))
+    admit(bm, seq)
+    assert seq.block_table == [0, 1] and bm.blocks[1].hash is None
+    seq.append_token(4)  # sampled; its KV is computed by the next step
+    assert bm.blocks[1].hash is None
+    compute(bm, seq)
+    assert seq.block_table == [0, 1] and bm.blocks[1].hash == chain_hash(bm.blocks[0].hash, (3, 4))
+    seq.append_token(5)
+    compute(bm, seq)
+    assert seq.block_table == [0, 1, 2]
+    # A later request with the prompt + generated text reuses the generated block too.
+    other = live(make_seq([1, 2, 3, 4, 5]))
+    assert bm.allocate_prefix(other) == 4
+
+
+def test_ensure_slots_is_all_or_nothing(live):
+    bm = manager(live, 4, 2)
+    a = live(make_seq([1, 2, 3, 4, 5]))
+    admit(bm, a)
+    b = live(make_seq([9, 9, 9, 9]))
+    assert not bm.ensure_slots(b, 4)  # needs 2 blocks, 1 free
+    assert b.block_table == [] and bm.free_block_ids() == [3]
+    assert bm.ensure_slots(b, 2)
+    assert b.block_table == [3]
+
+
+def test_preemption_frees_and_the_recompute_reuses_the_cached_prefix(live):
+    bm = manager(live, 8, 2)
+    seq = live(make_seq([1, 2, 3, 4, 5]))
+    admit(bm, seq)
+    for token in (6, 7):
+        seq.append_token(token)
+        compute(bm, seq)
+    assert seq.block_table == [0, 1, 2, 3] and seq.num_computed_tokens == 7
+    bm.free(seq)  # preempted
+    assert seq.num_computed_tokens == 0
+    # Recompute of prompt + output: three full blocks come back, the last token is recomputed.
+    assert bm.allocate_prefix(seq) == 6
+    assert seq.block_table == [0, 1, 2]
+    compute(bm, seq)
+    assert seq.block_table == [0, 1, 2, 4]
+
+
+def test_prefix_caching_off_never_hashes_or_reuses(live):
+    bm = manager(live, 8, 2, enable_prefix_caching=False)
+    a = make_seq([1, 2, 3, 4, 5])
+    admit(bm, a)
+    assert all(b.hash is None for b in bm.blocks)
+    bm.free(a)
+    b = live(make_seq([1, 2, 3, 4, 5]))
+    assert bm.allocate_prefix(b) == 0
+    compute(bm, b)
+    assert b.block_table == [3, 4, 5]
+    assert bm.stats().cached == 0
+
+
+def test_a_request_owing_prompt_logprobs_takes_no_cached_blocks(live):
+    # Bug fixed: a cache hit skipped the model at the cached positions, so their prompt logprobs
+    # were never computed (the second request got 0 of 20).
+    bm = manager(live, 8, 2)
+    a = make_seq([1, 2, 3, 4, 5])
+    admit(bm, a)
+    bm.free(a)
+    wants_logprobs = live(make_seq([1, 2, 3, 4, 5], prompt_logprobs=1))
+    assert bm.allocate_prefix(wants_logprobs) == 0
+    compute(bm, wants_logprobs)
+    # Once its first token is out it owes nothing: a recompute after preemption may reuse blocks.
+    wants_logprobs.append_token(6)
+    compute(bm, wants_logprobs)
+    bm.free(wants_logprobs)
+    assert bm.allocate_prefix(wants_logprobs) == 4
+
+
+# Two different 16-token blocks on which CPython's tuple hash collides (found with a 2^33-step
+# distinguished-point search); a 64-bit hash lets a user craft such a block against a known prompt.
+COLLIDING_BLOCKS = (
+    [0] * 8 + [4, 232, 111, 108, 165, 217, 27, 27],
+    [0] * 8 + [33, 59, 226, 118, 58, 244, 152, 173],
+)
+
+
+def test_blocks_whose_python_hashes_collide_are_not_confused(live):
+    # Bug fixed: the chain hash was Python's hash((parent, tokens)), so the second block "hit" the
+    # first one's KV and a request was served another request's cache.
+    first, second = COLLIDING_BLOCKS
+    assert first != second and hash(tuple(first)) == hash(tuple(second)), "precondition: a real collision"
+    assert chain_hash(None, tuple(first)) != chain_hash(None, tuple(second))
+    bm = manager(live, 8, 16)
+    a = make_seq([*first, 1])
+    admit(bm, a)
+    bm.free(a)
+    assert bm.stats().cached == 1
+    b = live(make_seq([*second, 1]))
+    assert bm.allocate_prefix(b) == 0
+    again = live(make_seq([*first, 2]))
+    assert bm.allocate_prefix(again) == 16  # the same tokens still hit
+
+
+def test_hit_rate_counts_recorded_lookups(live):
+    bm = manager(live, 8, 2)
+    assert bm.stats().hit_rate == 0.0
+    bm.record_prefix_lookup(10, 0)
+    bm.record_prefix_lookup(10, 6)
+    stats = bm.stats()
+    assert (stats.prefix_queries, stats.prefix_hits, stats.hit_rate) == (20, 6, 0.3)
+
+
+def test_reset_prefix_cache_forgets_free_blocks_only(live):
+    bm = manager(live, 8, 2)
+    a = make_seq([1, 2, 3, 4, 5])
+    admit(bm, a)
+    bm.free(a)
+    b = live(make_seq([7, 7, 8, 8, 9]))
+    admit(bm, b)
+    bm.reset_prefix_cache()
+    assert bm.stats().cached == 0
+    assert bm.blocks[b.block_table[0]].hash is not None  # in use: keeps its hash
+    assert bm.allocate_prefix(live(make_seq([1, 2, 3, 4, 5]))) == 0
+
+
+def test_check_integrity_catches_a_wrong_ref_count(live):
+    bm = BlockManager(4, 2)
+    seq = make_seq([1, 2, 3])
+    admit(bm, seq)
+    bm.blocks[0].ref_count = 2
+    with pytest.raises(AssertionError, match="block 0 ref count wrong"):
+        bm.check_integrity([seq])
+    bm.blocks[0].ref_count = 1
+    seq.block_table.append(seq.block_table[0])
+    with pytest.raises(AssertionError, match="owns a block twice"):
+        bm.check_integrity([seq])
+
+
+@pytest.mark.parametrize(("num_blocks", "block_size"), [(0, 4), (4, 0)])
+def test_rejects_an_empty_geometry(num_blocks, block_size):
+    with pytest.raises(ValueError, match="num_blocks and block_size"):
+        BlockManager(num_blocks, block_size)
+
+
+# ----- property tests ------------------------------------------------------------------------------
+# Tokens come from a tiny alphabet over a few shared stems, so random sequences share prefixes often.
+STEMS = ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9, 9, 9], [4, 4, 4, 4])
+BLOCK_SIZE = 2
+NUM_BLOCKS = 10
+
+
+def fingerprint(seq: Sequence, pos: int) -> tuple[int, ...]:
+    return tuple(seq.token_ids[: pos + 1])
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random admissions, chunks, sampled tokens, frees and preemptions against a model of the KV slots."""
+
+    held = Bundle("held")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
+        self.seqs: list[Sequence] = []
+        self.kv: dict[int, tuple[int, ...]] = {}
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        return seq.block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+
+    def _compute(self, seq: Sequence, num_tokens: int) -> bool:
+        start = seq.num_computed_tokens
+        end = min(seq.num_tokens, start + num_tokens)
+        if end == start or not self.bm.ensure_slots(seq, end):
+            return False
+        for pos in range(start, end):
+            block = self.bm.blocks[seq.block_table[pos // BLOCK_SIZE]]
+            assert block.ref_count == 1, f"write into shared block {block.block_id}"
+            assert block.hash is None, f"write into published block {block.block_id}"
+            self.kv[self._slot(seq, pos)] = fingerprint(seq, pos)
+        seq.num_computed_tokens = end
+        self.bm.commit_computed_blocks(seq)
+        return True
+
+    @rule(
+        target=held,
+        stem=st.sampled_from(STEMS),
+        cut=st.integers(0, 8),
+        tail=st.lists(st.integers(0, 3), max_size=4),
+        chunk=st.integers(1, 8),
+    )
+    def admit(self, stem, cut, tail, chunk):
+        prompt = stem[:cut] + tail or [0]
+        seq = make_seq(prompt)
+        reused = self.bm.allocate_prefix(seq)
+        assert reused % BLOCK_SIZE == 0 and reused < seq.num_tokens
+        if not self._compute(seq, chunk):
+            self.bm.free(seq)  # did not fit: the scheduler gives everything back
+            return None
+        self.seqs.append(seq)
+        return seq
+
+    @rule(seq=held, chunk=st.integers(1, 6))
+    def advance(self, seq, chunk):
+        if seq in self.seqs:
+            self._compute(seq, chunk)
+
+    @rule(seq=held, token=st.integers(0, 9))
+    def sample(self, seq, token):
+        if seq in self.seqs and seq.num_uncomputed_tokens == 0 and seq.num_tokens < 24:
+            seq.append_token(token)
+
+    @rule(seq=consumes(held))
+    def finish(self, seq):
+        if seq in self.seqs:
+            self.seqs.remove(seq)
+            self.bm.free(seq)
+
+    @rule(seq=held, chunk=st.integers(1, 8))
+    def preempt_and_resume(self, seq, chunk):
+        if seq not in self.seqs:
+            return
+        self.bm.free(seq)
+        self.bm.allocate_prefix(seq)
+        if not self._compute(seq, chunk):
+            self.bm.free(seq)
+            self.seqs.remove(seq)
+
+    @invariant()
+    def invariants_hold(self):
+        self.bm.check_integrity(self.seqs)
+        stats = self.bm.stats()
+        free = self.bm.free_block_ids()
+        assert stats.used + stats.free == stats.total == NUM_BLOCKS
+        assert stats.free == len(free) == len(set(free))
+        # cached ⊆ free: the cached count is exactly the free blocks still holding content
+        assert stats.cached == sum(1 for b in free if self.bm.blocks[b].hash is not None)
+        owners: dict[int, int] = {}
+        for seq in self.seqs:
+            for block_id in seq.block_table:
+                owners[block_id] = owners.get(block_id, 0) + 1
+        for block in self.bm.blocks:
+            assert block.ref_count == owners.get(block.block_id, 0)
+            if block.ref_count > 1:
+                assert block.hash is not None, "only full, published blocks are shared"
+        # What attention would read: every computed position holds this sequence's own prefix.
+        for seq in self.seqs:
+            for pos in range(seq.num_computed_tokens):
+                assert self.kv.get(self._slot(seq, pos)) == fingerprint(seq, pos)
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_block_manager_random_operations = BlockManagerMachine.TestCase

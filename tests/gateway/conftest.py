@@ -1,0 +1,59 @@
+"""Fixtures of the gateway tests: a scriptable fake engine and in-process gateways in front of it."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.inprocess import GatewayThread
+from tests.support.fake_engine import FakeEngine
+
+MODEL = "fake-model"
+
+
+@pytest.fixture(scope="module")
+def fake_engine_server():
+    with FakeEngine(MODEL) as fake:
+        yield fake
+
+
+@pytest.fixture
+def fake(fake_engine_server):
+    """The module's fake engine with a fresh default script and record."""
+    fake_engine_server.reset()
+    yield fake_engine_server
+    fake_engine_server.release()  # never leave a held stream behind
+
+
+@pytest.fixture(scope="module")
+def gateway(fake_engine_server):
+    with GatewayThread([fake_engine_server.address]) as gw:
+        yield gw
+
+
+@pytest.fixture
+def client(gateway, fake):
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as sdk:
+        yield sdk
+
+
+@pytest.fixture
+def http(gateway, fake):
+    with httpx.Client(base_url=gateway.url, timeout=30) as raw:
+        yield raw
+
+
+@pytest.fixture
+def make_gateway():
+    """Start extra gateways with config overrides; all are stopped after the test."""
+    started: list[GatewayThread] = []
+
+    def make(engines, **overrides) -> GatewayThread:
+        gw = GatewayThread(list(engines), **overrides).start()
+        started.append(gw)
+        return gw
+
+    yield make
+    for gw in started:
+        gw.stop()

@@ -1,0 +1,52 @@
+"""Run the real gateway app (uvicorn, 127.0.0.1, free port) in a background thread for fast tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+
+from conduit_gateway.config import GatewayConfig
+from conduit_gateway.http.app import create_app
+from tests.support.processes import free_port
+
+
+class GatewayThread:
+    """The gateway for `engines` with any GatewayConfig overrides; `url` is its base URL."""
+
+    def __init__(self, engines: list[str], **overrides: object) -> None:
+        self.port = free_port()
+        self.config = GatewayConfig(engines=tuple(engines), host="127.0.0.1", port=self.port, **overrides)
+        self.app = create_app(self.config)
+        self._server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="asyncio", log_level="warning")
+        )
+        self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ctx(self):
+        return self.app.state.ctx
+
+    def start(self) -> GatewayThread:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process gateway did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> GatewayThread:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,48 @@
+"""tests/support: process management and the ../shared rule other suites rely on."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+
+from tests.support.processes import ManagedProcess, ProcessStartError, free_port
+from tests.support.shared import require_shared, shared_dir
+
+
+def test_stop_escalates_to_sigkill_when_sigterm_is_ignored():
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('up', flush=True); time.sleep(60)"
+    )
+    process = ManagedProcess("stubborn", [sys.executable, "-c", code], free_port())
+    process.wait_ready(lambda: "up" in process.output_tail(), timeout_s=30)
+    assert process.stop(grace_s=0.5) == -signal.SIGKILL
+
+
+def test_wait_ready_reports_exit_and_output():
+    process = ManagedProcess(
+        "failing", [sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"], free_port()
+    )
+    with pytest.raises(ProcessStartError, match=r"(?s)exited with code 3.*bad flag"):
+        process.wait_ready(lambda: False, timeout_s=30)
+    process.stop()
+
+
+def test_context_manager_stops_the_process():
+    with ManagedProcess(
+        "sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], free_port()
+    ) as process:
+        assert process.process.poll() is None
+    assert process.process.returncode == -signal.SIGTERM
+
+
+def test_require_shared_skips_outside_ci_and_fails_in_ci(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="is missing"):
+        require_shared("no/such/thing")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="is missing"):
+        require_shared("no/such/thing")
+    assert shared_dir().name == "shared"
