@@ -78,3 +78,46 @@ def test_bad_flags_are_refused(argv, message, monkeypatch):
     monkeypatch.delenv("CONDUIT_MODEL", raising=False)
     with pytest.raises(ValueError, match=message):
         config_from_args(build_parser().parse_args(argv))
+
+
+def test_chat_without_max_tokens_runs_until_the_context_is_full(stories_path):
+    from conduit.engine.v1 import engine_pb2 as pb
+    from conduit_engine.config import EngineConfig, ModelConfig
+    from conduit_engine.engine import LLMEngine
+    from conduit_engine.proto_mapping import request_from_pb
+    from tests.engine.harness import run_to_completion
+
+    chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="Hi")])
+    req = request_from_pb(
+        pb.GenerateRequest(request_id="c", chat=chat, sampling=pb.SamplingParams(ignore_eos=True))
+    )
+    assert req.params.max_tokens is None
+    text_req = request_from_pb(pb.GenerateRequest(text="Hi"))
+    assert text_req.params.max_tokens == 16  # completions keep OpenAI's default
+    engine = LLMEngine(EngineConfig(model=ModelConfig(path=str(stories_path), max_model_len=40)))
+    prompt = engine.add_request(req)
+    out = run_to_completion(engine)[("c", 0)]
+    assert len(out.token_ids) == 40 - len(prompt)
+    assert out.final.finish_reason.value == "length"
+
+
+def test_token_text_keeps_the_leading_space(stories_path):
+    from conduit_engine.tokenizer import ModelTokenizer
+
+    tok = ModelTokenizer(stories_path)
+    ids = tok.encode("Once upon a time")
+    assert [tok.token_text(i) for i in ids] == ["<s>", " Once", " upon", " a", " time"]
+
+
+def test_request_ids_reach_the_engine_log(stories_path, caplog):
+    from conduit_engine.request import GenerationRequest
+    from conduit_engine.sampling_params import SamplingParams
+    from tests.engine.harness import run_to_completion
+
+    engine = make_engine(stories_path)
+    with caplog.at_level("INFO", logger="conduit_engine.engine"):
+        engine.add_request(GenerationRequest("req-abc-123", SamplingParams(max_tokens=3), token_ids=[1]))
+        run_to_completion(engine)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("req-abc-123 queued" in m for m in messages)
+    assert any("req-abc-123 finished" in m for m in messages)

@@ -140,6 +140,10 @@ class LLMEngine:
         prompt = self.tokenize_prompt(req)
         if not prompt:
             raise InvalidRequestError("input", "prompt encodes to no tokens")
+        if params.max_tokens is None:
+            # Until the context (or, for a small cache, the whole cache) is full.
+            room = min(self.max_model_len, self.num_blocks * self.block_size)
+            params.max_tokens = max(1, room - len(prompt))
         self._check_fits(prompt, params.max_tokens, params.n)
         self._check_queue(params.n)
         arrival = next(self._arrivals)
@@ -169,6 +173,13 @@ class LLMEngine:
             for _ in seqs
         ]
         self._requests[req.request_id] = _Request(req.request_id, prompt, seqs, detoks)
+        log.info(
+            "request %s queued: %d prompt tokens, n=%d, max_tokens=%d",
+            req.request_id,
+            len(prompt),
+            params.n,
+            params.max_tokens,
+        )
         for seq in seqs:
             self.scheduler.add(seq)
         return prompt
@@ -208,6 +219,7 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return []
+        log.info("request %s aborted", request_id)
         outputs = []
         for seq in req.seqs:
             if seq.is_finished:
@@ -258,6 +270,14 @@ class LLMEngine:
             if req.finished:
                 del self._requests[req.request_id]
                 self._finished_requests += 1
+                usage = req.usage()
+                log.info(
+                    "request %s finished (%s): %d completion tokens, %d cached prompt tokens",
+                    req.request_id,
+                    ",".join(s.finish_reason.value for s in req.seqs if s.finish_reason is not None),
+                    usage.completion_tokens,
+                    usage.cached_tokens,
+                )
         return outputs
 
     def _append(self, req: _Request, seq: Sequence, token_id: int) -> str:

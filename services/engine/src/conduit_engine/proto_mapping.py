@@ -70,6 +70,8 @@ def messages_from_pb(chat: pb.ChatInput) -> list[ChatMessage]:
 
 def request_from_pb(msg: pb.GenerateRequest) -> GenerationRequest:
     params = sampling_from_pb(msg.sampling)
+    if msg.WhichOneof("input") == "chat" and not msg.sampling.HasField("max_tokens"):
+        params.max_tokens = None  # chat, as OpenAI: generate until the context is full
     req = GenerationRequest(
         request_id=msg.request_id or f"req-{uuid.uuid4().hex}",
         params=params,

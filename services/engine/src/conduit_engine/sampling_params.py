@@ -15,7 +15,7 @@ MAX_STOP_STRINGS = 16
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until the context is full (the default for chat input)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1 on input) disables
@@ -46,7 +46,11 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError for the first bad field; `vocab_size` enables token-id checks."""
-        _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            "max_tokens",
+            f"must be at least 1, got {self.max_tokens}",
+        )
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(self.temperature == self.temperature, "temperature", "must be a number")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -69,7 +73,7 @@ class SamplingParams:
         )
         _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
         _check(
-            self.min_tokens <= self.max_tokens,
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens",
             f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
         )

@@ -48,6 +48,10 @@ class ModelTokenizer:
         self.special_ids = frozenset(
             i for i, tok in self.hf.get_added_tokens_decoder().items() if tok.special
         )
+        # Decoders strip the leading space of the first token; decoding after an anchor token keeps it.
+        self._anchor = self.hf.encode("a", add_special_tokens=False).ids[-1]
+        self._anchor_text = self.hf.decode([self._anchor], skip_special_tokens=False)
+        self._token_texts: dict[int, str] = {}
         self._template = None
         if self.chat_template is not None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -63,7 +67,13 @@ class ModelTokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        return self.hf.decode([token_id], skip_special_tokens=False)
+        """The text one token adds after other text (keeps SentencePiece's leading space: " there")."""
+        cached = self._token_texts.get(token_id)
+        if cached is None:
+            with_anchor = self.hf.decode([self._anchor, token_id], skip_special_tokens=False)
+            cached = with_anchor[len(self._anchor_text) :]
+            self._token_texts[token_id] = cached
+        return cached
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
         if self._template is None:
