@@ -48,12 +48,18 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -
     raise SystemExit("the gateway did not become healthy in time")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run the Conduit engine and gateway together.")
     parser.add_argument("--model", required=True)
     parser.add_argument("--engine-port", type=int, default=50051)
     parser.add_argument("--gateway-port", type=int, default=8000)
     args = parser.parse_args()
+    # SIGTERM (e.g. from a supervisor) must stop the children too, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
     bin_dir = Path(sys.executable).parent
     engine = subprocess.Popen(
         [
@@ -103,6 +109,8 @@ Ctrl-C stops both.""",
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         for p in reversed(procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
