@@ -30,7 +30,7 @@ def test_run_stack_serves_the_demo_model_and_stops_cleanly(tmp_path):
             str(gateway_port),
         ],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
         text=True,
     )
     try:
@@ -45,14 +45,14 @@ def test_run_stack_serves_the_demo_model_and_stops_cleanly(tmp_path):
         reply = client.completions.create(model="demo-llama", prompt="Once upon a time", max_tokens=5)
         assert reply.usage.completion_tokens == 5
         children = subprocess.run(
-            ["pgrep", "-f", f"port {engine_port}|port {gateway_port}"], capture_output=True, text=True
+            ["pgrep", "-f", f"[-]-port {engine_port}|[-]-port {gateway_port}"], capture_output=True, text=True
         ).stdout.split()
         assert len(children) == 2
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         for _ in range(100):
             alive = subprocess.run(
-                ["pgrep", "-f", f"port {engine_port}|port {gateway_port}"], capture_output=True
+                ["pgrep", "-f", f"[-]-port {engine_port}|[-]-port {gateway_port}"], capture_output=True
             )
             if alive.returncode != 0:
                 break
