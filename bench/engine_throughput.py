@@ -22,7 +22,7 @@ def run_engine(folder, requests, max_num_seqs: int) -> tuple[int, float, float]:
     engine = LLMEngine(
         EngineConfig(
             model=ModelConfig(path=str(folder)),
-            cache=CacheConfig(num_blocks=4096),
+            cache=CacheConfig(num_blocks=16 * max_num_seqs),  # 256 tokens per sequence
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
         )
     )
