@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.inprocess import GatewayThread
 from tests.support.fake_engine import FakeEngine
+from tests.support.gateway_thread import GatewayThread
 
 MODEL = "fake-model"
 

@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--engine",
         action="append",
-        help="engine address HOST:PORT; comma-separated or repeated for several (round robin)",
+        help="engine address HOST:PORT; comma-separated or repeated for several",
     )
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -35,7 +35,45 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted API key (Authorization: Bearer KEY); repeat or comma-separate for several",
     )
     parser.add_argument(
-        "--routing", default="round_robin", choices=ROUTING_STRATEGIES, help="engine selection"
+        "--routing",
+        default="round_robin",
+        choices=ROUTING_STRATEGIES,
+        help="engine selection strategy (default round_robin)",
+    )
+    parser.add_argument(
+        "--engine-dns",
+        default=None,
+        help="HOST:PORT whose every A record is an engine (e.g. a Kubernetes headless Service)",
+    )
+    parser.add_argument(
+        "--dns-interval", type=float, default=10.0, help="seconds between DNS resolutions (default 10)"
+    )
+    parser.add_argument(
+        "--admin-key",
+        action="append",
+        help="key of the /admin API (Authorization: Bearer KEY); repeat or comma-separate; none = no API",
+    )
+    parser.add_argument(
+        "--load-interval", type=float, default=1.0, help="seconds between GetLoad polls per engine"
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=1,
+        help="other engines tried after a refusal (UNAVAILABLE, RESOURCE_EXHAUSTED) before the first token",
+    )
+    parser.add_argument(
+        "--affinity-prefix-chars",
+        type=int,
+        default=256,
+        help="prefix_affinity: leading prompt characters hashed to pick the engine (default 256)",
+    )
+    parser.add_argument(
+        "--affinity-load-factor",
+        type=float,
+        default=2.0,
+        help="prefix_affinity: spill to the next engine above this many times the mean in-flight load "
+        "(default 2)",
     )
     parser.add_argument(
         "--max-concurrent-requests", type=int, default=1024, help="more get 429 (default 1024)"
@@ -43,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger bodies get 413")
     parser.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 429 (default 1)")
     parser.add_argument(
-        "--health-interval", type=float, default=2.0, help="engine health poll period, seconds"
+        "--health-interval",
+        type=float,
+        default=2.0,
+        help="longest wait between attempts to re-open an engine's health watch, seconds (default 2)",
     )
     parser.add_argument(
         "--request-timeout", type=float, default=None, help="deadline of one generation, seconds"
@@ -94,6 +135,13 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> Gateway
         port=args.port,
         api_keys=_split(args.api_key or [from_env.get("api_key", "")]),
         routing=args.routing,
+        engine_dns=args.engine_dns,
+        dns_interval_s=args.dns_interval,
+        admin_keys=_split(args.admin_key or [from_env.get("admin_key", "")]),
+        load_interval_s=args.load_interval,
+        retries=args.retries,
+        affinity_prefix_chars=args.affinity_prefix_chars,
+        affinity_load_factor=args.affinity_load_factor,
         max_concurrent_requests=args.max_concurrent_requests,
         max_body_bytes=args.max_body_bytes,
         retry_after_s=args.retry_after,

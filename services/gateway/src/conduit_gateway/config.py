@@ -8,19 +8,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-ROUTING_STRATEGIES = ("round_robin",)
+from conduit_gateway.engine.selection import strategy_names
+
+ROUTING_STRATEGIES = strategy_names()
 
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message starts with the option's name."""
 
 
-def parse_engine_address(address: str) -> str:
-    """Return `address` stripped, or raise ConfigError unless it reads HOST:PORT with 1 <= PORT <= 65535."""
+def parse_engine_address(address: str, field: str = "engine") -> str:
+    """Return `address` stripped, or raise ConfigError (naming `field`) unless it reads HOST:PORT with
+    1 <= PORT <= 65535."""
     text = address.strip()
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(f"engine: expected HOST:PORT with a port in [1, 65535], got {address!r}")
+    # No spaces or slashes: the address is also a path segment of the admin API.
+    bad_host = not host or any(char in host for char in " /")
+    if not sep or bad_host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{field}: expected HOST:PORT with a port in [1, 65535], got {address!r}")
     return text
 
 
@@ -28,15 +33,30 @@ def parse_engine_address(address: str) -> str:
 class GatewayConfig:
     """Everything the gateway needs to run; see `cli.py` for the matching flags."""
 
+    # Static engine addresses; may be empty when nodes come from DNS or the admin API.
     engines: tuple[str, ...]
     host: str = "0.0.0.0"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
     routing: str = "round_robin"
+    # HOST:PORT whose every A record is an engine (a Kubernetes headless Service), re-resolved periodically.
+    engine_dns: str | None = None
+    dns_interval_s: float = 10.0
+    # Keys of the /admin API; none means the admin API does not exist.
+    admin_keys: tuple[str, ...] = ()
+    # How often each SERVING engine is asked for its load (GetLoad).
+    load_interval_s: float = 1.0
+    # Extra attempts on other engines for a request refused (UNAVAILABLE, RESOURCE_EXHAUSTED) before output.
+    retries: int = 1
+    # prefix_affinity: how much of the prompt's start picks the engine, and how far above the average
+    # in-flight count an engine may go before requests spill to the next one on the ring.
+    affinity_prefix_chars: int = 256
+    affinity_load_factor: float = 2.0
     # Requests in flight at once; one more gets 429 rather than queueing in the gateway.
     max_concurrent_requests: int = 1024
     max_body_bytes: int = 8 * 1024 * 1024
     retry_after_s: int = 1
+    # Longest wait between attempts to re-open an engine's health watch (the backoff starts at 0.2 s).
     health_interval_s: float = 2.0
     # None: generation streams have no deadline (they may legitimately run for minutes).
     request_timeout_s: float | None = None
@@ -45,10 +65,20 @@ class GatewayConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        if not self.engines:
-            raise ConfigError("engine: at least one HOST:PORT is required")
+        if not self.engines and self.engine_dns is None and not self.admin_keys:
+            raise ConfigError(
+                "engine: at least one HOST:PORT is required (or --engine-dns, or --admin-key to add "
+                "engines at run time)"
+            )
         for address in self.engines:
             parse_engine_address(address)
+        if self.engine_dns is not None:
+            parse_engine_address(self.engine_dns, field="engine_dns")
+        _positive("dns_interval", self.dns_interval_s)
+        if any(not key for key in self.admin_keys):
+            raise ConfigError("admin_key: keys must not be empty")
+        if set(self.admin_keys) & set(self.api_keys):
+            raise ConfigError("admin_key: must differ from every api_key (an API key must not grant admin)")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: must be in [0, 65535], got {self.port}")
         if any(not key for key in self.api_keys):
@@ -66,6 +96,12 @@ class GatewayConfig:
         _positive("grpc_keepalive", self.grpc_keepalive_s)
         if self.request_timeout_s is not None:
             _positive("request_timeout", self.request_timeout_s)
+        _positive("load_interval", self.load_interval_s)
+        if self.retries < 0:
+            raise ConfigError(f"retries: must be >= 0, got {self.retries}")
+        _positive("affinity_prefix_chars", self.affinity_prefix_chars)
+        if not (self.affinity_load_factor >= 1 and math.isfinite(self.affinity_load_factor)):
+            raise ConfigError(f"affinity_load_factor: must be >= 1, got {self.affinity_load_factor}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conduit_gateway.config import GatewayConfig
+from conduit_gateway.engine.discovery import Resolver
 from conduit_gateway.engine.pool import EnginePool
 from conduit_gateway.http.limits import ConcurrencyLimiter
 from conduit_gateway.http.metrics import GatewayMetrics
@@ -18,7 +19,8 @@ class GatewayContext:
     metrics: GatewayMetrics
 
     @classmethod
-    def create(cls, config: GatewayConfig) -> GatewayContext:
-        return cls(
-            config, EnginePool(config), ConcurrencyLimiter(config.max_concurrent_requests), GatewayMetrics()
-        )
+    def create(cls, config: GatewayConfig, resolver: Resolver | None = None) -> GatewayContext:
+        """`resolver` replaces DNS lookups for --engine-dns (tests inject one)."""
+        pool = EnginePool(config, resolver=resolver)
+        metrics = GatewayMetrics(nodes=lambda: pool.engines)
+        return cls(config, pool, ConcurrencyLimiter(config.max_concurrent_requests), metrics)

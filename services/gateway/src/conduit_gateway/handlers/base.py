@@ -24,7 +24,7 @@ from conduit_gateway.handlers.choices import (
     UsageTotals,
     prompt_logprobs_entries,
 )
-from conduit_gateway.handlers.streams import PromptStream, cancel_all, open_streams, read_messages
+from conduit_gateway.handlers.streams import PromptStream, close_all, open_streams, read_messages
 from conduit_gateway.http.sse import DONE_EVENT, ChunkEncoder, EventStreamResponse, error_event
 from conduit_gateway.schemas.common import SamplingRequest
 
@@ -121,6 +121,7 @@ class GenerationHandler(ABC):
             )
         self.ctx.metrics.generations_in_flight.inc()
         streaming = False
+        streams: list[PromptStream] = []
         try:
             streams = await self._open(requests)
             self.ctx.metrics.first_token_seconds.labels(self.endpoint).observe(
@@ -130,13 +131,18 @@ class GenerationHandler(ABC):
             usage = UsageTotals(len(requests))
             if self.body.stream:
                 streaming = True
-                return EventStreamResponse(self._events(streams, choices, usage), on_close=self._release)
+                return EventStreamResponse(
+                    self._events(streams, choices, usage), on_close=lambda: self._release(streams)
+                )
             return await self._accumulate(streams, choices, usage)
         finally:
             if not streaming:
-                self._release()
+                self._release(streams)
 
-    def _release(self) -> None:
+    def _release(self, streams: list[PromptStream]) -> None:
+        # Also here, not only where the events end: a response closed before its first event never runs
+        # the event generator's cleanup, and the streams must still give back their nodes' slots.
+        close_all(streams)
         self.ctx.limiter.release()
         self.ctx.metrics.generations_in_flight.dec()
 
@@ -149,7 +155,11 @@ class GenerationHandler(ABC):
     async def _open(self, requests: list[engine_pb2.GenerateRequest]) -> list[PromptStream]:
         try:
             return await open_streams(
-                self.ctx.pool, self.body.model, requests, self.ctx.config.request_timeout_s
+                self.ctx.pool,
+                self.body.model,
+                requests,
+                self.ctx.config.request_timeout_s,
+                on_retry=lambda code: self.ctx.metrics.retries.labels(code.name).inc(),
             )
         except grpc.aio.AioRpcError as exc:
             raise self._rpc_error(exc) from None
@@ -198,7 +208,7 @@ class GenerationHandler(ABC):
         except grpc.aio.AioRpcError as exc:
             raise self._rpc_error(exc) from None
         finally:
-            cancel_all(streams)
+            close_all(streams)
         self._record_usage(usage)
         # prompt_logprobs is a vLLM extra: absent (not null) unless asked for, like OpenAI's shape.
         exclude = self.absent_prompt_logprobs if self.body.prompt_logprobs is None else None
@@ -268,7 +278,7 @@ class GenerationHandler(ABC):
                 )
             yield DONE_EVENT
         finally:
-            cancel_all(streams)
+            close_all(streams)
 
     def _stream_error(self, error: OpenAIError) -> str:
         log.warning("request %s: stream ended by error %s: %s", self.request_id, error.status, error.message)

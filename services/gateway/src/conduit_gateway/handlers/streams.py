@@ -2,38 +2,76 @@
 
 A stream counts as open once its first message has arrived, so that errors the engine raises before any
 output (bad parameters, queue full, not ready) become the HTTP status of the response rather than an
-event inside a 200 stream. UNAVAILABLE before the first message is retried on another ready engine.
+event inside a 200 stream. A refusal before the first message (UNAVAILABLE: the engine is down or
+draining; RESOURCE_EXHAUSTED: its queue is full) is retried on another engine, `config.retries` times at
+most; once output has reached the client a request is never retried.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
 from conduit.engine.v1 import engine_pb2
-from conduit_gateway.engine.client import EngineClient
+from conduit_gateway.engine.node import EngineNode
 from conduit_gateway.engine.pool import EnginePool
 from conduit_gateway.errors import OpenAIError
 
 log = logging.getLogger(__name__)
 
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+# Told the status of each refusal that is retried on another node (for metrics).
+OnRetry = Callable[[grpc.StatusCode], None]
+
+
+def _ignore_retry(code: grpc.StatusCode) -> None:
+    pass
+
 
 @dataclass(slots=True)
 class PromptStream:
-    """The live gRPC stream of one prompt, with its already-received first message."""
+    """The live gRPC stream of one prompt on one node, with its already-received first message.
+
+    It holds one of the node's in-flight slots until `close()`.
+    """
 
     prompt_index: int
-    engine: EngineClient
+    pool: EnginePool
+    node: EngineNode
     call: grpc.aio.UnaryStreamCall
     first: engine_pb2.GenerateResponse
+    opened_at: float = field(default_factory=time.perf_counter)
+    tokens_after_first: int = 0
+    closed: bool = False
 
-    def cancel(self) -> None:
-        # Cancelling the call makes the engine see CANCELLED and free the request's blocks.
-        self.call.cancel()
+    async def read(self) -> engine_pb2.GenerateResponse | None:
+        """The next message, or None at the end of the stream; engine errors propagate (AioRpcError)."""
+        try:
+            message = await self.call.read()
+        except grpc.aio.AioRpcError as exc:
+            self.node.request_failed(exc.code())
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.pool.eject(self.node, f"stream of {self.first.request_id} broke: {exc.details()}")
+            raise
+        if message is grpc.aio.EOF:
+            self.node.record_decode(time.perf_counter() - self.opened_at, self.tokens_after_first)
+            return None
+        self.tokens_after_first += len(message.token_ids)
+        return message
+
+    def close(self) -> None:
+        """Cancel the call if it is still open (the engine sees CANCELLED and frees the request's blocks)
+        and give back the node's in-flight slot; safe to call more than once."""
+        if not self.closed:
+            self.closed = True
+            self.call.cancel()
+            self.node.request_ended()
 
 
 async def open_stream(
@@ -42,35 +80,54 @@ async def open_stream(
     prompt_index: int,
     request: engine_pb2.GenerateRequest,
     timeout_s: float | None,
+    on_retry: OnRetry = _ignore_retry,
 ) -> PromptStream:
-    """Send `request` to a ready engine for `model` and wait for its first message."""
-    tried: list[EngineClient] = []
+    """Send `request` to a node for `model` and wait for its first message, retrying refusals elsewhere."""
+    route = pool.route_request(model, request)
     metadata = (("x-request-id", request.request_id),)
+    tried: list[EngineNode] = []
+    refusal: grpc.aio.AioRpcError | None = None
     while True:
-        engine = await pool.acquire(model, exclude=tried)
-        call = engine.generate(request, metadata, timeout_s)
+        try:
+            node = await pool.acquire(route, exclude=tried)
+        except OpenAIError:
+            if refusal is not None:
+                raise refusal from None  # no other node to try: the client sees the refusal (429/503)
+            raise
+        node.request_started()
+        call = node.client.generate(request, metadata, timeout_s)
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            node.request_ended()
+            node.request_failed(exc.code())
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                pool.eject(node, f"Generate answered UNAVAILABLE: {exc.details()}")
+            if exc.code() not in RETRYABLE or len(tried) >= pool.config.retries:
                 raise
-            pool.mark_unavailable(engine)
-            tried.append(engine)
-            if len(tried) >= len(pool.engines):
-                raise
-            log.warning("engine %s unavailable for %s, trying another", engine.address, request.request_id)
+            log.warning(
+                "engine %s refused %s (%s), trying another",
+                node.address,
+                request.request_id,
+                exc.code().name,
+            )
+            on_retry(exc.code())
+            tried.append(node)
+            refusal = exc
             continue
         except BaseException:
             call.cancel()
+            node.request_ended()
             raise
         if first is grpc.aio.EOF:
+            node.request_ended()
             raise OpenAIError(
                 502,
                 "the engine ended the stream without any output",
                 type="server_error",
                 code="engine_error",
             )
-        return PromptStream(prompt_index, engine, call, first)
+        return PromptStream(prompt_index, pool, node, call, first)
 
 
 async def open_streams(
@@ -78,12 +135,13 @@ async def open_streams(
     model: str,
     requests: Sequence[engine_pb2.GenerateRequest],
     timeout_s: float | None,
+    on_retry: OnRetry = _ignore_retry,
 ) -> list[PromptStream]:
-    """Open one stream per prompt concurrently; if any fails, cancel the others and raise its error."""
+    """Open one stream per prompt concurrently; if any fails, close the others and raise its error."""
     if len(requests) == 1:
-        return [await open_stream(pool, model, 0, requests[0], timeout_s)]
+        return [await open_stream(pool, model, 0, requests[0], timeout_s, on_retry)]
     tasks = [
-        asyncio.create_task(open_stream(pool, model, index, request, timeout_s))
+        asyncio.create_task(open_stream(pool, model, index, request, timeout_s, on_retry))
         for index, request in enumerate(requests)
     ]
     try:
@@ -94,7 +152,7 @@ async def open_streams(
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for result in results:
             if isinstance(result, PromptStream):
-                result.cancel()
+                result.close()
         raise
 
 
@@ -103,21 +161,21 @@ async def read_messages(
 ) -> AsyncIterator[tuple[int, engine_pb2.GenerateResponse]]:
     """Yield (prompt index, message) as messages arrive, first messages first, until every stream ends.
 
-    An engine error on any stream propagates (as grpc.aio.AioRpcError); the caller cancels the streams.
+    An engine error on any stream propagates (as grpc.aio.AioRpcError); the caller closes the streams.
     """
     for stream in streams:
         yield stream.prompt_index, stream.first
     if len(streams) == 1:
         # The common case needs no queue: read straight from the call as tokens arrive.
         stream = streams[0]
-        while (message := await stream.call.read()) is not grpc.aio.EOF:
+        while (message := await stream.read()) is not None:
             yield stream.prompt_index, message
         return
     queue: asyncio.Queue[tuple[int, engine_pb2.GenerateResponse | BaseException | None]] = asyncio.Queue()
 
     async def pump(stream: PromptStream) -> None:
         try:
-            while (message := await stream.call.read()) is not grpc.aio.EOF:
+            while (message := await stream.read()) is not None:
                 queue.put_nowait((stream.prompt_index, message))
             queue.put_nowait((stream.prompt_index, None))
         except Exception as exc:  # handed to the reader, which raises it
@@ -139,6 +197,6 @@ async def read_messages(
             task.cancel()
 
 
-def cancel_all(streams: Sequence[PromptStream]) -> None:
+def close_all(streams: Sequence[PromptStream]) -> None:
     for stream in streams:
-        stream.cancel()
+        stream.close()

@@ -16,7 +16,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from conduit_gateway import __version__
 from conduit_gateway.config import GatewayConfig
 from conduit_gateway.context import GatewayContext
+from conduit_gateway.engine.discovery import Resolver
 from conduit_gateway.errors import OpenAIError
+from conduit_gateway.http import admin
 from conduit_gateway.http.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -30,9 +32,12 @@ from conduit_gateway.http.validation import validation_error
 log = logging.getLogger(__name__)
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
-    """The gateway app for `config`; engine channels open when the app starts (its lifespan)."""
-    ctx = GatewayContext.create(config)
+def create_app(config: GatewayConfig, resolver: Resolver | None = None) -> FastAPI:
+    """The gateway app for `config`; engine channels open when the app starts (its lifespan).
+
+    `resolver` replaces the DNS lookups of --engine-dns (tests inject one they control).
+    """
+    ctx = GatewayContext.create(config, resolver)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -51,10 +56,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
     )
     app.state.ctx = ctx
     app.include_router(router)
+    if config.admin_keys:
+        # Off unless configured: without admin keys /admin does not exist (404).
+        app.include_router(admin.router)
     _add_error_handlers(app)
     # add_middleware wraps: the last one added runs first.
     app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, api_keys=config.api_keys)
+    app.add_middleware(ApiKeyMiddleware, api_keys=config.admin_keys, prefix="/admin")
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     app.add_middleware(RequestIdMiddleware)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from conduit_gateway.engine.node import EngineNode
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -10,8 +16,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class GatewayMetrics:
     """Every metric the gateway exports; `render()` is the /metrics body."""
 
-    def __init__(self) -> None:
+    def __init__(self, nodes: Callable[[], Sequence[EngineNode]] = list) -> None:
         self.registry = CollectorRegistry()
+        self.registry.register(NodeCollector(nodes))
         self.requests = Counter(
             "conduit_gateway_requests",
             "HTTP requests by route, method and status code.",
@@ -56,12 +63,54 @@ class GatewayMetrics:
             "Requests refused because the gateway's concurrency limit was full.",
             registry=self.registry,
         )
-        self.engine_up = Gauge(
-            "conduit_gateway_engine_up",
-            "1 when the engine's last health check said SERVING.",
-            ["engine"],
+        self.retries = Counter(
+            "conduit_gateway_retries",
+            "Requests sent to another engine after a refusal before their first token, by gRPC status.",
+            ["code"],
             registry=self.registry,
         )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class NodeCollector(Collector):
+    """Per-node series read from the pool at scrape time, so a node that leaves the pool leaves /metrics."""
+
+    def __init__(self, nodes: Callable[[], Sequence[EngineNode]]) -> None:
+        self._nodes = nodes
+
+    def collect(self) -> Iterator[Metric]:
+        nodes = self._nodes()
+        up = GaugeMetricFamily(
+            "conduit_gateway_engine_up", "1 when the engine's health says SERVING.", labels=["engine"]
+        )
+        routable = GaugeMetricFamily(
+            "conduit_gateway_node_routable",
+            "1 when the node receives new requests (SERVING and not draining).",
+            labels=["node"],
+        )
+        in_flight = GaugeMetricFamily(
+            "conduit_gateway_node_in_flight", "This gateway's requests open on the node.", labels=["node"]
+        )
+        routed = CounterMetricFamily(
+            "conduit_gateway_node_routed", "Requests sent to the node (retries included).", labels=["node"]
+        )
+        failures = CounterMetricFamily(
+            "conduit_gateway_node_failures",
+            "Requests the node failed (engine-side gRPC errors, before or after the first token).",
+            labels=["node"],
+        )
+        ejections = CounterMetricFamily(
+            "conduit_gateway_node_ejections",
+            "Times the node left the rotation because it stopped serving or could not be reached.",
+            labels=["node"],
+        )
+        for node in nodes:
+            up.add_metric([node.address], 1 if node.serving else 0)
+            routable.add_metric([node.address], 1 if node.routable else 0)
+            in_flight.add_metric([node.address], node.in_flight)
+            routed.add_metric([node.address], node.routed)
+            failures.add_metric([node.address], node.failures)
+            ejections.add_metric([node.address], node.ejections)
+        yield from (up, routable, in_flight, routed, failures, ejections)

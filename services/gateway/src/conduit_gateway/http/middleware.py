@@ -83,14 +83,19 @@ class MetricsMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Require `Authorization: Bearer <key>` on /v1 paths when keys are configured (constant-time compare)."""
+    """Require `Authorization: Bearer <key>` on paths under `prefix` when keys are configured
+    (constant-time compare). The API keys guard /v1; the admin keys, in a second instance, guard /admin."""
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], prefix: str = "/v1") -> None:
         self.app = app
         self._keys = [key.encode("utf-8") for key in api_keys]
+        self._prefix = prefix
+
+    def _guards(self, path: str) -> bool:
+        return path == self._prefix or path.startswith(self._prefix + "/")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self._keys or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or not self._keys or not self._guards(scope["path"]):
             await self.app(scope, receive, send)
             return
         authorization = Headers(scope=scope).get("authorization", "")

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from conduit_gateway.context import GatewayContext
-from conduit_gateway.engine.client import EngineClient
+from conduit_gateway.engine.node import EngineNode
 from conduit_gateway.engine.pool import require_serving
 from conduit_gateway.errors import model_not_found
 from conduit_gateway.handlers.chat import ChatHandler
@@ -71,7 +71,7 @@ async def retrieve_model(model_id: str, request: Request) -> ModelCard:
     return _card(model_id, engine)
 
 
-@router.get("/health", responses={503: {"description": "No engine is SERVING."}})
+@router.get("/health", responses={503: {"description": "No engine is SERVING (and not drained)."}})
 async def health(request: Request) -> JSONResponse:
     pool = _ctx(request).pool
     # Checked now rather than from the poller's last round, so a probe sees the engines' current state.
@@ -84,13 +84,10 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
-    ctx = _ctx(request)
-    for engine in ctx.pool.engines:
-        ctx.metrics.engine_up.labels(engine.address).set(1 if engine.serving else 0)
-    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(_ctx(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _card(name: str, engine: EngineClient) -> ModelCard:
+def _card(name: str, engine: EngineNode) -> ModelCard:
     info = engine.model_info
     return ModelCard(
         id=name, created=engine.model_seen_at, max_model_len=info.max_model_len if info is not None else None

@@ -1,4 +1,5 @@
-"""Run the real gateway app (uvicorn, 127.0.0.1, free port) in a background thread for fast tests."""
+"""The real gateway app (uvicorn on 127.0.0.1, a free port) in a background thread, built from a
+GatewayConfig plus what only an in-process app can take: an injected DNS resolver."""
 
 from __future__ import annotations
 
@@ -8,17 +9,20 @@ import time
 import uvicorn
 
 from conduit_gateway.config import GatewayConfig
+from conduit_gateway.engine.discovery import Resolver
 from conduit_gateway.http.app import create_app
 from tests.support.processes import free_port
+
+__all__ = ["GatewayThread"]
 
 
 class GatewayThread:
     """The gateway for `engines` with any GatewayConfig overrides; `url` is its base URL."""
 
-    def __init__(self, engines: list[str], **overrides: object) -> None:
+    def __init__(self, engines: list[str], resolver: Resolver | None = None, **overrides: object) -> None:
         self.port = free_port()
         self.config = GatewayConfig(engines=tuple(engines), host="127.0.0.1", port=self.port, **overrides)
-        self.app = create_app(self.config)
+        self.app = create_app(self.config, resolver=resolver)
         self._server = uvicorn.Server(
             uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="asyncio", log_level="warning")
         )

@@ -1,0 +1,192 @@
+"""One engine replica in the pool: its channel, health, load, and this gateway's traffic to it.
+
+A node is routable while its engine says SERVING (and its model is known) and nobody drains it. It is
+ejected (out of rotation, `ejections` + 1) when its health watch breaks or reports NOT_SERVING, or when a
+request sees UNAVAILABLE, and it is re-admitted as soon as its health watch reports SERVING again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+
+import grpc
+
+from conduit.engine.v1 import engine_pb2
+from conduit_gateway.config import GatewayConfig
+from conduit_gateway.engine.client import EngineClient
+from conduit_gateway.engine.health import HealthWatch
+from conduit_gateway.engine.latency import TokenLatency
+from conduit_gateway.engine.load import LoadReport, poll_load
+
+log = logging.getLogger(__name__)
+
+MODEL_INFO_TIMEOUT_S = 2.0
+
+# Statuses that are the client's doing, not the engine's: they do not count as node failures.
+_CLIENT_ERRORS = frozenset(
+    {
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.NOT_FOUND,
+    }
+)
+
+
+class NodeSource(enum.StrEnum):
+    """Where a node came from: --engine, DNS discovery, or the admin API."""
+
+    STATIC = "static"
+    DNS = "dns"
+    ADMIN = "admin"
+
+
+class EngineNode:
+    """State of one engine as the router sees it. Made and used on the gateway's event loop (its grpc.aio
+    channel belongs to the loop it was created on)."""
+
+    def __init__(self, address: str, source: NodeSource, config: GatewayConfig) -> None:
+        self.address = address
+        self.source = source
+        self._config = config
+        self.client = EngineClient(address, config)
+        self.serving = False
+        self.draining = False
+        self.model_info: engine_pb2.GetModelInfoResponse | None = None
+        # When model_info was first fetched: the `created` of the model in GET /v1/models.
+        self.model_seen_at = 0
+        self.load: LoadReport | None = None
+        self.in_flight = 0
+        self.routed = 0
+        self.failures = 0
+        self.ejections = 0
+        self._latency = TokenLatency()
+        self._health: HealthWatch | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._transition = asyncio.Lock()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- what routing reads --------------------------------------------------------------------------
+
+    @property
+    def model(self) -> str | None:
+        return self.model_info.model if self.model_info is not None else None
+
+    @property
+    def routable(self) -> bool:
+        return self.serving and not self.draining
+
+    @property
+    def load_score(self) -> int:
+        """Requests at the node: this gateway's own count (exact, immediate), or the engine's running +
+        waiting from its last GetLoad when that is larger (other gateways and clients use it too)."""
+        reported = self.load.running + self.load.waiting if self.load is not None else 0
+        return max(self.in_flight, reported)
+
+    @property
+    def token_latency_s(self) -> float | None:
+        return self._latency.value
+
+    @property
+    def state(self) -> str:
+        if self.draining:
+            return "draining"
+        return "serving" if self.serving else "unavailable"
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start following health and load."""
+        self._health = HealthWatch(self, self._config.health_interval_s)
+        self._tasks = [
+            asyncio.create_task(self._health.run(), name=f"health-watch {self.address}"),
+            asyncio.create_task(
+                poll_load(self, self._config.load_interval_s), name=f"load-poll {self.address}"
+            ),
+        ]
+
+    async def stop(self) -> None:
+        """Stop the background tasks and close the channel (cancelling any call still open on it)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        self.serving = False
+        await self.client.close()
+
+    async def wait_idle(self) -> None:
+        """Return once no request of this gateway is open on the node."""
+        await self._idle.wait()
+
+    # -- health --------------------------------------------------------------------------------------
+
+    async def check(self, timeout_s: float) -> bool:
+        """Ask grpc.health.v1 Check now (for probes that want the current state, not the last push)."""
+        try:
+            serving = await self.client.check(timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self.eject(f"health check failed: {exc.code().name}")
+            return False
+        if serving:
+            await self.set_health(True)
+        else:
+            self.eject("health check says NOT_SERVING")
+        return self.serving
+
+    async def set_health(self, serving: bool) -> None:
+        """Apply a health report; on the way into SERVING fetch the model info first (a restarted engine
+        may serve another model or other limits), and stay out if that fails."""
+        async with self._transition:
+            if serving and not self.serving:
+                try:
+                    self.model_info = await self.client.model_info(MODEL_INFO_TIMEOUT_S)
+                except grpc.aio.AioRpcError as exc:
+                    log.warning("engine %s GetModelInfo failed: %s", self.address, exc.code().name)
+                    return
+                self.model_seen_at = int(time.time())
+                self.serving = True
+                log.info("engine %s is SERVING %s", self.address, self.model)
+            elif not serving:
+                self._leave_rotation("stopped serving")
+
+    def eject(self, reason: str) -> None:
+        """Out of rotation until a fresh health watch says SERVING (for news from outside the watch: a
+        request that saw UNAVAILABLE, a failed Check)."""
+        self._leave_rotation(reason)
+        if self._health is not None:
+            self._health.rewatch()
+
+    def _leave_rotation(self, reason: str) -> None:
+        if self.serving:
+            self.serving = False
+            self.ejections += 1
+            log.warning("engine %s ejected: %s", self.address, reason)
+
+    # -- this gateway's requests ---------------------------------------------------------------------
+
+    def request_started(self) -> None:
+        self.routed += 1
+        self.in_flight += 1
+        self._idle.clear()
+
+    def request_ended(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    def request_failed(self, code: grpc.StatusCode) -> None:
+        """Count an engine-side failure (client errors and cancellations are not the node's fault)."""
+        if code not in _CLIENT_ERRORS:
+            self.failures += 1
+
+    def record_decode(self, seconds: float, tokens: int) -> None:
+        """A stream finished: `tokens` generated after its first message took `seconds`."""
+        self._latency.record(seconds, tokens)

@@ -1,0 +1,76 @@
+"""The one interface every routing strategy implements, what it may read of a node, and the registry."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, TypeVar
+
+_REGISTRY: dict[str, type[EngineSelector]] = {}
+
+
+class RoutableNode(Protocol):
+    """What strategies read of an engine node (EngineNode implements it; unit tests use plain objects)."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def in_flight(self) -> int:
+        """Requests this gateway has open on the node right now (exact, updated as they start and end)."""
+
+    @property
+    def load_score(self) -> int:
+        """Requests at the node: the larger of `in_flight` and the engine's running + waiting (polled)."""
+
+    @property
+    def token_latency_s(self) -> float | None:
+        """Recent seconds per generated token observed on the node's streams; None before any."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a strategy may know about the request being routed."""
+
+    model: str
+    # The prompt's leading text or token ids (bytes), for prefix affinity; empty when unknown.
+    prefix_key: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class SelectionOptions:
+    """Tunables of the strategies (from GatewayConfig); `seed` makes random choices repeatable in tests."""
+
+    affinity_load_factor: float = 2.0
+    seed: int | None = None
+
+
+Node = TypeVar("Node", bound=RoutableNode)
+
+
+class EngineSelector(ABC):
+    """Picks the engine for one request among ready candidates (never empty, in the pool's order).
+
+    A subclass that sets `name` is registered under it and becomes a `--routing` value.
+    """
+
+    name: ClassVar[str | None] = None
+
+    def __init__(self, options: SelectionOptions | None = None) -> None:
+        self.options = options or SelectionOptions()
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name is not None:
+            if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+                raise TypeError(f"routing strategy {cls.name!r} is defined twice")
+            _REGISTRY[cls.name] = cls
+
+    @abstractmethod
+    def choose(self, candidates: Sequence[Node], request: RouteRequest | None = None) -> Node:
+        """The node to send `request` to."""
+
+
+def registered_strategies() -> dict[str, type[EngineSelector]]:
+    return dict(_REGISTRY)

@@ -1,0 +1,111 @@
+"""The admin API: list, add, drain, resume and remove engine nodes at run time.
+
+Mounted only when admin keys are configured; ApiKeyMiddleware(prefix="/admin") checks the key first.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from conduit_gateway.config import ConfigError
+from conduit_gateway.engine.node import EngineNode, NodeSource
+from conduit_gateway.engine.pool import DuplicateNodeError, EnginePool, UnknownNodeError
+from conduit_gateway.errors import OpenAIError, invalid_param
+from conduit_gateway.schemas.admin import AddNodeRequest, NodeList, NodeLoad, NodeView
+from conduit_gateway.schemas.common import error_responses
+
+router = APIRouter(prefix="/admin", tags=["admin"])
+
+_NODE_ERRORS = error_responses(401, 404)
+
+
+def _pool(request: Request) -> EnginePool:
+    return request.app.state.ctx.pool
+
+
+def node_view(node: EngineNode, removed: bool = False) -> NodeView:
+    latency = node.token_latency_s
+    return NodeView(
+        address=node.address,
+        source=node.source.value,
+        state="removed" if removed else node.state,
+        serving=node.serving,
+        model=node.model,
+        in_flight=node.in_flight,
+        routed=node.routed,
+        failures=node.failures,
+        ejections=node.ejections,
+        load_score=node.load_score,
+        token_latency_ms=round(latency * 1000, 3) if latency is not None else None,
+        load=NodeLoad(**node.load.as_dict()) if node.load is not None else None,
+    )
+
+
+def _node(pool: EnginePool, address: str) -> EngineNode:
+    try:
+        return pool.node(address)
+    except UnknownNodeError:
+        raise _unknown(address) from None
+
+
+def _unknown(address: str) -> OpenAIError:
+    return OpenAIError(
+        404, f"No engine node has the address {address!r}.", param="address", code="node_not_found"
+    )
+
+
+@router.get("/nodes", response_model=NodeList, responses=error_responses(401))
+async def list_nodes(request: Request) -> NodeList:
+    return NodeList(nodes=[node_view(node) for node in _pool(request).engines])
+
+
+@router.post("/nodes", status_code=201, response_model=NodeView, responses=error_responses(400, 401, 409))
+async def add_node(body: AddNodeRequest, request: Request) -> JSONResponse:
+    """Add an engine; it receives requests once its health says SERVING."""
+    try:
+        node = _pool(request).add(body.address, NodeSource.ADMIN)
+    except ConfigError as exc:
+        raise invalid_param("address", str(exc).removeprefix("address: ")) from None
+    except DuplicateNodeError:
+        raise OpenAIError(
+            409,
+            f"The engine {body.address.strip()!r} is already in the pool.",
+            param="address",
+            code="node_exists",
+        ) from None
+    return JSONResponse(node_view(node).model_dump(), status_code=201)
+
+
+@router.get("/nodes/{address}", response_model=NodeView, responses=_NODE_ERRORS)
+async def get_node(address: str, request: Request) -> NodeView:
+    return node_view(_node(_pool(request), address))
+
+
+@router.delete("/nodes/{address}", response_model=NodeView, responses=_NODE_ERRORS)
+async def remove_node(address: str, request: Request) -> NodeView:
+    """Remove an engine: no new requests at once; its open requests finish, then its channel closes.
+
+    A node found by DNS discovery comes back at the next resolution that still lists it.
+    """
+    try:
+        node = _pool(request).remove(address)
+    except UnknownNodeError:
+        raise _unknown(address) from None
+    return node_view(node, removed=True)
+
+
+@router.post("/nodes/{address}/drain", response_model=NodeView, responses=_NODE_ERRORS)
+async def drain_node(address: str, request: Request) -> NodeView:
+    """Stop sending new requests to an engine; open ones finish (watch `in_flight` reach 0)."""
+    pool = _pool(request)
+    _node(pool, address)
+    return node_view(pool.drain(address))
+
+
+@router.post("/nodes/{address}/resume", response_model=NodeView, responses=_NODE_ERRORS)
+async def resume_node(address: str, request: Request) -> NodeView:
+    """Undo a drain: the engine receives requests again while its health says SERVING."""
+    pool = _pool(request)
+    _node(pool, address)
+    return node_view(pool.resume(address))

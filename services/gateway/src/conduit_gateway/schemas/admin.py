@@ -1,0 +1,46 @@
+"""Shapes of the admin API (/admin/nodes)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from conduit_gateway.schemas.common import StrictModel
+
+
+class AddNodeRequest(StrictModel):
+    address: str = Field(description="The engine's gRPC address, HOST:PORT.")
+
+
+class NodeLoad(BaseModel):
+    """The engine's last GetLoad answer."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_blocks_cached: int
+    prefix_cache_hit_rate: float
+
+
+class NodeView(BaseModel):
+    address: str
+    source: Literal["static", "dns", "admin"] = Field(description="--engine, DNS discovery or this API.")
+    state: Literal["serving", "unavailable", "draining", "removed"] = Field(
+        description="serving: receives requests; unavailable: its health is not SERVING; draining: drained "
+        "(or removed) by an operator, open requests finish; removed: no longer in the pool."
+    )
+    serving: bool = Field(description="Its engine's health says SERVING.")
+    model: str | None
+    in_flight: int = Field(description="This gateway's requests open on the node.")
+    routed: int = Field(description="Requests sent to the node (retries included).")
+    failures: int = Field(description="Requests the node failed with an engine-side error.")
+    ejections: int = Field(description="Times the node left the rotation by health or an unreachable engine.")
+    load_score: int = Field(description="Requests at the node, as least_load sees them.")
+    token_latency_ms: float | None = Field(description="Recent milliseconds per generated token.")
+    load: NodeLoad | None = Field(description="The engine's last GetLoad answer (null when unknown).")
+
+
+class NodeList(BaseModel):
+    nodes: list[NodeView]

@@ -1,0 +1,135 @@
+"""An engine SIGKILLed under load: requests that had not started streaming finish on other engines,
+streams on the dead engine end with an error event, and the engine is ejected, then re-admitted after it
+restarts on the same port. The gateway here is the real `conduit-gateway` process."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.polling import wait_for
+from tests.routing.helpers import ADMIN_KEY, MODEL, complete, deltas, nodes, routed, sdk
+from tests.support.processes import start_gateway
+
+STREAMS = 12  # four per engine: two running, two waiting (the engines batch two sequences)
+TOKENS = 300
+
+
+class StreamOutcome:
+    def __init__(self) -> None:
+        self.started = False
+        self.completion_tokens: int | None = None
+        self.finish_reason: str | None = None
+        self.error: openai.APIError | None = None
+
+
+def _stream(client: openai.OpenAI, index: int, outcome: StreamOutcome, started: threading.Semaphore) -> None:
+    try:
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=f"Once upon a time, number {index}",
+            max_tokens=TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            if not outcome.started:
+                outcome.started = True
+                started.release()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                outcome.finish_reason = chunk.choices[0].finish_reason
+            if chunk.usage is not None:
+                outcome.completion_tokens = chunk.usage.completion_tokens
+    except openai.APIError as exc:
+        outcome.error = exc
+
+
+@pytest.fixture
+def gateway(fleet):
+    args = ("--routing", "round_robin", "--admin-key", ADMIN_KEY, "--health-interval", "0.5")
+    with start_gateway(fleet.addresses, *args) as process:
+        yield process
+
+
+@pytest.fixture
+def victim(fleet):
+    """The engine this test kills; restarted afterwards even if the test fails half way."""
+    yield 1
+    if fleet.engines[1].process.poll() is not None:
+        fleet.restart(1)
+
+
+def test_sigkill_under_load_loses_no_request_that_had_not_started(fleet, gateway, victim):
+    address = fleet.addresses[victim]
+    outcomes = [StreamOutcome() for _ in range(STREAMS)]
+    started = threading.Semaphore(0)
+    with sdk(gateway.url) as client:
+        threads = [
+            threading.Thread(target=_stream, args=(client, i, outcomes[i], started), daemon=True)
+            for i in range(STREAMS)
+        ]
+        for thread in threads:
+            thread.start()
+        # Round robin put four streams on each engine; two stream, two wait for a batch slot.
+        for _ in range(6):
+            assert started.acquire(timeout=120)
+        wait_for(lambda: _queue(fleet, victim) == (2, 2), "two running and two waiting on the victim")
+        fleet.kill(victim)
+        for thread in threads:
+            thread.join(timeout=240)
+            assert not thread.is_alive()
+
+    failed = [outcome for outcome in outcomes if outcome.error is not None]
+    completed = [outcome for outcome in outcomes if outcome.error is None]
+    # Only the two streams running on the victim were lost, after their first tokens, with an error event.
+    assert len(failed) == 2
+    for outcome in failed:
+        assert outcome.started
+        assert outcome.error.body == {
+            "message": outcome.error.message,
+            "type": "server_error",
+            "param": None,
+            "code": "engine_unavailable",
+        }
+    # Its two waiting requests had sent nothing yet: they were retried on the other engines and finished.
+    assert len(completed) == STREAMS - 2
+    assert all((o.completion_tokens, o.finish_reason) == (TOKENS, "length") for o in completed)
+
+    view = nodes(gateway.url)[address]
+    assert (view["state"], view["serving"], view["ejections"]) == ("unavailable", False, 1)
+    assert view["failures"] == 4 and view["in_flight"] == 0
+    metrics = _metrics(gateway.url)
+    assert 'conduit_gateway_retries_total{code="UNAVAILABLE"} 2.0' in metrics
+    assert f'conduit_gateway_node_ejections_total{{node="{address}"}} 1.0' in metrics
+    assert f'conduit_gateway_engine_up{{engine="{address}"}} 0.0' in metrics
+    with sdk(gateway.url) as client:
+        before = routed(gateway.url, fleet.addresses)
+        for i in range(4):
+            complete(client, f"While it is down {i}")
+        assert deltas(routed(gateway.url, fleet.addresses), before)[victim] == 0
+
+    fleet.restart(victim)
+    wait_for(lambda: nodes(gateway.url)[address]["state"] == "serving", "re-admission", attempts=1200)
+    assert nodes(gateway.url)[address]["ejections"] == 1
+    with sdk(gateway.url) as client:
+        before = routed(gateway.url, fleet.addresses)
+        for i in range(6):
+            complete(client, f"After the restart {i}")
+    assert deltas(routed(gateway.url, fleet.addresses), before) == [2, 2, 2]
+    # The restarted engine served them itself (its count starts at 1: the warm-up generation).
+    wait_for(lambda: fleet.load(victim).finished_requests >= 3, "the restarted engine's count")
+    assert fleet.load(victim).finished_requests == 1 + 2
+
+
+def _queue(fleet, index: int) -> tuple[int, int]:
+    load = fleet.load(index)
+    return load.running_requests, load.waiting_requests
+
+
+def _metrics(url: str) -> str:
+    return httpx.get(f"{url}/metrics", timeout=30).text
