@@ -209,3 +209,16 @@ def test_prompt_logprobs_once_with_n_and_after_preemption(stories_path):
     assert any(n > 0 for n in preempted_mid_prompt)  # the scenario really happened
     lps = results[("lp", 0)].outputs[0].prompt_logprobs
     assert [p.token_id for p in lps] == long_prompt[1:]
+
+
+def test_stop_strings_wait_for_min_tokens(engine):
+    # The greedy story from BOS says "Lily" early; with min_tokens past it, that stop is not taken yet.
+    story = generate(engine, {"s": [1]}, SamplingParams(max_tokens=40, temperature=0.0))["s"]
+    assert "Lily" in story.text
+    early = generate(engine, {"e": [1]}, SamplingParams(max_tokens=40, temperature=0.0, stop=["Lily"]))["e"]
+    assert early.text == story.text[: story.text.index("Lily")]
+    held = generate(
+        engine, {"m": [1]}, SamplingParams(max_tokens=40, temperature=0.0, stop=["Lily"], min_tokens=30)
+    )["m"]
+    assert held.text.startswith(story.text[: story.text.index("Lily") + 4])
+    assert len(held.token_ids) >= 30

@@ -75,7 +75,9 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
+        """`min_tokens`: stop strings are not looked for until that many output tokens exist (vLLM)."""
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
         self._tokenizer = tokenizer
@@ -85,6 +87,8 @@ class IncrementalDetokenizer:
         self._dropped = traits.special_ids if skip_special_tokens else frozenset()
         self._stops = tuple(stop)
         self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
         self._max_hold = max((len(s) for s in self._stops), default=1) - 1
 
         # tokens[prefix:read] decoded gave prefix_text; tokens[read:] are not released yet.
@@ -118,6 +122,7 @@ class IncrementalDetokenizer:
             raise RuntimeError("step() after finish()")
         if self._stop_string is not None:
             return DetokenizerDelta("", None)
+        self._num_tokens += len(new_token_ids)
         for token_id in new_token_ids:
             self._append(token_id)
         return self._release(self._advance(), final=False)
@@ -164,8 +169,8 @@ class IncrementalDetokenizer:
         return delta
 
     def _release(self, text: str, *, final: bool) -> DetokenizerDelta:
-        if not self._stops:
-            return self._emit(text, None)
+        if not self._stops or self._num_tokens < self._min_tokens:
+            return self._emit(text, None)  # nothing is held before stop strings are looked for
         buffer = self._held + text
         match = _first_stop_match(buffer, self._stops)
         if match is not None:
