@@ -122,7 +122,7 @@ def test_engine_args_are_accepted_by_the_engine_cli(release):
     assert model_mount["readOnly"] is True
 
 
-def test_gateway_finds_every_engine_replica_by_its_stable_name(release):
+def test_gateway_discovers_the_engine_replicas_through_the_headless_service(release):
     _, values, _, objects = release
     engine = find(objects, "StatefulSet")
     headless = find(objects, "Service", engine["spec"]["serviceName"])
@@ -130,10 +130,12 @@ def test_gateway_finds_every_engine_replica_by_its_stable_name(release):
     env = {e["name"]: "secret-value" for e in gateway.get("env", []) if "valueFrom" in e}
     config = gateway_cli.config_from_args(gateway["args"], env)
     port = headless["spec"]["ports"][0]["port"]
-    assert config.engines == tuple(
-        f"{engine['metadata']['name']}-{i}.{headless['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{port}"
-        for i in range(engine["spec"]["replicas"])
-    )
+    # Every ready engine pod is an A record of the headless Service, so scaling needs no gateway restart.
+    assert headless["spec"]["clusterIP"] == "None"
+    pod_labels = engine["spec"]["template"]["metadata"]["labels"]
+    assert headless["spec"]["selector"].items() <= pod_labels.items()
+    assert config.engines == ()
+    assert config.engine_dns == f"{headless['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{port}"
     assert config.port == gateway["ports"][0]["containerPort"]
     assert config.api_keys == (("secret-value",) if values.get("gateway", {}).get("apiKeys") else ())
 

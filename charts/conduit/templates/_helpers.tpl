@@ -77,20 +77,6 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s.%s.svc.%s" (include "conduit.engine.headlessName" .) .Release.Namespace .Values.clusterDomain }}
 {{- end }}
 
-{{/*
-The gateway's --engine list: every StatefulSet pod by its stable name through the headless Service, so
-the gateway tracks health and load per replica instead of seeing one balanced address.
-*/}}
-{{- define "conduit.engine.addresses" -}}
-{{- $root := . }}
-{{- $addresses := list }}
-{{- range $i := until (int .Values.engine.replicas) }}
-{{- $host := printf "%s-%d.%s" (include "conduit.engine.fullname" $root) $i (include "conduit.engine.headlessHost" $root) }}
-{{- $addresses = append $addresses (printf "%s:%d" $host (int $root.Values.engine.port)) }}
-{{- end }}
-{{- join "," $addresses }}
-{{- end }}
-
 {{- define "conduit.gateway.host" -}}
 {{- printf "%s.%s.svc.%s" (include "conduit.gateway.fullname" .) .Release.Namespace .Values.clusterDomain }}
 {{- end }}
