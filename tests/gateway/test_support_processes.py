@@ -46,3 +46,14 @@ def test_require_shared_skips_outside_ci_and_fails_in_ci(monkeypatch):
     with pytest.raises(pytest.fail.Exception, match="is missing"):
         require_shared("no/such/thing")
     assert shared_dir().name == "shared"
+
+
+def test_output_tail_after_stop():
+    import sys
+
+    from tests.support.processes import ManagedProcess
+
+    proc = ManagedProcess("echo", [sys.executable, "-c", "print('hello from the child')"], port=0)
+    proc.process.wait(timeout=30)
+    proc.stop()
+    assert "hello from the child" in proc.output_tail()

@@ -80,7 +80,8 @@ class ManagedProcess:
         return f"http://{self.address}"
 
     def output_tail(self, max_chars: int = 4000) -> str:
-        self._log.flush()
+        if not self._log.closed:  # still usable after stop(), which closes the log
+            self._log.flush()
         text = self.log_path.read_text(errors="replace")
         return text[-max_chars:]
 
