@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import subprocess
@@ -48,6 +49,18 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -
     raise SystemExit("the gateway did not become healthy in time")
 
 
+# Resolved here, in the parent: the child between fork and exec must not import anything (other threads
+# of this process may hold the import lock at fork time).
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in each child before exec: on Linux, SIGTERM it if the launcher dies, even by SIGKILL."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -70,7 +83,8 @@ def main() -> None:
             "127.0.0.1",
             "--port",
             str(args.engine_port),
-        ]
+        ],
+        preexec_fn=_die_with_parent,
     )
     procs = [engine]
     try:
@@ -84,7 +98,8 @@ def main() -> None:
                 "127.0.0.1",
                 "--port",
                 str(args.gateway_port),
-            ]
+            ],
+            preexec_fn=_die_with_parent,
         )
         procs.append(gateway)
         _wait_http(f"http://127.0.0.1:{args.gateway_port}/health", gateway)
