@@ -70,7 +70,7 @@ def make_random_llama_1b(stories: Path, folder: Path) -> Path:
 def engine(folder: Path, device: str, dtype: str, max_num_seqs: int, enforce_eager: bool) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=ModelConfig(path=str(folder), device=device, dtype=dtype, max_model_len=1024),
+            model=ModelConfig(path=str(folder), device=device, dtype=dtype),
             cache=CacheConfig(num_blocks=max(512, max_num_seqs * 24)),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096),
             enforce_eager=enforce_eager,
