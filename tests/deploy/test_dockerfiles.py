@@ -195,7 +195,14 @@ def _context_files() -> list[str]:
 def test_dockerignore_sends_the_sources_and_nothing_else():
     patterns = dockerfiles.ignore_patterns(DOCKERIGNORE)
     sent = [f for f in _context_files() if dockerfiles.in_context(f, patterns)]
-    allowed = ("kernels/", "protos/conduit/", "protos/python/", "services/engine/", "services/gateway/")
+    allowed = (
+        "kernels/",
+        "protos/conduit/",
+        "protos/python/",
+        "services/common/",
+        "services/engine/",
+        "services/gateway/",
+    )
     assert sent and all(f.startswith(allowed) for f in sent), [f for f in sent if not f.startswith(allowed)]
     for path in (
         ".venv/bin/python",

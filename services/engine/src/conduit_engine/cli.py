@@ -10,9 +10,10 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from conduit_common.env_flags import apply_env_defaults, describe_env, env_name
 from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from conduit_engine.errors import ModelLoadError
 
@@ -51,25 +52,20 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
 )
 
 
-def env_name(flag: str) -> str:
-    return "CONDUIT_" + flag.removeprefix("--").replace("-", "_").upper()
+__all__ = ["FLAGS", "build_parser", "config_from_args", "env_name", "main"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The flags, with the CONDUIT_* variables of `environ` (default: os.environ) as their defaults."""
     parser = argparse.ArgumentParser(
         prog="conduit-engine",
         description="Conduit engine: serve a Llama-family model over gRPC (conduit.engine.v1.Engine).",
         epilog="Every flag can also be set through the environment variable CONDUIT_<FLAG_NAME>.",
     )
     for flag, kind, default, help_text in FLAGS:
-        raw = os.environ.get(env_name(flag))
-        value = default
-        if raw is not None:
-            try:
-                value = kind(raw)
-            except (ValueError, argparse.ArgumentTypeError) as exc:
-                parser.error(f"{env_name(flag)}={raw!r}: {exc}")
-        parser.add_argument(flag, type=kind, default=value, help=f"{help_text} [env {env_name(flag)}]")
+        parser.add_argument(flag, type=kind, default=default, help=help_text)
+    apply_env_defaults(parser, os.environ if environ is None else environ)
+    describe_env(parser)
     return parser
 
 

@@ -11,9 +11,8 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from conduit_common.env_flags import apply_env_defaults, describe_env
 from conduit_gateway.config import ROUTING_STRATEGIES, ConfigError, GatewayConfig
-
-ENV_PREFIX = "CONDUIT_"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,28 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--grpc-keepalive", type=float, default=30.0, help="HTTP/2 keepalive ping period, seconds"
     )
     parser.add_argument("--log-level", default="info", help="critical|error|warning|info|debug|trace")
+    describe_env(parser)
     return parser
-
-
-def _apply_env(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> dict[str, str]:
-    """Make CONDUIT_* variables the flags' defaults, so a flag on the command line still wins.
-
-    argparse converts string defaults with the flag's type, so a bad value is reported under the flag's
-    name. Repeatable flags are returned instead (an argparse default list would be appended to).
-    """
-    repeatable: dict[str, str] = {}
-    for action in parser._actions:
-        flag = next((option for option in action.option_strings if option.startswith("--")), None)
-        if flag is None or flag == "--help":
-            continue
-        value = environ.get(ENV_PREFIX + flag[2:].upper().replace("-", "_"))
-        if not value:
-            continue
-        if isinstance(action, argparse._AppendAction):
-            repeatable[action.dest] = value
-        else:
-            action.default = value
-    return repeatable
 
 
 def _split(values: Sequence[str] | None) -> tuple[str, ...]:
@@ -127,7 +106,7 @@ def _split(values: Sequence[str] | None) -> tuple[str, ...]:
 def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> GatewayConfig:
     """Parse flags and environment; raise ConfigError naming the option on a bad value."""
     parser = build_parser()
-    from_env = _apply_env(parser, environ)
+    from_env = apply_env_defaults(parser, environ)
     args = parser.parse_args(list(argv))
     return GatewayConfig(
         engines=_split(args.engine or [from_env.get("engine", "")]),

@@ -1,0 +1,49 @@
+"""CONDUIT_* environment variables as the defaults of a service's command-line flags.
+
+Every long flag `--some-flag` can also be set as `CONDUIT_SOME_FLAG`; a flag given on the command line
+wins. Both CLIs use this one mapping, so the rule and its error messages are the same everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+ENV_PREFIX = "CONDUIT_"
+
+
+def env_name(flag: str) -> str:
+    """`--max-num-seqs` → `CONDUIT_MAX_NUM_SEQS`."""
+    return ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> dict[str, str]:
+    """Make the CONDUIT_* variables in `environ` the defaults of `parser`'s flags.
+
+    argparse converts a string default with the flag's type when the flag is absent, so a bad value is
+    reported under the flag's name. Values of repeatable (append) flags are returned by `dest` instead
+    of becoming defaults: argparse would append command-line values to a default list.
+    """
+    repeatable: dict[str, str] = {}
+    for action in parser._actions:
+        flag = next((option for option in action.option_strings if option.startswith("--")), None)
+        if flag is None or flag == "--help":
+            continue
+        value = environ.get(env_name(flag))
+        if value is None or value == "":
+            continue
+        if isinstance(action, argparse._AppendAction):
+            repeatable[action.dest] = value
+        else:
+            action.default = value
+    return repeatable
+
+
+def describe_env(parser: argparse.ArgumentParser) -> None:
+    """Append `[env CONDUIT_…]` to every long flag's help text."""
+    for action in parser._actions:
+        flag = next((option for option in action.option_strings if option.startswith("--")), None)
+        if flag is None or flag == "--help" or not action.help:
+            continue
+        if env_name(flag) not in action.help:
+            action.help = f"{action.help} [env {env_name(flag)}]"
