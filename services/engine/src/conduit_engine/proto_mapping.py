@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Callable
 
 from conduit.engine.v1 import engine_pb2 as pb
+from conduit_engine.errors import InvalidRequestError
 from conduit_engine.request import GenerationRequest, RequestOutput
 from conduit_engine.sampling import TokenLogprobs
 from conduit_engine.sampling_params import SamplingParams
@@ -69,6 +70,11 @@ def messages_from_pb(chat: pb.ChatInput) -> list[ChatMessage]:
 
 
 def request_from_pb(msg: pb.GenerateRequest) -> GenerationRequest:
+    # Contract fields whose engine side is not built yet: refused, never silently ignored.
+    if msg.sampling.WhichOneof("structured") is not None:
+        raise InvalidRequestError("sampling.structured", "structured outputs are not supported yet")
+    if msg.HasField("kv_transfer"):
+        raise InvalidRequestError("kv_transfer", "KV transfer is not supported yet")
     params = sampling_from_pb(msg.sampling)
     if msg.WhichOneof("input") == "chat" and not msg.sampling.HasField("max_tokens"):
         params.max_tokens = None  # chat, as OpenAI: generate until the context is full
