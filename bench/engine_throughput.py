@@ -36,19 +36,25 @@ def run_engine(folder, requests, max_num_seqs: int) -> tuple[int, float, float]:
     for i, (prompt, max_tokens) in enumerate(requests):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         engine.add_request(GenerationRequest(f"r{i}", params, token_ids=prompt))
-    tokens, sched_time = 0, 0.0
+    # Everything of a step but the model run is scheduling, block management and postprocessing.
+    model_time = [0.0]
+    execute = engine.runner.execute
+
+    def timed_execute(out):
+        t0 = time.perf_counter()
+        try:
+            return execute(out)
+        finally:
+            model_time[0] += time.perf_counter() - t0
+
+    engine.runner.execute = timed_execute
+    tokens, step_time = 0, 0.0
     while engine.has_work():
         t0 = time.perf_counter()
-        out = engine.scheduler.schedule()
-        t1 = time.perf_counter()
-        results = engine.runner.execute(out)
-        t2 = time.perf_counter()
-        engine.scheduler.update_after_step(out)
-        outputs = engine._postprocess(results)
-        t3 = time.perf_counter()
-        sched_time += (t1 - t0) + (t3 - t2)
+        outputs = engine.step()
+        step_time += time.perf_counter() - t0
         tokens += sum(len(o.token_ids) for o in outputs)
-    return tokens, time.perf_counter() - start, sched_time
+    return tokens, time.perf_counter() - start, step_time - model_time[0]
 
 
 def bench(name: str, folder, n: int, hf_batch: int, max_num_seqs: int) -> None:

@@ -60,9 +60,11 @@ class ServerThread:
 
     def check_integrity(self) -> None:
         """Run the block manager's integrity check on the engine thread (raises AssertionError)."""
-        assert self.server is not None and self.server.engine is not None
-        engine = self.server.engine
-        asyncio.run_coroutine_threadsafe(engine.run_sync(engine.engine.check_integrity), self.loop).result(30)
+        assert self.server is not None and self.server.async_engine is not None
+        async_engine = self.server.async_engine
+        asyncio.run_coroutine_threadsafe(
+            async_engine.run_sync(async_engine.core.check_integrity), self.loop
+        ).result(30)
 
     def stop(self) -> None:
         if self.server is not None and self._error is None:

@@ -244,25 +244,25 @@ def test_queue_bound_is_resource_exhausted(stories_path):
     srv = ServerThread(engine_config(stories_path, max_num_seqs=1, max_queued_requests=1)).start()
     try:
         stub = srv.stub()
-        engine = srv.server.engine
+        async_engine = srv.server.async_engine
         # Fault injection: hold the engine loop between steps, so that requests pile up in its
         # command queue and are admitted together, whatever the machine's speed.
         gate = threading.Event()
-        real_step = engine.engine.step
+        real_step = async_engine.core.step
 
         def held_step():
             gate.wait(timeout=60)
             return real_step()
 
-        engine.engine.step = held_step
+        async_engine.core.step = held_step
         long = greedy_params(300, ignore_eos=True)
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=long)
         calls = [stub.Generate(request)]
-        assert wait_until(engine.engine.has_work)  # admitted; the loop now waits at the gate
+        assert wait_until(async_engine.core.has_work)  # admitted; the loop now waits at the gate
         calls.append(stub.Generate(request))
-        assert wait_until(lambda: engine._commands.qsize() == 1)
+        assert wait_until(lambda: async_engine.pending_commands == 1)
         third = stub.Generate(request)
-        assert wait_until(lambda: engine._commands.qsize() == 2)
+        assert wait_until(lambda: async_engine.pending_commands == 2)
         gate.set()
         with pytest.raises(grpc.RpcError) as err:
             list(third)
@@ -288,7 +288,7 @@ def test_drain_lets_streams_finish_and_refuses_new_ones(stories_path):
     received = [next(call)]
     assert srv.server is not None
     drain = asyncio.run_coroutine_threadsafe(srv.server.drain_and_stop(), srv.loop)
-    assert wait_until(lambda: srv.server.engine.draining)
+    assert wait_until(lambda: srv.server.async_engine.draining)
     assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(pb.GenerateRequest(text="hi")))

@@ -87,15 +87,16 @@ def test_prefix_caching_off_reports_nothing_cached(tight):
 def test_preempted_choices_stream_exactly_the_uninterrupted_tokens(tight, stories_path, monkeypatch):
     # Three greedy choices of 20 + 60 tokens need 5 blocks each, 15 in all; the cache has 8, so
     # choices are preempted and recomputed. Count the preemptions to prove it happened.
-    scheduler = tight.server.engine.engine.scheduler
+    scheduler = tight.server.async_engine.core.scheduler
     preempted: list[int] = []
-    real_preempt = scheduler._preempt
+    real_schedule = scheduler.schedule
 
-    def counting_preempt(seq, out):
-        preempted.append(seq.index)
-        real_preempt(seq, out)
+    def counting_schedule():
+        out = real_schedule()
+        preempted.extend(seq.index for seq in out.preempted)
+        return out
 
-    monkeypatch.setattr(scheduler, "_preempt", counting_preempt)
+    monkeypatch.setattr(scheduler, "schedule", counting_schedule)
     prompt = [1] + [random.Random(5).randrange(3, 512) for _ in range(19)]
     msgs = generate(tight.stub(), prompt, 60, n=3)
     expected = greedy_with(load_hf(stories_path), prompt, 60)

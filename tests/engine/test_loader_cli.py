@@ -91,14 +91,19 @@ def test_chat_without_max_tokens_runs_until_the_context_is_full(stories_path):
     req = request_from_pb(
         pb.GenerateRequest(request_id="c", chat=chat, sampling=pb.SamplingParams(ignore_eos=True))
     )
-    assert req.params.max_tokens is None
-    text_req = request_from_pb(pb.GenerateRequest(text="Hi"))
-    assert text_req.params.max_tokens == 16  # completions keep OpenAI's default
+    assert req.params.max_tokens is None  # not set: admission decides, by the kind of input
+    text_req = request_from_pb(
+        pb.GenerateRequest(request_id="t", text="Hi", sampling=pb.SamplingParams(ignore_eos=True))
+    )
     engine = LLMEngine(EngineConfig(model=ModelConfig(path=str(stories_path), max_model_len=40)))
     prompt = engine.add_request(req)
-    out = run_to_completion(engine)[("c", 0)]
+    engine.add_request(text_req)
+    results = run_to_completion(engine)
+    out = results[("c", 0)]
     assert len(out.token_ids) == 40 - len(prompt)
     assert out.final.finish_reason.value == "length"
+    assert len(results[("t", 0)].token_ids) == 16  # completions keep OpenAI's default
+    assert req.params.max_tokens is None and text_req.params.max_tokens is None  # callers' params untouched
 
 
 def test_token_text_keeps_the_leading_space(stories_path):

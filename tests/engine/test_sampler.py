@@ -16,6 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from conduit_engine.errors import InvalidRequestError
+from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling import (
     Sampler,
     SamplingRow,
@@ -27,13 +28,16 @@ from conduit_engine.sampling.metadata import seeded_uniform
 from conduit_engine.sampling.sampler import sample_inverse_cdf
 from conduit_engine.sampling.truncation import apply_min_p, apply_top_k_top_p
 from conduit_engine.sampling_params import SamplingParams
+from conduit_engine.stop_rules import blocked_token_ids
+from tests.engine.harness import make_engine
 
 CPU = torch.device("cpu")
 EOS = 2
 
 
-def row(prompt=(5, 6, 7), output=(), seed=None, eos=(EOS,), **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), list(prompt), list(output), seed, eos)
+def row(prompt=(5, 6, 7), output=(), seed=None, **params) -> SamplingRow:
+    p = SamplingParams(**params)
+    return SamplingRow(p, list(prompt), list(output), seed, blocked_token_ids(p, (EOS,), len(output)))
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], sampler: Sampler | None = None):
@@ -52,7 +56,7 @@ def reference_processed(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:
     for token_id, bias in p.logit_bias.items():
         x[token_id] += bias
     if len(r.output_token_ids) < p.min_tokens:
-        for token_id in [*p.stop_token_ids, *(() if p.ignore_eos else r.eos_token_ids)]:
+        for token_id in [*p.stop_token_ids, *(() if p.ignore_eos else (EOS,))]:
             x[token_id] = -math.inf
     if p.repetition_penalty != 1.0:
         for token_id in set(r.prompt_token_ids) | set(r.output_token_ids):
@@ -515,16 +519,21 @@ def test_real_prompt_logprobs(story_logits):
 # ----- errors --------------------------------------------------------------------------------------
 
 
-def test_out_of_vocabulary_ids_name_the_field():
+@pytest.mark.parametrize(
+    ("request_kwargs", "field"),
+    [
+        ({"params": SamplingParams(logit_bias={600: 1.0}), "token_ids": [1]}, "logit_bias"),
+        ({"params": SamplingParams(min_tokens=2, stop_token_ids=[512]), "token_ids": [1]}, "stop_token_ids"),
+        ({"params": SamplingParams(repetition_penalty=1.1), "token_ids": [1, 512]}, "token_ids"),
+    ],
+)
+def test_out_of_vocabulary_ids_are_refused_at_admission_naming_the_field(stories_path, request_kwargs, field):
+    # Checked once, when the request arrives: the sampler never sees an id outside the vocabulary.
+    engine = make_engine(stories_path, num_blocks=16)
     with pytest.raises(InvalidRequestError) as err:
-        build_sampling_metadata([row(logit_bias={500: 1.0})], 100, CPU)
-    assert err.value.field == "logit_bias"
-    with pytest.raises(InvalidRequestError) as err:
-        build_sampling_metadata([row(min_tokens=2, stop_token_ids=[100])], 100, CPU)
-    assert err.value.field == "stop_token_ids"
-    with pytest.raises(InvalidRequestError) as err:
-        build_sampling_metadata([row(prompt=[1, 150], repetition_penalty=1.1)], 100, CPU)
-    assert err.value.field == "prompt_token_ids"
+        engine.add_request(GenerationRequest("bad", **request_kwargs))
+    assert err.value.field == field
+    assert not engine.has_work()
 
 
 def test_logits_shape_must_match_the_metadata():

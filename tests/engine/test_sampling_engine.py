@@ -197,14 +197,18 @@ def test_prompt_logprobs_once_with_n_and_after_preemption(stories_path):
         )
     )
     preempted_mid_prompt = []
-    real_preempt = tiny.scheduler._preempt
+    real_schedule = tiny.scheduler.schedule
 
-    def record(seq, out):
-        if seq.request_id == "lp" and seq.num_output_tokens == 0:
-            preempted_mid_prompt.append(seq.num_computed_tokens)
-        real_preempt(seq, out)
+    def record():
+        # Computed prompt tokens of "lp" before this step; preemption resets them, so read them first.
+        computed = {s.seq_id: s.num_computed_tokens for s in tiny.scheduler.running}
+        out = real_schedule()
+        for seq in out.preempted:
+            if seq.request_id == "lp" and seq.num_output_tokens == 0:
+                preempted_mid_prompt.append(computed.get(seq.seq_id, 0))
+        return out
 
-    tiny.scheduler._preempt = record
+    tiny.scheduler.schedule = record
     results = run_to_completion(tiny)
     assert any(n > 0 for n in preempted_mid_prompt)  # the scenario really happened
     lps = results[("lp", 0)].outputs[0].prompt_logprobs

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conduit_engine.engine import EngineStats, LLMEngine
-from conduit_engine.errors import DuplicateRequestError, EngineError, EngineUnavailableError
+from conduit_engine.errors import EngineUnavailableError
 from conduit_engine.request import GenerationRequest, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -29,17 +29,18 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    """Owns the loop thread that steps `core`; the only object that touches `core` after start."""
+
+    def __init__(self, core: LLMEngine) -> None:
+        self.core = core
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="conduit-engine-loop", daemon=True)
-        self._thread.start()
         self._draining = False
-        self._integrity_error: BaseException | None = None
+        self._thread.start()
 
     # ----- public API --------------------------------------------------------------------------------
     @property
@@ -54,11 +55,18 @@ class AsyncEngine:
         with self._lock:
             return len(self._streams)
 
+    @property
+    def pending_commands(self) -> int:
+        """Requests, aborts and reads submitted but not yet applied by the loop thread."""
+        return self._commands.qsize()
+
     async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Submit `req` and yield its outputs until every choice has finished.
 
-        Raises the engine's validation errors before the first output. Leaving the iterator early
-        (client cancelled, GeneratorExit) aborts the request, which frees its blocks at the next step.
+        Raises the engine's admission errors (see `admission`) before the first output; refuses every
+        request while draining. Leaving the iterator early (client cancelled, GeneratorExit) aborts the
+        request, which frees its blocks at the next step. A request that fails inside the engine ends
+        with FinishReason.ERROR outputs, not an exception.
         """
         if self._draining or self._stopping:
             raise EngineUnavailableError("the engine is draining and accepts no new requests")
@@ -69,11 +77,7 @@ class AsyncEngine:
         def add() -> None:
             try:
                 with self._lock:
-                    if req.request_id in self._streams:
-                        raise DuplicateRequestError(
-                            "request_id", f"request {req.request_id!r} is already running"
-                        )
-                    self.engine.add_request(req)
+                    self.core.add_request(req)
                     self._streams[req.request_id] = stream
                 loop.call_soon_threadsafe(_set_result, admitted, None)
             except BaseException as exc:
@@ -106,7 +110,7 @@ class AsyncEngine:
         return live
 
     def abort_nowait(self, request_id: str) -> None:
-        self._submit(lambda: self._deliver(self.engine.abort(request_id)))
+        self._submit(lambda: self._deliver(self.core.abort(request_id)))
 
     async def run_sync(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread between steps (for reads that must not race a step)."""
@@ -123,7 +127,7 @@ class AsyncEngine:
         return await fut
 
     async def stats(self) -> EngineStats:
-        return await self.run_sync(self.engine.stats)
+        return await self.run_sync(self.core.stats)
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -138,18 +142,19 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping:
             self._drain_commands()
-            if not self.engine.has_work():
+            if not self.core.has_work():
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.core.step()
             except Exception as exc:
-                log.exception("engine step failed; failing the running requests")
-                self._fail_all(exc)
-                continue
+                # A bug or a device fault, never a bad request (admission rules those out): every live
+                # request ends with FinishReason.ERROR and the loop goes on serving new ones.
+                log.exception("engine step failed; ending the live requests with an error")
+                outputs = self.core.fail_all(f"the engine step failed: {type(exc).__name__}")
             self._deliver(outputs)
-            if not self.engine.has_work():
+            if not self.core.has_work():
                 self._check_integrity()
 
     def _drain_commands(self) -> None:
@@ -168,27 +173,16 @@ class AsyncEngine:
                 if stream is not None:
                     by_loop.setdefault(stream.loop, []).append((stream, out))
             for request_id in {out.request_id for out in outputs if out.finished}:
-                if not self.engine.has_request(request_id):
+                if not self.core.has_request(request_id):
                     self._streams.pop(request_id, None)
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        with self._lock:
-            streams = dict(self._streams)
-            self._streams.clear()
-        for request_id in streams:
-            self.engine.abort(request_id)
-        error = EngineError(f"engine step failed: {exc}")
-        for stream in streams.values():
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
-
     def _check_integrity(self) -> None:
         # Idle: every block must be free or cached; a violation is a bug worth failing loudly in logs.
         try:
-            self.engine.check_integrity()
+            self.core.check_integrity()
         except AssertionError as exc:
-            self._integrity_error = exc
             log.error("KV cache integrity check failed: %s", exc)
 
 

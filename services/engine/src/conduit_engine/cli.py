@@ -46,6 +46,9 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--enable-chunked-prefill", _bool, True, "split long prompts over several steps"),
     ("--enforce-eager", _bool, False, "on cuda: do not capture CUDA graphs"),
     ("--drain-seconds", float, 30.0, "on SIGTERM, how long in-flight streams may finish"),
+    ("--grpc-max-message-bytes", int, 64 * 1024 * 1024, "largest gRPC message sent or received"),
+    ("--grpc-keepalive", float, 30.0, "HTTP/2 keepalive ping period towards clients, seconds"),
+    ("--grpc-min-ping-interval", float, 5.0, "clients may ping no more often than this, seconds"),
     ("--seed", int, 0, "seed of the engine's unseeded random draws"),
     ("--num-threads", int, 0, "torch CPU threads; 0 = auto (1 for models under 20M parameters)"),
     ("--log-level", str, "INFO", "logging level"),
@@ -94,7 +97,14 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_queued_requests=args.max_queued_requests,
             enable_chunked_prefill=args.enable_chunked_prefill,
         ),
-        server=ServerConfig(host=args.host, port=args.port, drain_seconds=args.drain_seconds),
+        server=ServerConfig(
+            host=args.host,
+            port=args.port,
+            drain_seconds=args.drain_seconds,
+            max_message_bytes=args.grpc_max_message_bytes,
+            keepalive_seconds=args.grpc_keepalive,
+            min_ping_interval_seconds=args.grpc_min_ping_interval,
+        ),
         enforce_eager=args.enforce_eager,
     )
 

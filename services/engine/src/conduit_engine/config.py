@@ -91,10 +91,21 @@ class ServerConfig:
     port: int = 50051
     drain_seconds: float = 30.0
     max_message_bytes: int = 64 * 1024 * 1024
+    keepalive_seconds: float = 30.0  # HTTP/2 ping period towards clients with open calls
+    min_ping_interval_seconds: float = 5.0  # clients may ping no more often than this
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
         _require(self.drain_seconds >= 0, f"--drain-seconds must be >= 0, got {self.drain_seconds}")
+        _require(
+            self.max_message_bytes >= 1024,
+            f"--grpc-max-message-bytes must be >= 1024, got {self.max_message_bytes}",
+        )
+        _require(self.keepalive_seconds > 0, f"--grpc-keepalive must be > 0, got {self.keepalive_seconds}")
+        _require(
+            self.min_ping_interval_seconds >= 0,
+            f"--grpc-min-ping-interval must be >= 0, got {self.min_ping_interval_seconds}",
+        )
 
 
 @dataclass(frozen=True, slots=True)

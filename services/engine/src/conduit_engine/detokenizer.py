@@ -75,9 +75,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
-        min_tokens: int = 0,
     ) -> None:
-        """`min_tokens`: stop strings are not looked for until that many output tokens exist (vLLM)."""
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
         self._tokenizer = tokenizer
@@ -87,8 +85,6 @@ class IncrementalDetokenizer:
         self._dropped = traits.special_ids if skip_special_tokens else frozenset()
         self._stops = tuple(stop)
         self._include_stop = include_stop_str_in_output
-        self._min_tokens = min_tokens
-        self._num_tokens = 0
         self._max_hold = max((len(s) for s in self._stops), default=1) - 1
 
         # tokens[prefix:read] decoded gave prefix_text; tokens[read:] are not released yet.
@@ -116,16 +112,19 @@ class IncrementalDetokenizer:
         """The stop string that ended the choice (from step() or finish()), or None."""
         return self._stop_string
 
-    def step(self, new_token_ids: Sequence[int]) -> DetokenizerDelta:
-        """Add this step's tokens; return the text now safe to release. Ignores tokens after a stop."""
+    def step(self, new_token_ids: Sequence[int], *, match_stops: bool = True) -> DetokenizerDelta:
+        """Add this step's tokens; return the text now safe to release. Ignores tokens after a stop.
+
+        `match_stops=False` releases the text without looking for stop strings (the caller's stop rules
+        hold them off, e.g. until min_tokens), and so holds nothing back for them either.
+        """
         if self._finished:
             raise RuntimeError("step() after finish()")
         if self._stop_string is not None:
             return DetokenizerDelta("", None)
-        self._num_tokens += len(new_token_ids)
         for token_id in new_token_ids:
             self._append(token_id)
-        return self._release(self._advance(), final=False)
+        return self._release(self._advance(), final=False, match_stops=match_stops)
 
     def finish(self) -> str:
         """Release everything still held; the choice ended (length, EOS, abort). Idempotent."""
@@ -136,7 +135,7 @@ class IncrementalDetokenizer:
         tail = ""
         if len(self._tokens) > self._read:
             tail = self._decode(self._tokens[self._prefix :])[len(self._prefix_text) :]
-        return self._release(tail, final=True).text
+        return self._release(tail, final=True, match_stops=True).text
 
     def _append(self, token_id: int) -> None:
         if token_id in self._dropped:
@@ -168,9 +167,9 @@ class IncrementalDetokenizer:
         self._prefix = 0
         return delta
 
-    def _release(self, text: str, *, final: bool) -> DetokenizerDelta:
-        if not self._stops or self._num_tokens < self._min_tokens:
-            return self._emit(text, None)  # nothing is held before stop strings are looked for
+    def _release(self, text: str, *, final: bool, match_stops: bool) -> DetokenizerDelta:
+        if not self._stops or not match_stops:
+            return self._emit(text, None)  # nothing is held while stop strings are not looked for
         buffer = self._held + text
         match = _first_stop_match(buffer, self._stops)
         if match is not None:

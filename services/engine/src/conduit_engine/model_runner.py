@@ -21,6 +21,7 @@ from conduit_engine.sampling import (
 )
 from conduit_engine.scheduler import SchedulerOutput
 from conduit_engine.sequence import Sequence
+from conduit_engine.stop_rules import blocked_token_ids
 
 
 @dataclass(slots=True)
@@ -38,11 +39,6 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states to sample from
     sampling_seqs: list[Sequence]
-
-
-def kv_block_bytes(config: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
 
 
 class ModelRunner:
@@ -144,13 +140,14 @@ class ModelRunner:
         self._prompt_logprobs(out, hidden, results)
         if inputs.sampling_seqs:
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+            eos = self.eos_token_ids
             rows = [
                 SamplingRow(
                     params=seq.params,
                     prompt_token_ids=seq.prompt_token_ids,
                     output_token_ids=seq.output_token_ids,
                     seed=seq.seed,
-                    eos_token_ids=self.eos_token_ids,
+                    blocked_token_ids=blocked_token_ids(seq.params, eos, seq.num_output_tokens),
                 )
                 for seq in inputs.sampling_seqs
             ]

@@ -76,8 +76,6 @@ def request_from_pb(msg: pb.GenerateRequest) -> GenerationRequest:
     if msg.HasField("kv_transfer"):
         raise InvalidRequestError("kv_transfer", "KV transfer is not supported yet")
     params = sampling_from_pb(msg.sampling)
-    if msg.WhichOneof("input") == "chat" and not msg.sampling.HasField("max_tokens"):
-        params.max_tokens = None  # chat, as OpenAI: generate until the context is full
     req = GenerationRequest(
         request_id=msg.request_id or f"req-{uuid.uuid4().hex}",
         params=params,
@@ -128,6 +126,8 @@ def output_to_pb(out: RequestOutput, decode: Callable[[int], str]) -> pb.Generat
             msg.stop_string = out.stop_string
         if out.stop_token_id is not None:
             msg.stop_token_id = out.stop_token_id
+    if out.error is not None:
+        msg.error = out.error
     if out.prompt_token_ids is not None:
         msg.prompt_token_ids.extend(out.prompt_token_ids)
     if out.prompt_logprobs is not None:

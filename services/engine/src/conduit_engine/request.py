@@ -46,4 +46,4 @@ class RequestOutput:
     stop_token_id: int | None = None
     prompt_token_ids: list[int] | None = None  # on the first output of the request
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the first output, when asked for
-    error: str | None = None
+    error: str | None = None  # with FinishReason.ERROR: what failed (a message, never a traceback)

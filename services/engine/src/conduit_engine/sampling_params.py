@@ -15,7 +15,8 @@ MAX_STOP_STRINGS = 16
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_tokens: int | None = 16  # None: until the context is full (the default for chat input)
+    # None: not set; admission resolves it (16 for text and token ids, until the context is full for chat).
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1 on input) disables

@@ -48,7 +48,6 @@ class Scheduler:
         self.block_manager = block_manager
         self._waiting: list[tuple[int, int, int, Sequence]] = []  # heap of (priority, arrival, id, seq)
         self.running: list[Sequence] = []  # admission order
-        self._admissions = 0
 
     # ----- queue -----------------------------------------------------------------------------------
     @property
@@ -135,7 +134,6 @@ class Scheduler:
                 self.block_manager.record_prefix_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
             seq.status = SequenceStatus.RUNNING
             seq.was_admitted = True
-            self._admissions += 1
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new

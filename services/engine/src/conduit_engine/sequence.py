@@ -77,11 +77,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def in_prefill(self) -> bool:
-        """True while prompt tokens (or recomputed output tokens) remain to be computed."""
-        return self.num_uncomputed_tokens > 1 or self.num_computed_tokens < self.num_prompt_tokens
-
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 

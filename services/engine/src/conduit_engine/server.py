@@ -113,53 +113,51 @@ def _metadata_request_id(context: grpc.aio.ServicerContext) -> str | None:
 
 
 class EngineServicer(pb_grpc.EngineServicer):
-    """Registered before the model loads: every RPC answers UNAVAILABLE until `attach()`."""
+    """Registered before the model loads: every RPC answers UNAVAILABLE until `attach()`.
+
+    Requests are validated once, by the engine's admission (draining included); the servicer only
+    converts messages and refuses what is gRPC-specific (a wrong model name, warm-up not done).
+    """
 
     def __init__(self, device: str) -> None:
         self.device = device
-        self._engine: AsyncEngine | None = None
+        self._async_engine: AsyncEngine | None = None
         self.ready = False
 
-    def attach(self, engine: AsyncEngine) -> None:
-        self._engine = engine
+    def attach(self, async_engine: AsyncEngine) -> None:
+        self._async_engine = async_engine
 
     @property
-    def engine(self) -> AsyncEngine:
-        if self._engine is None:
+    def async_engine(self) -> AsyncEngine:
+        if self._async_engine is None:
             raise EngineUnavailableError("the engine is still loading the model")
-        return self._engine
+        return self._async_engine
 
     @property
     def core(self) -> LLMEngine:
-        return self.engine.engine
-
-    def _check_ready(self) -> None:
-        if self.engine.draining:
-            raise EngineUnavailableError("the engine is draining and accepts no new requests")
-        if not self.ready:
-            raise EngineUnavailableError("the engine is still warming up")
+        """The synchronous engine, for its immutable facts (model name, tokenizer, limits)."""
+        return self.async_engine.core
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        self._check_ready()
+        if not self.ready:
+            raise EngineUnavailableError("the engine is still warming up")
         if request.HasField("model") and request.model and request.model != self.core.model_name:
             raise ModelNotFoundError(
                 f"model {request.model!r} is not served here (this engine serves {self.core.model_name!r})"
             )
-        if request.WhichOneof("input") is None:
-            raise InvalidRequestError("input", "one of text, token_ids or chat is required")
         req = request_from_pb(request)
         if not request.request_id:
             req.request_id = _metadata_request_id(context) or req.request_id
         decode = self.core.tokenizer.token_text
-        async for out in self.engine.generate(req):
+        async for out in self.async_engine.generate(req):
             yield output_to_pb(out, decode)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:
             raise InvalidRequestError("request_id", "must not be empty")
-        return pb.AbortResponse(aborted=await self.engine.abort(request.request_id))
+        return pb.AbortResponse(aborted=await self.async_engine.abort(request.request_id))
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -199,7 +197,7 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def GetLoad(
         self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetLoadResponse:
-        stats = await self.engine.stats()
+        stats = await self.async_engine.stats()
         return pb.GetLoadResponse(
             running_requests=stats.running,
             waiting_requests=stats.waiting,
@@ -212,17 +210,18 @@ class EngineServicer(pb_grpc.EngineServicer):
         )
 
 
-async def warm_up(engine: AsyncEngine) -> None:
+async def warm_up(async_engine: AsyncEngine) -> None:
     """One short generation through the whole path; health turns SERVING only after it succeeds."""
-    core = engine.engine
+    core = async_engine.core
     first = core.arch.bos_token_id if core.arch.bos_token_id is not None else 0
     req = GenerationRequest(
         request_id=f"warmup-{uuid.uuid4().hex}",
         params=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
         token_ids=[first],
     )
-    async for _ in engine.generate(req):
-        pass
+    async for out in async_engine.generate(req):
+        if out.error is not None:
+            raise EngineError(f"warm-up generation failed: {out.error}")
 
 
 class EngineServer:
@@ -231,11 +230,12 @@ class EngineServer:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.health = health.aio.HealthServicer()
+        server = config.server
         options = [
-            ("grpc.max_send_message_length", config.server.max_message_bytes),
-            ("grpc.max_receive_message_length", config.server.max_message_bytes),
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.max_send_message_length", server.max_message_bytes),
+            ("grpc.max_receive_message_length", server.max_message_bytes),
+            ("grpc.keepalive_time_ms", int(server.keepalive_seconds * 1000)),
+            ("grpc.http2.min_ping_interval_without_data_ms", int(server.min_ping_interval_seconds * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),
         ]
         self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=options)
@@ -253,7 +253,7 @@ class EngineServer:
         )
         self.servicer = EngineServicer(config.model.device)
         pb_grpc.add_EngineServicer_to_server(self.servicer, self.server)
-        self.engine: AsyncEngine | None = None
+        self.async_engine: AsyncEngine | None = None
         self._stop = asyncio.Event()
 
     async def _set_health(self, status: int) -> None:
@@ -270,9 +270,9 @@ class EngineServer:
         )
         loop = asyncio.get_running_loop()
         core = await loop.run_in_executor(None, LLMEngine, self.config)
-        self.engine = AsyncEngine(core)
-        self.servicer.attach(self.engine)
-        await warm_up(self.engine)
+        self.async_engine = AsyncEngine(core)
+        self.servicer.attach(self.async_engine)
+        await warm_up(self.async_engine)
         self.servicer.ready = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("SERVING %s", core.model_name)
@@ -280,14 +280,14 @@ class EngineServer:
     async def drain_and_stop(self) -> None:
         """Stop taking requests, let in-flight streams finish (up to drain_seconds), then stop."""
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self.engine is not None:
-            self.engine.start_draining()
+        if self.async_engine is not None:
+            self.async_engine.start_draining()
             deadline = asyncio.get_running_loop().time() + self.config.server.drain_seconds
-            while self.engine.num_active and asyncio.get_running_loop().time() < deadline:
+            while self.async_engine.num_active and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.1)
         await self.server.stop(grace=1.0)
-        if self.engine is not None:
-            self.engine.shutdown()
+        if self.async_engine is not None:
+            self.async_engine.shutdown()
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()

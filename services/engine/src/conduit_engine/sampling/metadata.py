@@ -13,7 +13,6 @@ from typing import NamedTuple
 
 import torch
 
-from conduit_engine.errors import InvalidRequestError
 from conduit_engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -27,7 +26,8 @@ class SamplingRow(NamedTuple):
     prompt_token_ids: Sequence[int]  # the prompt
     output_token_ids: Sequence[int]  # tokens generated so far (this row's choice only)
     seed: int | None  # effective seed of this row (request seed + choice index), None = unseeded
-    eos_token_ids: tuple[int, ...]  # model EOS ids (min_tokens suppresses these and stop_token_ids)
+    # Ids this row must not pick at this step (stop_rules.blocked_token_ids: min_tokens not reached).
+    blocked_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ class SamplingMetadata:
     seeded_uniforms: tuple[float | None, ...]
     # Additive logit bias as sparse (rows, token ids, values); None when no row has a bias.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    # (rows, token ids) set to -inf because the row has not reached min_tokens yet.
+    # (rows, token ids) set to -inf: ids a row must not pick yet (its blocked_token_ids).
     min_tokens_block: tuple[torch.Tensor, torch.Tensor] | None
     # [B] repetition penalty and [B, V] "token occurs in prompt or output" mask.
     repetition_penalty: torch.Tensor | None
@@ -106,7 +106,8 @@ def build_sampling_metadata(
 ) -> SamplingMetadata:
     """Collect the per-row parameters of one step into batch tensors on `device`.
 
-    Raises InvalidRequestError (naming the field) for token ids outside the vocabulary.
+    Every token id a row carries was checked against the vocabulary at admission, so nothing here
+    depends on the request being well formed.
     """
     if not rows:
         raise ValueError("build_sampling_metadata needs at least one row")
@@ -144,8 +145,8 @@ def build_sampling_metadata(
             None if rows[i].seed is None else seeded_uniform(rows[i].seed, len(rows[i].output_token_ids))
             for i in random_idx
         ),
-        logit_bias=_logit_bias(params, vocab_size, device),
-        min_tokens_block=_min_tokens_block(rows, vocab_size, device),
+        logit_bias=_logit_bias(params, device),
+        min_tokens_block=_min_tokens_block(rows, device),
         repetition_penalty=floats(rep) if needs_rep else None,
         seen_mask=_seen_mask(rows, rep, vocab_size, device) if needs_rep else None,
         presence_penalty=floats(presence) if needs_counts else None,
@@ -156,14 +157,13 @@ def build_sampling_metadata(
 
 
 def _logit_bias(
-    params: list[SamplingParams], vocab_size: int, device: torch.device
+    params: list[SamplingParams], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     row_idx: list[int] = []
     token_ids: list[int] = []
     values: list[float] = []
     for i, p in enumerate(params):
         for token_id, bias in p.logit_bias.items():
-            _check_token_id(token_id, vocab_size, "logit_bias")
             row_idx.append(i)
             token_ids.append(token_id)
             values.append(float(bias))
@@ -177,21 +177,13 @@ def _logit_bias(
 
 
 def _min_tokens_block(
-    rows: list[SamplingRow], vocab_size: int, device: torch.device
+    rows: list[SamplingRow], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     row_idx: list[int] = []
     token_ids: list[int] = []
     for i, row in enumerate(rows):
-        p = row.params
-        if len(row.output_token_ids) >= p.min_tokens:
-            continue
-        for token_id in p.stop_token_ids:
-            _check_token_id(token_id, vocab_size, "stop_token_ids")
-        # As vLLM: with ignore_eos the EOS does not end the choice, so there is nothing to hold off.
-        eos = () if p.ignore_eos else tuple(t for t in row.eos_token_ids if 0 <= t < vocab_size)
-        for token_id in sorted(set(p.stop_token_ids) | set(eos)):
-            row_idx.append(i)
-            token_ids.append(token_id)
+        row_idx.extend([i] * len(row.blocked_token_ids))
+        token_ids.extend(row.blocked_token_ids)
     if not row_idx:
         return None
     return (
@@ -208,8 +200,6 @@ def _seen_mask(
             (list(row.prompt_token_ids) + list(row.output_token_ids)) if r != 1.0 else []
             for row, r in zip(rows, rep, strict=True)
         ],
-        vocab_size,
-        "prompt_token_ids",
         device,
     )
     mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
@@ -229,8 +219,6 @@ def _output_counts(
             row.output_token_ids if (p != 0.0 or f != 0.0) else []
             for row, p, f in zip(rows, presence, frequency, strict=True)
         ],
-        vocab_size,
-        "output_token_ids",
         device,
     )
     counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
@@ -239,23 +227,14 @@ def _output_counts(
     return counts
 
 
-def _flatten(
-    per_row: list[Sequence[int]], vocab_size: int, field: str, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _flatten(per_row: list[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row index, token id) pairs of every token of every row, as two long tensors."""
     row_idx: list[int] = []
     token_ids: list[int] = []
     for i, ids in enumerate(per_row):
         row_idx.extend([i] * len(ids))
         token_ids.extend(ids)
-    rows_t = torch.tensor(row_idx, dtype=torch.long)
-    ids_t = torch.tensor(token_ids, dtype=torch.long)
-    if ids_t.numel() and (int(ids_t.min()) < 0 or int(ids_t.max()) >= vocab_size):
-        bad = ids_t[(ids_t < 0) | (ids_t >= vocab_size)][0].item()
-        raise InvalidRequestError(field, f"token id {bad} outside the vocabulary [0, {vocab_size})")
-    return rows_t.to(device), ids_t.to(device)
-
-
-def _check_token_id(token_id: int, vocab_size: int, field: str) -> None:
-    if not 0 <= token_id < vocab_size:
-        raise InvalidRequestError(field, f"token id {token_id} outside the vocabulary [0, {vocab_size})")
+    return (
+        torch.tensor(row_idx, dtype=torch.long, device=device),
+        torch.tensor(token_ids, dtype=torch.long, device=device),
+    )

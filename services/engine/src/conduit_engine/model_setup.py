@@ -1,0 +1,124 @@
+"""Model and KV-cache setup: read a checkpoint folder, load the model onto its device, set the CPU thread
+policy, and size the paged KV cache from the memory budget. Runs once, when the engine starts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from conduit_engine.config import EngineConfig
+from conduit_engine.errors import ModelLoadError
+from conduit_engine.models.config import ArchConfig
+from conduit_engine.models.llama import LlamaForCausalLM
+from conduit_engine.models.loader import load_model, resolve_dtype
+from conduit_engine.ops import get_ops
+from conduit_engine.tokenizer import ModelTokenizer
+
+log = logging.getLogger(__name__)
+
+# Auto-sized caches hold at most this many full batches of full-length sequences.
+_MAX_AUTO_BLOCKS_FACTOR = 2
+# Below this many parameters, intra-op threads only contend (measured: up to 10x slower with 2).
+_TINY_MODEL_PARAMS = 20_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """Everything the engine learns from the checkpoint and the memory budget."""
+
+    name: str  # served model name
+    arch: ArchConfig
+    tokenizer: ModelTokenizer
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    dtype: torch.dtype
+    model: LlamaForCausalLM
+    num_blocks: int  # KV cache blocks
+    block_size: int
+
+
+def load(config: EngineConfig) -> LoadedModel:
+    """Load the model of `config` and size its KV cache; raises ModelLoadError with a clear message."""
+    folder = Path(config.model.path)
+    if not folder.is_dir():
+        raise ModelLoadError(f"model folder {folder} does not exist")
+    arch = ArchConfig.from_folder(folder)
+    tokenizer = ModelTokenizer(folder)
+    max_len = max_model_len(config, arch)
+    dtype = resolve_dtype(config.model.dtype, arch, config.model.device)
+    torch.manual_seed(config.model.seed)
+    model = load_model(folder, arch, get_ops(config.model.device), dtype, config.model.device, max_len)
+    set_cpu_threads(config.model.num_threads, model)
+    return LoadedModel(
+        name=config.model.served_name or folder.resolve().name,
+        arch=arch,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids(folder, arch),
+        max_model_len=max_len,
+        dtype=dtype,
+        model=model,
+        num_blocks=num_kv_blocks(config, arch, dtype, max_len),
+        block_size=config.cache.block_size,
+    )
+
+
+def eos_token_ids(folder: Path, arch: ArchConfig) -> tuple[int, ...]:
+    """The EOS ids of config.json and generation_config.json that lie within the vocabulary."""
+    ids = list(arch.eos_token_ids)
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        for e in eos if isinstance(eos, list) else [eos]:
+            if e is not None and e not in ids:
+                ids.append(int(e))
+    # An id the model has no logit for can never be sampled; keeping it would only mislead.
+    return tuple(i for i in ids if 0 <= i < arch.vocab_size)
+
+
+def max_model_len(config: EngineConfig, arch: ArchConfig) -> int:
+    """The longest prompt + completion: --max-model-len, which may not exceed the model's own limit."""
+    limit = arch.max_position_embeddings
+    if arch.sliding_window is not None:
+        limit = min(limit, arch.sliding_window)  # full attention is exact only inside the window
+    requested = config.model.max_model_len
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ModelLoadError(f"--max-model-len {requested} exceeds the model's limit of {limit}")
+    return requested
+
+
+def set_cpu_threads(requested: int, model: torch.nn.Module) -> None:
+    """Intra-op threads only pay off for matrices big enough; for tiny models they just contend."""
+    if requested > 0:
+        torch.set_num_threads(requested)
+    elif sum(p.numel() for p in model.parameters()) < _TINY_MODEL_PARAMS:
+        torch.set_num_threads(1)
+
+
+def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block over all layers (keys and values)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * element
+
+
+def num_kv_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype, max_len: int) -> int:
+    """--kv-cache-blocks, or as many blocks as the memory fraction holds (of total host memory on the
+    CPU, of free device memory on CUDA), capped so an idle cache is not absurdly large."""
+    cache = config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    per_block = kv_block_bytes(arch, cache.block_size, dtype)
+    if config.model.device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        budget = int(free * cache.memory_fraction)
+    else:
+        budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * cache.memory_fraction)
+    per_seq = (max_len + cache.block_size - 1) // cache.block_size
+    cap = _MAX_AUTO_BLOCKS_FACTOR * config.scheduler.max_num_seqs * per_seq
+    return max(per_seq, min(budget // per_block, cap))

@@ -1,0 +1,63 @@
+"""One admitted request inside the engine: its choices (sequences), their stop rules, and how their new
+tokens become `RequestOutput`s (usage, prompt ids and prompt logprobs on the request's first output)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conduit_engine.request import RequestOutput, Usage
+from conduit_engine.sampling import TokenLogprobs
+from conduit_engine.sequence import Sequence
+from conduit_engine.stop_rules import StopRules
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]  # one per choice, indexed by choice
+    stop_rules: list[StopRules]  # one per choice
+    sent_first: bool = False
+    # Prompt logprobs computed so far (choice 0 computes them for all); sent on the first output.
+    pending_prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=len(self.prompt_token_ids),
+            completion_tokens=sum(s.num_output_tokens for s in self.seqs),
+            cached_tokens=self.seqs[0].num_cached_tokens,
+        )
+
+    def output(
+        self,
+        seq: Sequence,
+        token_ids: list[int],
+        text: str,
+        logprobs: list[TokenLogprobs],
+        error: str | None = None,
+    ) -> RequestOutput:
+        """The output of `seq`'s new tokens (final when the sequence has finished)."""
+        finished = seq.is_finished
+        out = RequestOutput(
+            request_id=self.request_id,
+            index=seq.index,
+            text=text,
+            token_ids=token_ids,
+            usage=self.usage(),
+            logprobs=logprobs,
+            finished=finished,
+            finish_reason=seq.finish_reason if finished else None,
+            stop_string=seq.stop_string if finished else None,
+            stop_token_id=seq.stop_token_id if finished else None,
+            error=error,
+        )
+        if not self.sent_first:
+            self.sent_first = True
+            out.prompt_token_ids = self.prompt_token_ids
+            if seq.params.prompt_logprobs is not None:
+                out.prompt_logprobs = list(self.pending_prompt_logprobs)
+        return out
