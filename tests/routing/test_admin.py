@@ -118,33 +118,43 @@ class LongStream:
         return self.tokens, self.finish_reason
 
 
-def _streaming_node(url: str, stream: LongStream) -> str:
+def _streaming_node(url: str, stream: LongStream, fleet) -> str:
+    """The node serving `stream`, paused (SIGSTOP) so that the stream stays open however fast the
+    engine is; the other engines are paused only while it is found."""
     assert stream.started.wait(timeout=60)
+    for index in range(len(fleet.addresses)):
+        fleet.pause(index)
     (address,) = [address for address, node in nodes(url).items() if node["in_flight"] == 1]
+    for index in range(len(fleet.addresses)):
+        if index != fleet.index_of(address):
+            fleet.resume(index)
     return address
 
 
 @pytest.mark.parametrize("how", ["drain", "remove"])
 def test_drained_or_removed_node_finishes_its_stream_and_gets_no_new_requests(fleet, make_gateway, how):
     gateway = make_gateway(fleet.addresses)
-    stream = LongStream(gateway.url)
-    address = _streaming_node(gateway.url, stream)
-    with admin(gateway.url) as client:
-        if how == "drain":
-            response = client.post(f"/nodes/{address}/drain")
-        else:
-            response = client.delete(f"/nodes/{address}")
-    assert response.status_code == 200
-    assert (response.json()["state"], response.json()["in_flight"]) == (
-        "draining" if how == "drain" else "removed",
-        1,
-    )
     before = fleet.finished()
-    with sdk(gateway.url) as client:
-        for i in range(4):
-            complete(client, f"Meanwhile {i}")
-    assert stream.join() == (LONG, "length")
+    stream = LongStream(gateway.url)
+    address = _streaming_node(gateway.url, stream, fleet)
     index = fleet.index_of(address)
+    try:
+        with admin(gateway.url) as client:
+            if how == "drain":
+                response = client.post(f"/nodes/{address}/drain")
+            else:
+                response = client.delete(f"/nodes/{address}")
+        assert response.status_code == 200
+        assert (response.json()["state"], response.json()["in_flight"]) == (
+            "draining" if how == "drain" else "removed",
+            1,
+        )
+        with sdk(gateway.url) as client:
+            for i in range(4):
+                complete(client, f"Meanwhile {i}")
+    finally:
+        fleet.resume(index)
+    assert stream.join() == (LONG, "length")
     wait_for(lambda: sum(deltas(fleet.finished(), before)) >= 5, "five finished requests")
     # The drained engine finished only the stream it already had.
     per_engine = deltas(fleet.finished(), before)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -77,6 +78,14 @@ class EngineFleet:
         """SIGKILL: no drain, no goodbye; open streams break."""
         self.engines[index].kill()
         self._drop_channel(index)
+
+    def pause(self, index: int) -> None:
+        """SIGSTOP: the engine keeps its connections but does nothing (fault injection: a stream that
+        stays open however fast the machine is)."""
+        self.engines[index].process.send_signal(signal.SIGSTOP)
+
+    def resume(self, index: int) -> None:
+        self.engines[index].process.send_signal(signal.SIGCONT)
 
     def restart(self, index: int) -> None:
         """Start engine `index` again on its port (after kill) and wait until it is SERVING."""
