@@ -3,7 +3,7 @@
 - device-to-device copy bandwidth (bytes read + written per second), the ceiling;
 - paged decode attention bandwidth (K/V bytes read per second) as a fraction of it (goal >= 0.6),
   for a large batch and for one long sequence with split-K on and off;
-- prefill attention and sampling times, for reference.
+- prefill attention time, and the engine's sampler (torch ops on the GPU) for a large batch.
 
     python3 bench/gpu_kernels_bench.py
 """
@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from conduit_engine.ops.base import AttentionMetadata
+from conduit_engine.ops.base import AttentionMetadata, StepContext
 from conduit_engine.ops.cuda_ops import CudaOps
+from conduit_engine.sampling import Sampler, SamplingRow, build_sampling_metadata
+from conduit_engine.sampling_params import SamplingParams
+
+_NO_ROPE = torch.zeros(1, 2, device="cuda") if torch.cuda.is_available() else torch.zeros(1, 2)
 
 
 def timed(fn, iters: int = 20, warmup: int = 3) -> float:
@@ -65,7 +69,8 @@ def decode_bandwidth(
     dtype = torch.bfloat16
     k_cache, v_cache, meta = paged_batch(batch, context, kv_heads, head_dim, 16, dtype)
     q = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype)
-    seconds = timed(lambda: ops.attention(q, k_cache, v_cache, meta, head_dim**-0.5))
+    step = ops.begin_step(torch.zeros(batch, dtype=torch.int64, device="cuda"), meta, _NO_ROPE)
+    seconds = timed(lambda: ops.attention(q, k_cache, v_cache, step, head_dim**-0.5))
     kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
     return kv_bytes / seconds
 
@@ -96,21 +101,22 @@ def main() -> None:
         block_size=16,
     )
     q = torch.randn(8192, 32, 128, device="cuda", dtype=torch.bfloat16)
-    seconds = timed(lambda: ops.attention(q, k_cache, v_cache, meta, 128**-0.5), iters=5)
+    step = StepContext(torch.zeros(8192, dtype=torch.int64, device="cuda"), meta, _NO_ROPE)
+    seconds = timed(lambda: ops.attention(q, k_cache, v_cache, step, 128**-0.5), iters=5)
     flops = 8 * 32 * 4 * 128 * sum(1024 + i + 1 for i in range(1024))  # QK and PV, causal with prefix
     rate = flops / seconds / 1e12
     print(f"prefill attention 8 x 1024 after 1024 cached: {seconds * 1e3:.2f} ms, {rate:.1f} TFLOP/s")
     logits = torch.randn(64, 128256, device="cuda") * 3
-    ones = torch.ones(64, device="cuda")
-    args = (
-        ones * 0.8,
-        torch.full((64,), 50, dtype=torch.int32, device="cuda"),
-        ones * 0.9,
-        ones * 0.05,
-        ones * 0.5,
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, seed=1)
+    rows = [SamplingRow(params, [1], [], seed=i) for i in range(64)]
+    sampler = Sampler()
+    seconds = timed(
+        lambda: sampler(logits, build_sampling_metadata(rows, logits.shape[1], logits.device)), iters=10
     )
-    seconds = timed(lambda: ops.sample(logits, *args), iters=10)
-    print(f"sampling 64 rows x 128256 vocab (top-k 50, top-p 0.9, min-p 0.05): {seconds * 1e3:.2f} ms")
+    print(
+        f"engine sampler, 64 rows x 128256 vocab (top-k 50, top-p 0.9, min-p 0.05, seeded): "
+        f"{seconds * 1e3:.2f} ms"
+    )
 
 
 if __name__ == "__main__":

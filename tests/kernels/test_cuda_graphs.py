@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_ops_emulated import PagedBatch
+from test_ops_emulated import PagedBatch, step
 
 from conduit_engine.cuda_graphs import StaticDecodeInputs, capture_batch_sizes, padded_batch_size
 from conduit_engine.ops.cuda_ops import CudaOps
@@ -99,13 +99,13 @@ def test_padded_decode_attention_matches_unpadded_rows(launcher):
     batch = PagedBatch(gen, (70, 5, 33), (1, 1, 1), 8, 2, 64, torch.float16)
     q = torch.randn(3, 8, 64, generator=gen).half()
     ops = CudaOps(launcher, decode_partition_size=32, decode_threads=32)
-    want = ops.attention(q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    want = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, batch.meta), 0.125)
     inputs = StaticDecodeInputs(
         max_batch=8, max_blocks_per_seq=20, max_context_len=160, block_size=8, device="cpu"
     )
     inputs.load(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), batch.meta, batch=8)
     q_padded = torch.cat([q, torch.randn(5, 8, 64, generator=gen).half()])
-    got = ops.attention(q_padded, batch.k_cache, batch.v_cache, inputs.metadata(8), 0.125)
+    got = ops.attention(q_padded, batch.k_cache, batch.v_cache, step(ops, inputs.metadata(8)), 0.125)
     assert torch.equal(got[:3], want)
     # the captured grid covers 160 tokens: 5 partitions of 32, the reduction kernel included
     assert [k.name.split("<")[0] for k in launcher.launches][-2:] == [

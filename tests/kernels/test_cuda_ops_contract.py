@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 import torch
+from test_ops_emulated import _meta_for_tokens
 
 from conduit_engine.ops.cuda_ops import CudaOps, decode_shared_bytes, prefill_shared_bytes
 from conduit_engine.ops.kernel_loader import all_specializations, ctype, kernels_dir, read_source
@@ -74,14 +76,15 @@ def test_wrappers_name_the_bad_field(ops):
             torch.zeros(1, dtype=torch.int32),
         )
     q = torch.zeros(3, 4, 16)
+    meta = _meta_for_tokens(3)
+    step = ops.begin_step(torch.zeros(3, dtype=torch.int64), meta, torch.zeros(10, 16))
     with pytest.raises(ValueError, match="q, k: expected"):
-        ops.rotary_embedding(torch.zeros(3, dtype=torch.int64), q, torch.zeros(3, 16), torch.zeros(10, 16))
+        ops.rotary_embedding(q, torch.zeros(3, 16), step)
     with pytest.raises(ValueError, match="positions: expected contiguous int64"):
-        ops.rotary_embedding(torch.zeros(3, dtype=torch.int32), q, q.clone(), torch.zeros(10, 16))
-    with pytest.raises(ValueError, match="top_k: expected dtype torch.int32"):
-        ops.sample(
-            torch.zeros(2, 5), torch.ones(2), torch.zeros(2), torch.ones(2), torch.zeros(2), torch.zeros(2)
-        )
+        ops.begin_step(torch.zeros(3, dtype=torch.int32), meta, torch.zeros(10, 16))
+    with pytest.raises(ValueError, match="meta.block_tables: expected dtype torch.int32"):
+        bad = dataclasses.replace(meta, block_tables=meta.block_tables.long())
+        ops.begin_step(torch.zeros(3, dtype=torch.int64), bad, torch.zeros(10, 16))
     with pytest.raises(ValueError, match="decode_partition_size"):
         CudaOps(ops._launcher, decode_partition_size=100)
 
@@ -97,7 +100,4 @@ def test_empty_batches_launch_nothing(launcher):
         torch.zeros(2, 4, 2, 8),
         torch.zeros(0, dtype=torch.int64),
     )
-    assert ops.sample(
-        torch.zeros(0, 5), *(torch.zeros(0),) * 1, torch.zeros(0, dtype=torch.int32), *(torch.zeros(0),) * 3
-    ).shape == (0,)
     assert launcher.launches == []

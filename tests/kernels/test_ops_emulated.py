@@ -12,9 +12,8 @@ import pytest
 import torch
 from conftest import DTYPES
 from kernel_emulator import REVERSE, SHUFFLED, EmulatedLauncher
-from sampling_reference import sample_reference
 
-from conduit_engine.ops.base import AttentionMetadata
+from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext
 from conduit_engine.ops.cuda_ops import CudaOps
 from conduit_engine.ops.torch_ops import TorchOps
 
@@ -29,6 +28,25 @@ DTYPE_IDS = ["f32", "f16", "bf16"]
 
 def _ops(launcher, **kwargs) -> CudaOps:
     return CudaOps(launcher, **kwargs)
+
+
+def step(ops: Ops, meta: AttentionMetadata) -> StepContext:
+    """The step context of an attention-only call: placeholder positions and RoPE table."""
+    tokens = sum(meta.query_lens_cpu)
+    return ops.begin_step(torch.zeros(tokens, dtype=torch.int64), meta, torch.zeros(1, 2))
+
+
+def _meta_for_tokens(tokens: int) -> AttentionMetadata:
+    """Metadata of one prefill sequence of `tokens` tokens (what a rotary-only call needs around it)."""
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(tokens, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([tokens], dtype=torch.int32),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        query_lens_cpu=(tokens,),
+        seq_lens_cpu=(tokens,),
+        block_size=16,
+    )
 
 
 def _rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0):
@@ -97,7 +115,7 @@ def test_rotary_on_fused_qkv_views_matches_reference(launcher, dtype, tokens, he
     for buf, ops in ((qkv, _ops(launcher)), (ref_qkv, REF)):
         q = buf[:, : heads * head_dim].view(tokens, heads, head_dim)
         k = buf[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-        ops.rotary_embedding(positions, q, k, cache)
+        ops.rotary_embedding(q, k, ops.begin_step(positions, _meta_for_tokens(tokens), cache))
     torch.testing.assert_close(qkv, ref_qkv, **TOL[dtype])  # v is untouched in both
 
 
@@ -161,8 +179,8 @@ def _check_attention(
     q = _rand(gen, sum(query_lens), heads, head_dim, dtype=dtype)
     scale = head_dim**-0.5
     ops = _ops(launcher, **ops_kw)
-    got = ops.attention(q, batch.k_cache, batch.v_cache, batch.meta, scale)
-    want = REF.attention(q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    got = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, batch.meta), scale)
+    want = REF.attention(q, batch.k_cache, batch.v_cache, step(REF, batch.meta), scale)
     torch.testing.assert_close(got, want, **TOL[dtype])
     return got
 
@@ -227,7 +245,7 @@ def test_decode_grid_sized_for_longer_contexts_gives_same_result(launcher):
     batch = PagedBatch(gen, (40, 9), (1, 1), 8, 2, 16, torch.float32)
     q = _rand(gen, 2, 4, 16)
     ops = _ops(launcher, decode_partition_size=32, decode_threads=32)
-    want = ops.attention(q, batch.k_cache, batch.v_cache, batch.meta, 0.25)
+    want = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, batch.meta), 0.25)
     padded_meta = AttentionMetadata(
         slot_mapping=batch.meta.slot_mapping,
         query_start_loc=batch.meta.query_start_loc,
@@ -237,7 +255,7 @@ def test_decode_grid_sized_for_longer_contexts_gives_same_result(launcher):
         seq_lens_cpu=(256, 256),  # host copy says "up to 256": 8 partitions, most of them empty
         block_size=8,
     )
-    got = ops.attention(q, batch.k_cache, batch.v_cache, padded_meta, 0.25)
+    got = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, padded_meta), 0.25)
     assert torch.equal(got, want)
 
 
@@ -249,84 +267,18 @@ def test_kernels_are_race_free_under_other_schedules(emu_build, schedule):
     for order in (0, schedule):
         launcher = EmulatedLauncher(library, symbols, schedule=order, seed=7)
         gen = torch.Generator().manual_seed(21)
-        ops = _ops(launcher, decode_partition_size=64, decode_threads=64, sampling_threads=64)
+        ops = _ops(launcher, decode_partition_size=64, decode_threads=64)
         decode = PagedBatch(gen, (150, 3), (1, 1), 16, 1, 64, torch.float16)
         prefill = PagedBatch(gen, (40, 21), (30, 21), 8, 2, 64, torch.bfloat16)
         q_dec = _rand(gen, 2, 4, 64, dtype=torch.float16)
         q_pre = _rand(gen, 51, 4, 64, dtype=torch.bfloat16)
         x = _rand(gen, 3, 96)
-        logits = _rand(gen, 4, 300, scale=3.0)
-        params = (
-            torch.tensor([0.0, 1.0, 0.7, 1.3]),
-            torch.tensor([0, 0, 20, 5], dtype=torch.int32),
-            torch.tensor([1.0, 0.9, 0.8, 1.0]),
-            torch.tensor([0.0, 0.0, 0.05, 0.0]),
-            torch.tensor([0.5, 0.25, 0.75, 0.1]),
-        )
         results.append(
             [
-                ops.attention(q_dec, decode.k_cache, decode.v_cache, decode.meta, 0.125),
-                ops.attention(q_pre, prefill.k_cache, prefill.v_cache, prefill.meta, 0.125),
+                ops.attention(q_dec, decode.k_cache, decode.v_cache, step(ops, decode.meta), 0.125),
+                ops.attention(q_pre, prefill.k_cache, prefill.v_cache, step(ops, prefill.meta), 0.125),
                 ops.add_rms_norm(x, x.flip(0), torch.ones(96), 1e-5)[0],
-                ops.sample(logits, *params),
             ]
         )
     for first, second in zip(*results, strict=True):
         assert torch.equal(first, second)
-
-
-# ---- sampling ------------------------------------------------------------------------------------------
-
-
-def _sampling_params(gen, rows, vocab):
-    temperature = torch.rand(rows, generator=gen) * 1.5 + 0.2
-    temperature[0] = 0.0  # greedy row
-    top_k = torch.randint(1, 12, (rows,), generator=gen, dtype=torch.int32)
-    top_k[3::5] = vocab + 1  # larger than the vocabulary: disabled
-    top_k[1::3] = 0  # disabled
-    top_p = torch.rand(rows, generator=gen) * 0.9 + 0.05
-    top_p[2::4] = 1.0  # disabled
-    min_p = torch.rand(rows, generator=gen) * 0.2
-    min_p[::2] = 0.0  # disabled
-    uniform = torch.rand(rows, generator=gen)
-    return temperature, top_k, top_p, min_p, uniform
-
-
-@pytest.mark.parametrize("rows,vocab,threads", [(48, 512, 128), (32, 1000, 64), (16, 37, 32)])
-def test_sample_matches_torch_reference(launcher, rows, vocab, threads):
-    gen = torch.Generator().manual_seed(rows * vocab)
-    logits = _rand(gen, rows, vocab, scale=4.0)
-    params = _sampling_params(gen, rows, vocab)
-    got = _ops(launcher, sampling_threads=threads).sample(logits, *params)
-    assert got.tolist() == sample_reference(logits, *params).tolist()
-
-
-def test_sample_filters_and_greedy_ties(launcher):
-    """Each row's uniform is ~1, so the draw is the last kept index: it shows where each filter cuts."""
-    logits = torch.tensor([[3.0, 0.0, 3.0, 2.0, 1.0, -1.0]] * 7)
-    temperature = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5])
-    top_k = torch.tensor([0, 1, 3, 0, 0, 0, 0], dtype=torch.int32)
-    top_p = torch.tensor([1.0, 1.0, 1.0, 0.01, 0.9, 1.0, 1.0])
-    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.3, 0.0])
-    uniform = torch.full((7,), 0.99999)
-    got = _ops(launcher, sampling_threads=32).sample(logits, temperature, top_k, top_p, min_p, uniform)
-    # row 0 greedy: first of the tied maxima (0). row 1 top-1 keeps the tie {0, 2}. row 2 top-3 keeps
-    # {0, 2, 3}. row 3 top-p 0.01 keeps the tie group {0, 2}. row 4 top-p 0.9: {0, 2} hold 0.81 of the
-    # mass, adding index 3 passes 0.9. row 5 min-p 0.3 keeps z >= 3 + log 0.3 = 1.80: {0, 2, 3}.
-    # row 6 (temperature 0.5, no filters) keeps everything: the last index.
-    assert got.tolist() == [0, 2, 3, 2, 3, 3, 5]
-    assert got.tolist() == sample_reference(logits, temperature, top_k, top_p, min_p, uniform).tolist()
-
-
-def test_sample_draws_follow_the_distribution(launcher):
-    """Many rows with the same logits and evenly spaced uniforms reproduce the probabilities."""
-    rows = 200
-    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(rows, 1)
-    ones = torch.ones(rows)
-    uniform = (torch.arange(rows, dtype=torch.float32) + 0.5) / rows
-    ids = _ops(launcher, sampling_threads=32).sample(
-        logits, ones, torch.zeros(rows, dtype=torch.int32), ones, torch.zeros(rows), uniform
-    )
-    cdf = torch.cumsum(torch.softmax(logits[0].double(), 0), 0)
-    expected = torch.bincount(torch.searchsorted(cdf, uniform.double(), right=True), minlength=4)
-    assert torch.bincount(ids, minlength=4).tolist() == expected.tolist() == [6, 18, 47, 129]

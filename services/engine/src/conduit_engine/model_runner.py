@@ -65,6 +65,8 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)
         ]
+        for k_cache, v_cache in self.kv_caches:
+            model.ops.check_kv_cache(k_cache, v_cache)
         self.sampler = Sampler()
         self.graphs = None
         if use_cuda_graphs and self.device.type == "cuda":

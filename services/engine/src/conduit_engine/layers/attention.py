@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from conduit_engine.models.config import ArchConfig
-from conduit_engine.ops import AttentionMetadata, Ops
+from conduit_engine.ops import Ops, StepContext
 
 
 class PagedAttention(nn.Module):
@@ -26,18 +26,16 @@ class PagedAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        cos_sin: torch.Tensor,
+        step: StepContext,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        self.ops.rotary_embedding(positions, q, k, cos_sin)
+        self.ops.rotary_embedding(q, k, step)
         k_cache, v_cache = kv_cache
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.ops.attention(q, k_cache, v_cache, meta, self.scale)
+        self.ops.write_kv(k, v, k_cache, v_cache, step.meta.slot_mapping)
+        out = self.ops.attention(q, k_cache, v_cache, step, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))

@@ -10,7 +10,7 @@ from conduit_engine.layers.mlp import GatedMLP
 from conduit_engine.layers.norm import RMSNorm
 from conduit_engine.layers.rotary import cos_sin_cache
 from conduit_engine.models.config import ArchConfig
-from conduit_engine.ops import AttentionMetadata, Ops
+from conduit_engine.ops import AttentionMetadata, Ops, StepContext
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -27,13 +27,11 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        positions: torch.Tensor,
         kv_cache: KVCache,
-        meta: AttentionMetadata,
-        cos_sin: torch.Tensor,
+        step: StepContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, kv_cache, meta, cos_sin)
+        h = self.self_attn(h, kv_cache, step)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -42,6 +40,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ArchConfig, ops: Ops, max_positions: int) -> None:
         super().__init__()
         self.config = config
+        self.ops = ops
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -63,10 +62,11 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions [T] int64 → final hidden states [T, H]."""
+        step = self.ops.begin_step(positions, meta, self.cos_sin)
         x = self.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, kv_cache, meta, self.cos_sin)
+            x, residual = layer(x, residual, kv_cache, step)
         x, _ = self.norm(x, residual)
         return x
 

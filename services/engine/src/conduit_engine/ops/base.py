@@ -8,7 +8,7 @@ is a pair of tensors shaped [num_blocks, block_size, num_kv_heads, head_dim]; a 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,10 +47,38 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass(slots=True)
+class StepContext:
+    """What every layer of one step shares, made once per step by `Ops.begin_step`.
+
+    `scratch` belongs to the backend: tensors it derives from the step's inputs once and reuses in
+    every layer (rotary cos/sin of the positions, gather indices, masks). It lives and dies with the
+    step, so no state hides in the backend between steps.
+    """
+
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    cos_sin_cache: torch.Tensor  # [max_positions, head_dim] float32: cos in [:, :D/2], sin in [:, D/2:]
+    scratch: dict[str, object] = field(default_factory=dict)
+
+
 class Ops(ABC):
     """Numerical building blocks of the model. `TorchOps` is the reference; others must match it."""
 
     name: str = "abstract"
+
+    def begin_step(
+        self, positions: torch.Tensor, meta: AttentionMetadata, cos_sin_cache: torch.Tensor
+    ) -> StepContext:
+        """The context every layer of this step receives; a backend validates the step's inputs here,
+        once, rather than in every layer."""
+        return StepContext(positions, meta, cos_sin_cache)
+
+    def check_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:  # noqa: B027
+        """Validate one layer's cache tensors once, when they are allocated (raises ValueError).
+
+        A backend whose ops accept any cache layout (the torch reference) has nothing to check.
+        """
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,11 +91,8 @@ class Ops(ABC):
         """Return (rms_norm(x + residual), x + residual); the sum is the next residual."""
 
     @abstractmethod
-    def rotary_embedding(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
-    ) -> None:
-        """Rotate-half RoPE applied in place. q [T, Hq, D], k [T, Hk, D], positions [T] int64,
-        cos_sin_cache [max_positions, D] float32 with cos in [:, :D/2] and sin in [:, D/2:]."""
+    def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, step: StepContext) -> None:
+        """Rotate-half RoPE applied in place at step.positions. q [T, Hq, D], k [T, Hk, D]."""
 
     @abstractmethod
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,8 +115,9 @@ class Ops(ABC):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        step: StepContext,
         scale: float,
     ) -> torch.Tensor:
         """Causal attention of the packed queries q [T, Hq, D] over each sequence's cached context
-        (new keys already written). Grouped-query: head h reads kv head h // (Hq // Hk). → [T, Hq, D]."""
+        (new keys already written), as described by step.meta. Grouped-query: head h reads kv head
+        h // (Hq // Hk). → [T, Hq, D]."""

@@ -1,7 +1,8 @@
 """CUDA ops backend: the kernels in kernels/*.cu behind the `Ops` interface, launched through CuPy.
 
-Each wrapper checks shapes, strides and dtypes, picks the launch configuration and hands a `KernelRef`
-plus arguments to a launcher. `CupyLauncher` (the default) compiles each specialisation once with
+Each wrapper picks the launch configuration and hands a `KernelRef` plus arguments to a launcher; the
+argument checks live in `cuda_checks` and run once per step, once per cache, and per call only when
+asked (`check_calls`). `CupyLauncher` (the default) compiles each specialisation once with
 cupy.RawModule and runs it on torch's current stream, passing tensors zero-copy through DLPack. Tests
 pass an emulating launcher instead, which runs the same .cu source on the CPU, so everything in this
 module except `CupyLauncher` is exercised without a GPU. CuPy is imported only inside `CupyLauncher`:
@@ -17,8 +18,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from conduit_engine.ops import cuda_checks as checks
 from conduit_engine.ops import kernel_loader as kl
-from conduit_engine.ops.base import AttentionMetadata, Ops
+from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext
+from conduit_engine.ops.cuda_checks import check, pack_elems
 from conduit_engine.ops.kernel_loader import KernelArg, KernelLauncher, KernelRef
 
 _DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
@@ -30,11 +33,6 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-def _pack_elems(dtype: torch.dtype) -> int:
-    """Elements of `dtype` in one 16-byte vector (conduit::Pack<T>)."""
-    return 16 // torch.empty((), dtype=dtype).element_size()
-
-
 def _threads_for(work_items: int) -> int:
     """A block size (multiple of 32, at most 1024) for `work_items` parallel items."""
     return max(32, min(1024, _round_up(work_items, 32)))
@@ -44,18 +42,9 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-def _check_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
-    _check(tensor.dtype == dtype, f"{name}: expected dtype {dtype}, got {tensor.dtype}")
-
-
 def _as_rows(name: str, x: torch.Tensor) -> torch.Tensor:
     """View x [..., H] as [rows, H] with unit stride along H (a copy only if no such view exists)."""
-    _check(x.dim() >= 1, f"{name}: expected at least 1 dimension, got a scalar")
+    check(x.dim() >= 1, f"{name}: expected at least 1 dimension, got a scalar")
     if x.dim() == 2 and x.stride(1) == 1:
         return x
     # reshape is a view for contiguous tensors; other layouts are copied once, which is always correct.
@@ -84,6 +73,8 @@ class CudaOps(Ops):
 
     decode_partition_size: context tokens per split-K partition of decode attention (a multiple of
     decode_threads); contexts longer than one partition are split across thread blocks and reduced.
+    check_calls: check every call's arguments (see cuda_checks); step inputs and caches are checked
+    regardless, in begin_step and check_kv_cache.
     """
 
     name = "cuda"
@@ -94,25 +85,21 @@ class CudaOps(Ops):
         *,
         decode_partition_size: int = 512,
         decode_threads: int = 128,
-        sampling_threads: int = 1024,
+        check_calls: bool = True,
     ) -> None:
-        _check(
+        check(
             decode_threads % 32 == 0 and 32 <= decode_threads <= 1024,
             f"decode_threads: must be a multiple of 32 in [32, 1024], got {decode_threads}",
         )
-        _check(
+        check(
             decode_partition_size > 0 and decode_partition_size % decode_threads == 0,
             f"decode_partition_size: must be a positive multiple of decode_threads ({decode_threads}), "
             f"got {decode_partition_size}",
         )
-        _check(
-            sampling_threads % 32 == 0 and 32 <= sampling_threads <= 1024,
-            f"sampling_threads: must be a multiple of 32 in [32, 1024], got {sampling_threads}",
-        )
         self._launcher = launcher if launcher is not None else CupyLauncher()
         self.decode_partition_size = decode_partition_size
         self.decode_threads = decode_threads
-        self.sampling_threads = sampling_threads
+        self.check_calls = check_calls
 
     def _launch(
         self,
@@ -124,16 +111,30 @@ class CudaOps(Ops):
     ) -> None:
         self._launcher.launch(kernel, grid, block, args, shared_mem)
 
+    # ---- once per step, once per cache ----------------------------------------------------------------
+
+    def begin_step(
+        self, positions: torch.Tensor, meta: AttentionMetadata, cos_sin_cache: torch.Tensor
+    ) -> StepContext:
+        checks.check_positions(positions)
+        checks.check_cos_sin(cos_sin_cache)
+        checks.check_meta(meta)
+        return StepContext(positions, meta, cos_sin_cache)
+
+    def check_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        checks.check_cache(k_cache, v_cache)
+
     # ---- normalisation and activation --------------------------------------------------------------
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = _as_rows("x", x)
         hidden = rows.shape[1]
-        self._check_norm_weight(weight, hidden, x.dtype)
+        if self.check_calls:
+            checks.check_norm_weight(weight, hidden, x.dtype)
         out = torch.empty((rows.shape[0], hidden), dtype=x.dtype, device=x.device)
         if out.numel() == 0:
             return out.view(x.shape)
-        vec = _pack_elems(x.dtype)
+        vec = pack_elems(x.dtype)
         vectorized = hidden % vec == 0 and rows.stride(0) % vec == 0 and _aligned(rows, weight, out)
         self._launch(
             kl.rms_norm_kernel(x.dtype),
@@ -155,23 +156,21 @@ class CudaOps(Ops):
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        _check(
-            x.shape == residual.shape,
-            f"residual: shape {tuple(residual.shape)} differs from x {tuple(x.shape)}",
-        )
-        _check_dtype("residual", residual, x.dtype)
+        if self.check_calls:
+            checks.check_residual(x, residual)
         rows = _as_rows("x", x)
         res_rows = _as_rows("residual", residual)
         if res_rows.stride(0) != rows.stride(0):
             # The kernel walks x and residual with one row stride.
             rows, res_rows = rows.contiguous(), res_rows.contiguous()
         hidden = rows.shape[1]
-        self._check_norm_weight(weight, hidden, x.dtype)
+        if self.check_calls:
+            checks.check_norm_weight(weight, hidden, x.dtype)
         out = torch.empty((rows.shape[0], hidden), dtype=x.dtype, device=x.device)
         summed = torch.empty_like(out)
         if out.numel() == 0:
             return out.view(x.shape), summed.view(x.shape)
-        vec = _pack_elems(x.dtype)
+        vec = pack_elems(x.dtype)
         vectorized = hidden % vec == 0 and _aligned(weight, out, summed)
         self._launch(
             kl.add_rms_norm_kernel(x.dtype),
@@ -192,23 +191,14 @@ class CudaOps(Ops):
         )
         return out.view(x.shape), summed.view(x.shape)
 
-    @staticmethod
-    def _check_norm_weight(weight: torch.Tensor, hidden: int, dtype: torch.dtype) -> None:
-        _check(
-            weight.dim() == 1 and weight.shape[0] == hidden,
-            f"weight: expected shape ({hidden},), got {tuple(weight.shape)}",
-        )
-        _check(weight.is_contiguous(), "weight: must be contiguous")
-        _check_dtype("weight", weight, dtype)
-
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         rows = _as_rows("x", x)
-        _check(rows.shape[1] % 2 == 0, f"x: last dimension must be even (gate | up), got {rows.shape[1]}")
+        check(rows.shape[1] % 2 == 0, f"x: last dimension must be even (gate | up), got {rows.shape[1]}")
         inter = rows.shape[1] // 2
         out = torch.empty((rows.shape[0], inter), dtype=x.dtype, device=x.device)
         if out.numel() == 0:
             return out.view(*x.shape[:-1], inter)
-        vec = _pack_elems(x.dtype)
+        vec = pack_elems(x.dtype)
         vectorized = inter % vec == 0 and rows.stride(0) % vec == 0 and _aligned(rows, out)
         per_thread = vec if vectorized else 1
         threads = _threads_for(min(256, math.ceil(inter / per_thread)))
@@ -223,36 +213,12 @@ class CudaOps(Ops):
 
     # ---- rotary embedding and KV cache ---------------------------------------------------------------
 
-    def rotary_embedding(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
-    ) -> None:
-        _check(
-            q.dim() == 3 and k.dim() == 3, f"q, k: expected [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}"
-        )
+    def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, step: StepContext) -> None:
+        positions, cos_sin_cache = step.positions, step.cos_sin_cache
+        if self.check_calls:
+            checks.check_rotary(q, k, positions)
+            checks.check_cos_sin(cos_sin_cache, q.shape[2])
         num_tokens, num_q_heads, head_dim = q.shape
-        _check(
-            k.shape[0] == num_tokens and k.shape[2] == head_dim,
-            f"k: shape {tuple(k.shape)} does not match q {tuple(q.shape)} in tokens and head_dim",
-        )
-        _check(head_dim % 2 == 0, f"q: head_dim must be even, got {head_dim}")
-        _check_dtype("k", k, q.dtype)
-        for name, t in (("q", q), ("k", k)):
-            # Rotated in place, so the layout cannot be fixed by a copy.
-            _check(
-                t.stride(2) == 1 and t.stride(1) == head_dim,
-                f"{name}: heads must be contiguous (strides [*, {head_dim}, 1]), got {t.stride()}",
-            )
-        _check(
-            positions.shape == (num_tokens,) and positions.dtype == torch.int64 and positions.is_contiguous(),
-            f"positions: expected contiguous int64 [{num_tokens}], "
-            f"got {positions.dtype} {tuple(positions.shape)}",
-        )
-        _check(
-            cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim,
-            f"cos_sin_cache: expected [max_positions, {head_dim}], got {tuple(cos_sin_cache.shape)}",
-        )
-        _check_dtype("cos_sin_cache", cos_sin_cache, torch.float32)
-        _check(cos_sin_cache.is_contiguous(), "cos_sin_cache: must be contiguous")
         if num_tokens == 0:
             return
         pairs = (num_q_heads + k.shape[1]) * head_dim // 2
@@ -281,29 +247,14 @@ class CudaOps(Ops):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        self._check_cache(k_cache, v_cache)
-        _, _, num_kv_heads, head_dim = k_cache.shape
+        if self.check_calls:
+            checks.check_cache(k_cache, v_cache)
+            checks.check_kv_rows(k, v, k_cache, slot_mapping)
         num_tokens = k.shape[0]
-        for name, t in (("k", k), ("v", v)):
-            _check(
-                t.dim() == 3 and t.shape == (num_tokens, num_kv_heads, head_dim),
-                f"{name}: expected [{num_tokens}, {num_kv_heads}, {head_dim}], got {tuple(t.shape)}",
-            )
-            _check_dtype(name, t, k_cache.dtype)
-            _check(
-                t.stride(2) == 1 and t.stride(1) == head_dim,
-                f"{name}: heads must be contiguous (strides [*, {head_dim}, 1]), got {t.stride()}",
-            )
-        _check(
-            slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64,
-            f"slot_mapping: expected int64 [{num_tokens}], "
-            f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}",
-        )
-        _check(slot_mapping.is_contiguous(), "slot_mapping: must be contiguous")
         if num_tokens == 0:
             return
-        row = num_kv_heads * head_dim
-        vec = _pack_elems(k.dtype)
+        row = k_cache.shape[2] * k_cache.shape[3]
+        vec = pack_elems(k.dtype)
         vectorized = (
             row % vec == 0
             and k.stride(0) % vec == 0
@@ -327,23 +278,6 @@ class CudaOps(Ops):
             ],
         )
 
-    @staticmethod
-    def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        _check(
-            k_cache.dim() == 4,
-            f"k_cache: expected [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}",
-        )
-        _check(v_cache.shape == k_cache.shape, f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache")
-        _check_dtype("v_cache", v_cache, k_cache.dtype)
-        _check(k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache, v_cache: must be contiguous")
-        block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
-        _check(
-            block_size > 0 and block_size & (block_size - 1) == 0,
-            f"k_cache: block_size must be a power of two, got {block_size}",
-        )
-        vec = _pack_elems(k_cache.dtype)
-        _check(head_dim % vec == 0, f"k_cache: head_dim must be a multiple of {vec} for {k_cache.dtype}")
-
     # ---- attention -------------------------------------------------------------------------------------
 
     def attention(
@@ -351,49 +285,18 @@ class CudaOps(Ops):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        step: StepContext,
         scale: float,
     ) -> torch.Tensor:
-        self._check_cache(k_cache, v_cache)
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
-        _check(
-            q.dim() == 3 and q.shape[2] == head_dim, f"q: expected [T, Hq, {head_dim}], got {tuple(q.shape)}"
-        )
-        _check_dtype("q", q, k_cache.dtype)
-        _check(
-            q.stride(2) == 1 and q.stride(1) == head_dim,
-            f"q: heads must be contiguous, got strides {q.stride()}",
-        )
-        num_heads = q.shape[1]
-        _check(
-            num_heads % num_kv_heads == 0,
-            f"q: {num_heads} heads is not a multiple of the cache's {num_kv_heads} KV heads",
-        )
-        _check(
-            meta.block_size == block_size,
-            f"meta.block_size: {meta.block_size} != cache block size {block_size}",
-        )
-        num_seqs = meta.num_seqs
-        _check(
-            meta.seq_lens.shape == (num_seqs,) and meta.seq_lens.dtype == torch.int32,
-            f"meta.seq_lens: expected int32 [{num_seqs}], "
-            f"got {meta.seq_lens.dtype} {tuple(meta.seq_lens.shape)}",
-        )
-        _check(
-            meta.block_tables.dim() == 2 and meta.block_tables.shape[0] == num_seqs,
-            f"meta.block_tables: expected [{num_seqs}, max_blocks], got {tuple(meta.block_tables.shape)}",
-        )
-        _check_dtype("meta.block_tables", meta.block_tables, torch.int32)
-        _check(meta.block_tables.stride(1) == 1, "meta.block_tables: rows must be contiguous")
-        _check(meta.seq_lens.is_contiguous(), "meta.seq_lens: must be contiguous")
-        _check(
-            sum(meta.query_lens_cpu) == q.shape[0],
-            f"q: {q.shape[0]} tokens but meta.query_lens_cpu sums to {sum(meta.query_lens_cpu)}",
-        )
+        meta = step.meta
+        if self.check_calls:
+            checks.check_cache(k_cache, v_cache)
+            checks.check_attention(q, k_cache, meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if num_seqs == 0 or q.shape[0] == 0:
+        if meta.num_seqs == 0 or q.shape[0] == 0:
             return out
-        group = num_heads // num_kv_heads
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        group = q.shape[1] // num_kv_heads
         log2_block = block_size.bit_length() - 1
         if meta.is_decode_only:
             self._decode_attention(out, q, k_cache, v_cache, meta, scale, num_kv_heads, group, log2_block)
@@ -483,14 +386,6 @@ class CudaOps(Ops):
         log2_block: int,
     ) -> None:
         num_heads, head_dim = q.shape[1], q.shape[2]
-        _check(
-            meta.query_start_loc.shape == (meta.num_seqs + 1,) and meta.query_start_loc.dtype == torch.int32,
-            f"meta.query_start_loc: expected int32 [{meta.num_seqs + 1}], got "
-            f"{meta.query_start_loc.dtype} {tuple(meta.query_start_loc.shape)}",
-        )
-        _check(
-            head_dim % 8 == 0, f"q: head_dim must be a multiple of 8 for prefill attention, got {head_dim}"
-        )
         self._launch(
             kl.prefill_attention_kernel(q.dtype, head_dim),
             (math.ceil(meta.max_query_len / _PREFILL_ROWS), meta.num_seqs, num_heads),
@@ -513,59 +408,6 @@ class CudaOps(Ops):
             ],
             prefill_shared_bytes(head_dim),
         )
-
-    # ---- sampling ------------------------------------------------------------------------------------
-
-    def sample(
-        self,
-        logits: torch.Tensor,
-        temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        min_p: torch.Tensor,
-        uniform: torch.Tensor,
-    ) -> torch.Tensor:
-        """Token ids [B] int64 drawn from logits [B, V] float32 with per-row parameters (sampling.cu).
-
-        temperature <= 0 is greedy; top_k <= 0 or >= V, top_p >= 1 and min_p <= 0 disable those filters;
-        uniform [B] in [0, 1) is the row's random draw (the caller seeds it per request).
-        """
-        _check(logits.dim() == 2, f"logits: expected [B, V], got {tuple(logits.shape)}")
-        _check_dtype("logits", logits, torch.float32)
-        _check(logits.stride(1) == 1, "logits: rows must be contiguous")
-        rows = logits.shape[0]
-        _check(logits.shape[1] < 2**24, f"logits: vocabulary of {logits.shape[1]} exceeds 2^24")
-        for name, t, dtype in (
-            ("temperature", temperature, torch.float32),
-            ("top_k", top_k, torch.int32),
-            ("top_p", top_p, torch.float32),
-            ("min_p", min_p, torch.float32),
-            ("uniform", uniform, torch.float32),
-        ):
-            _check(t.shape == (rows,), f"{name}: expected shape ({rows},), got {tuple(t.shape)}")
-            _check_dtype(name, t, dtype)
-            _check(t.is_contiguous(), f"{name}: must be contiguous")
-        ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
-        if rows == 0:
-            return ids
-        _check(logits.shape[1] > 0, "logits: vocabulary must not be empty")
-        self._launch(
-            kl.SAMPLE_KERNEL,
-            (rows, 1, 1),
-            (self.sampling_threads, 1, 1),
-            [
-                ids,
-                logits,
-                np.int64(logits.stride(0)),
-                np.int32(logits.shape[1]),
-                temperature,
-                top_k,
-                top_p,
-                min_p,
-                uniform,
-            ],
-        )
-        return ids
 
 
 @functools.cache

@@ -28,7 +28,6 @@ KERNEL_SOURCES = (
     "cache.cu",
     "decode_attention.cu",
     "prefill_attention.cu",
-    "sampling.cu",
 )
 
 _CTYPES = {torch.float32: "float", torch.float16: "conduit::f16", torch.bfloat16: "conduit::bf16"}
@@ -124,9 +123,6 @@ def prefill_attention_kernel(dtype: torch.dtype, head_dim: int) -> KernelRef:
     return KernelRef("prefill_attention.cu", f"paged_prefill_attention_kernel<{ctype(dtype)}, {head_dim}>")
 
 
-SAMPLE_KERNEL = KernelRef("sampling.cu", "sample_kernel")
-
-
 def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int]) -> list[KernelRef]:
     """Every specialisation the CUDA ops may launch for these model dtypes and head sizes."""
     refs: list[KernelRef] = []
@@ -141,5 +137,4 @@ def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int])
             decode_reduce_kernel(dtype),
         ]
         refs += [prefill_attention_kernel(dtype, head_dim) for head_dim in head_dims]
-    refs.append(SAMPLE_KERNEL)
     return refs

@@ -5,25 +5,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from conduit_engine.ops.base import AttentionMetadata, Ops
+from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext
 
 
 class TorchOps(Ops):
     """Every layer of a step sees the same positions and metadata, so the tensors derived from them
-    (rotary cos/sin, gather indices, masks) are built once per step and reused by every layer."""
+    (rotary cos/sin, gather indices, masks) are built once per step, in the step's scratch, by the
+    first layer that needs them."""
 
     name = "torch"
-
-    def __init__(self) -> None:
-        self._rope_key: torch.Tensor | None = None
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._meta_key: AttentionMetadata | None = None
-        self._derived: dict[str, object] = {}
-
-    def _per_step(self, meta: AttentionMetadata) -> dict[str, object]:
-        if meta is not self._meta_key:
-            self._meta_key, self._derived = meta, {}
-        return self._derived
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.float()
@@ -36,15 +26,15 @@ class TorchOps(Ops):
         summed = x + residual
         return self.rms_norm(summed, weight, eps), summed
 
-    def rotary_embedding(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
-    ) -> None:
-        if positions is not self._rope_key or self._rope is None:
-            cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
-            cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
-            sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
-            self._rope_key, self._rope = positions, (cos, sin)
-        cos, sin = self._rope
+    def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, step: StepContext) -> None:
+        rope = step.scratch.get("rope")
+        if rope is None:
+            cos, sin = step.cos_sin_cache.index_select(0, step.positions).chunk(2, dim=-1)
+            rope = step.scratch["rope"] = (
+                torch.cat((cos, cos), dim=-1).unsqueeze(1),
+                torch.cat((sin, sin), dim=-1).unsqueeze(1),
+            )
+        cos, sin = rope  # type: ignore[misc]
         for t in (q, k):
             t32 = t.float()
             half = t32.shape[-1] // 2
@@ -74,22 +64,21 @@ class TorchOps(Ops):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        step: StepContext,
         scale: float,
     ) -> torch.Tensor:
+        meta = step.meta
         if meta.is_decode_only:
-            return self._decode_attention(q, k_cache, v_cache, meta, scale)
+            return self._decode_attention(q, k_cache, v_cache, step, scale)
         out = torch.empty_like(q)
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        derived = self._per_step(meta)
-        all_slots = derived.get("context_slots")
+        all_slots = step.scratch.get("context_slots")
         if all_slots is None:
-            all_slots = [
+            all_slots = step.scratch["context_slots"] = [
                 _context_slots(meta.block_tables[i], seq_len, meta.block_size)
                 for i, seq_len in enumerate(meta.seq_lens_cpu)
             ]
-            derived["context_slots"] = all_slots
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
             slots = all_slots[i]  # type: ignore[index]
@@ -105,21 +94,16 @@ class TorchOps(Ops):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        step: StepContext,
         scale: float,
     ) -> torch.Tensor:
         # One query per sequence: gather every context into a padded [B, L, Hk, D] batch and mask.
-        num_seqs, max_len, bs = meta.num_seqs, meta.max_seq_len, meta.block_size
-        derived = self._per_step(meta)
-        if "decode_slots" not in derived:
-            max_blocks = (max_len + bs - 1) // bs
-            blocks = meta.block_tables[:, :max_blocks].long()
-            offsets = torch.arange(bs, device=q.device)
-            slots = (blocks.unsqueeze(-1) * bs + offsets).reshape(num_seqs, -1)[:, :max_len]
-            positions = torch.arange(max_len, device=q.device)
-            mask = positions.unsqueeze(0) < meta.seq_lens.to(q.device).unsqueeze(1)  # [B, L]
-            derived["decode_slots"], derived["decode_mask"] = slots.reshape(-1), mask
-        slots, mask = derived["decode_slots"], derived["decode_mask"]
+        meta = step.meta
+        num_seqs, max_len = meta.num_seqs, meta.max_seq_len
+        gather = step.scratch.get("decode_gather")
+        if gather is None:
+            gather = step.scratch["decode_gather"] = _decode_gather(meta, q.device)
+        slots, mask = gather  # type: ignore[misc]
         k = (
             k_cache.view(-1, *k_cache.shape[2:])
             .index_select(0, slots)
@@ -143,6 +127,19 @@ class TorchOps(Ops):
             enable_gqa=num_heads != num_kv_heads,
         )
         return out.squeeze(2)
+
+
+def _decode_gather(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slots of every context position, [B * L] padded to the longest context, and the [B, L]
+    mask of the real ones."""
+    num_seqs, max_len, bs = meta.num_seqs, meta.max_seq_len, meta.block_size
+    max_blocks = (max_len + bs - 1) // bs
+    blocks = meta.block_tables[:, :max_blocks].long()
+    offsets = torch.arange(bs, device=device)
+    slots = (blocks.unsqueeze(-1) * bs + offsets).reshape(num_seqs, -1)[:, :max_len]
+    positions = torch.arange(max_len, device=device)
+    mask = positions.unsqueeze(0) < meta.seq_lens.to(device).unsqueeze(1)  # [B, L]
+    return slots.reshape(-1), mask
 
 
 def _context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
