@@ -9,36 +9,21 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+# The launcher speaks no gRPC: a process that has started gRPC's threads must not fork children
+# (subprocess with preexec_fn forks), so readiness is read from the gateway's /health, which is 200
+# once an engine behind it is SERVING.
+_ENGINE_LOAD_TIMEOUT_S = 600.0
 
 
-def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"the engine exited with code {proc.returncode}")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise SystemExit("the engine did not become SERVING in time")
-
-
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    import urllib.request
-
+def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the gateway exited with code {proc.returncode}")
+        for proc, name in zip(procs, ("engine", "gateway"), strict=False):
+            if proc.poll() is not None:
+                raise SystemExit(f"the {name} exited with code {proc.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=1.0) as reply:
                 if reply.status == 200:
@@ -46,7 +31,7 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -
         except OSError:
             pass
         time.sleep(0.2)
-    raise SystemExit("the gateway did not become healthy in time")
+    raise SystemExit("the engine did not become SERVING in time")
 
 
 # Resolved here, in the parent: the child between fork and exec must not import anything (other threads
@@ -65,6 +50,42 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _spawn(executable: str, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / executable), *args], preexec_fn=_die_with_parent
+    )
+
+
+def _banner(model: str, engine_port: int, gateway_port: int) -> str:
+    name = Path(model).resolve().name
+    base = f"http://127.0.0.1:{gateway_port}/v1"
+    return f"""
+Conduit is serving {name!r}.
+  engine (gRPC):   127.0.0.1:{engine_port}   gateway (OpenAI HTTP): {base}
+
+  curl {base}/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32}}'
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='none'); \\
+print(c.completions.create(model='{name}', prompt='Once upon a time', max_tokens=32).choices[0].text)"
+
+Ctrl-C stops both."""
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM the children (they drain), the gateway first; SIGKILL what outlives the drain."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=35)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run the Conduit engine and gateway together.")
     parser.add_argument("--model", required=True)
@@ -73,67 +94,32 @@ def main() -> None:
     args = parser.parse_args()
     # SIGTERM (e.g. from a supervisor) must stop the children too, as Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
-    bin_dir = Path(sys.executable).parent
-    engine = subprocess.Popen(
-        [
-            str(bin_dir / "conduit-engine"),
-            "--model",
-            args.model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(args.engine_port),
-        ],
-        preexec_fn=_die_with_parent,
-    )
-    procs = [engine]
+    engine_address = f"127.0.0.1:{args.engine_port}"
+    procs = [
+        _spawn(
+            "conduit-engine", "--model", args.model, "--host", "127.0.0.1", "--port", str(args.engine_port)
+        )
+    ]
     try:
-        _wait_serving(f"127.0.0.1:{args.engine_port}", engine)
-        gateway = subprocess.Popen(
-            [
-                str(bin_dir / "conduit-gateway"),
+        procs.append(
+            _spawn(
+                "conduit-gateway",
                 "--engine",
-                f"127.0.0.1:{args.engine_port}",
+                engine_address,
                 "--host",
                 "127.0.0.1",
                 "--port",
                 str(args.gateway_port),
-            ],
-            preexec_fn=_die_with_parent,
+            )
         )
-        procs.append(gateway)
-        _wait_http(f"http://127.0.0.1:{args.gateway_port}/health", gateway)
-        name = Path(args.model).resolve().name
-        base = f"http://127.0.0.1:{args.gateway_port}/v1"
-        print(
-            f"""
-Conduit is serving {name!r}.
-  engine (gRPC):   127.0.0.1:{args.engine_port}   gateway (OpenAI HTTP): {base}
-
-  curl {base}/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32}}'
-
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='none'); \\
-print(c.completions.create(model='{name}', prompt='Once upon a time', max_tokens=32).choices[0].text)"
-
-Ctrl-C stops both.""",
-            flush=True,
-        )
+        _wait_healthy(f"http://127.0.0.1:{args.gateway_port}/health", procs, _ENGINE_LOAD_TIMEOUT_S)
+        print(_banner(args.model, args.engine_port, args.gateway_port), flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=35)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop(procs)
     os._exit(0)
 
 

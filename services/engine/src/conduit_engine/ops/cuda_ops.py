@@ -3,7 +3,7 @@
 Each wrapper picks the launch configuration and hands a `KernelRef` plus arguments to a launcher; the
 argument checks live in `cuda_checks` and run once per step, once per cache, and per call only when
 asked (`check_calls`). `CupyLauncher` (the default) compiles each specialisation once with
-cupy.RawModule and runs it on torch's current stream, passing tensors zero-copy through DLPack. Tests
+cupy.RawModule and runs it on torch's current stream, passing tensors zero-copy as device addresses. Tests
 pass an emulating launcher instead, which runs the same .cu source on the CPU, so everything in this
 module except `CupyLauncher` is exercised without a GPU. CuPy is imported only inside `CupyLauncher`:
 importing this module never needs it.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -49,6 +50,34 @@ def _as_rows(name: str, x: torch.Tensor) -> torch.Tensor:
         return x
     # reshape is a view for contiguous tensors; other layouts are copied once, which is always correct.
     return x.reshape(-1, x.shape[-1]) if x.is_contiguous() else x.contiguous().reshape(-1, x.shape[-1])
+
+
+class _PagedAttention(NamedTuple):
+    """One attention call as both attention kernels take it."""
+
+    out: torch.Tensor
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    scale: float
+    num_kv_heads: int
+    group: int  # query heads per KV head
+    log2_block: int
+
+
+def _split_k_buffers(
+    q: torch.Tensor, partitions: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[None, None, None]:
+    """Per-partition outputs, maxima and sums of split-K decode attention (None when not split)."""
+    if partitions == 1:
+        return None, None, None
+    num_seqs, num_heads, head_dim = q.shape
+    partial_out = torch.empty(
+        (num_seqs, num_heads, partitions, head_dim), dtype=torch.float32, device=q.device
+    )
+    partial_max = torch.empty((num_seqs, num_heads, partitions), dtype=torch.float32, device=q.device)
+    return partial_out, partial_max, torch.empty_like(partial_max)
 
 
 def decode_shared_bytes(group_size: int, head_dim: int, threads: int) -> int:
@@ -298,37 +327,21 @@ class CudaOps(Ops):
         _, block_size, num_kv_heads, _ = k_cache.shape
         group = q.shape[1] // num_kv_heads
         log2_block = block_size.bit_length() - 1
+        launch = _PagedAttention(out, q, k_cache, v_cache, meta, scale, num_kv_heads, group, log2_block)
         if meta.is_decode_only:
-            self._decode_attention(out, q, k_cache, v_cache, meta, scale, num_kv_heads, group, log2_block)
+            self._decode_attention(launch)
         else:
-            self._prefill_attention(out, q, k_cache, v_cache, meta, scale, num_kv_heads, group, log2_block)
+            self._prefill_attention(launch)
         return out
 
-    def _decode_attention(
-        self,
-        out: torch.Tensor,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        num_kv_heads: int,
-        group: int,
-        log2_block: int,
-    ) -> None:
+    def _decode_attention(self, a: _PagedAttention) -> None:
+        out, q, k_cache, v_cache, meta, scale, num_kv_heads, group, log2_block = a
         num_seqs, num_heads, head_dim = q.shape
         # The grid follows the host copy of the lengths (under CUDA graph capture: the longest allowed
         # context); partitions past a sequence's real end exit at once.
         partitions = max(1, math.ceil(meta.max_seq_len / self.decode_partition_size))
         threads = self.decode_threads
-        if partitions > 1:
-            partial_out = torch.empty(
-                (num_seqs, num_heads, partitions, head_dim), dtype=torch.float32, device=q.device
-            )
-            partial_max = torch.empty((num_seqs, num_heads, partitions), dtype=torch.float32, device=q.device)
-            partial_sum = torch.empty_like(partial_max)
-        else:
-            partial_out = partial_max = partial_sum = None
+        partial_out, partial_max, partial_sum = _split_k_buffers(q, partitions)
         self._launch(
             kl.decode_attention_kernel(q.dtype),
             (num_seqs, num_kv_heads, partitions),
@@ -356,35 +369,38 @@ class CudaOps(Ops):
             decode_shared_bytes(group, head_dim, threads),
         )
         if partitions > 1:
-            self._launch(
-                kl.decode_reduce_kernel(q.dtype),
-                (num_seqs, num_heads, 1),
-                (_threads_for(head_dim), 1, 1),
-                [
-                    out,
-                    np.int64(out.stride(0)),
-                    partial_out,
-                    partial_max,
-                    partial_sum,
-                    meta.seq_lens,
-                    np.int32(head_dim),
-                    np.int32(partitions),
-                    np.int32(self.decode_partition_size),
-                ],
-            )
+            self._decode_reduce(out, partial_out, partial_max, partial_sum, meta.seq_lens, partitions)
 
-    def _prefill_attention(
+    def _decode_reduce(
         self,
         out: torch.Tensor,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        num_kv_heads: int,
-        group: int,
-        log2_block: int,
+        partial_out: torch.Tensor,
+        partial_max: torch.Tensor,
+        partial_sum: torch.Tensor,
+        seq_lens: torch.Tensor,
+        partitions: int,
     ) -> None:
+        """Combine the split-K partitions of decode attention into `out`."""
+        num_seqs, num_heads, _, head_dim = partial_out.shape
+        self._launch(
+            kl.decode_reduce_kernel(out.dtype),
+            (num_seqs, num_heads, 1),
+            (_threads_for(head_dim), 1, 1),
+            [
+                out,
+                np.int64(out.stride(0)),
+                partial_out,
+                partial_max,
+                partial_sum,
+                seq_lens,
+                np.int32(head_dim),
+                np.int32(partitions),
+                np.int32(self.decode_partition_size),
+            ],
+        )
+
+    def _prefill_attention(self, a: _PagedAttention) -> None:
+        out, q, k_cache, v_cache, meta, scale, num_kv_heads, group, log2_block = a
         num_heads, head_dim = q.shape[1], q.shape[2]
         self._launch(
             kl.prefill_attention_kernel(q.dtype, head_dim),
@@ -427,7 +443,7 @@ def _nvrtc_options() -> tuple[str, ...]:
 
 
 class CupyLauncher:
-    """Launches kernels with CuPy on torch's current CUDA stream; tensors go zero-copy through DLPack."""
+    """Launches kernels with CuPy on torch's current CUDA stream; tensors go zero-copy by address."""
 
     def __init__(self) -> None:
         try:
@@ -450,7 +466,7 @@ class CupyLauncher:
         function = _cupy_function(kernel)
         if shared_mem > _DEFAULT_SHARED_LIMIT:
             function.max_dynamic_shared_size_bytes = shared_mem
-        # CuPy's current stream becomes torch's, so the DLPack hand-over needs no synchronisation and the
+        # CuPy's current stream becomes torch's, so the hand-over needs no synchronisation and the
         # launch lands on the stream a CUDA graph capture records.
         with self._cupy_stream(torch.cuda.current_stream()):
             converted = tuple(self._convert(arg) for arg in args)
@@ -470,9 +486,10 @@ class CupyLauncher:
         if isinstance(arg, torch.Tensor):
             if not arg.is_cuda:
                 raise ValueError(f"kernel argument on {arg.device}: the cuda ops backend needs CUDA tensors")
-            # detach(): model weights are nn.Parameters, which DLPack refuses to export while they
-            # require grad; the view shares their memory.
-            return self._cupy.from_dlpack(arg.detach())
+            # The kernel takes a raw pointer: pass the device address by value (zero-copy, as DLPack
+            # would be) without building a CuPy array per argument per launch. The caller keeps the
+            # tensor alive until the launch is enqueued on torch's stream, which orders its reuse.
+            return np.uint64(arg.data_ptr())
         if arg is None:
             return np.uint64(0)  # a null pointer: same size as a device pointer
         return arg
