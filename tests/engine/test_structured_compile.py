@@ -110,3 +110,31 @@ def test_json_object_and_choices_compile_exactly(compiler):
     for text in tricky:
         assert _accepts(choice, text), text
     assert not _accepts(choice, "say hi") and not _accepts(choice, "two")
+
+
+def test_a_cancelled_waiter_does_not_cancel_the_shared_compile(compiler, monkeypatch):
+    """One worker is held busy, so the second spec's compile is still queued when a waiter goes away."""
+    release = threading.Event()
+    real = compiler._compile_grammar
+
+    def held(spec):
+        if spec.kind is StructuredKind.GRAMMAR:
+            release.wait(timeout=60)
+        return real(spec)
+
+    monkeypatch.setattr(compiler, "_compile_grammar", held)
+    blocker = compiler.submit(StructuredSpec(StructuredKind.GRAMMAR, text='root ::= "x"'))
+    spec = StructuredSpec(StructuredKind.REGEX, text="[a-z]+")
+
+    async def scenario():
+        leaving = asyncio.ensure_future(compiler.compiled(spec))
+        staying = asyncio.ensure_future(compiler.compiled(spec))
+        await asyncio.sleep(0)
+        leaving.cancel()
+        await asyncio.sleep(0)
+        release.set()
+        return await staying, leaving.cancelled()
+
+    compiled, cancelled = asyncio.run(scenario())
+    assert cancelled and compiled is compiler.submit(spec).result(timeout=60)
+    assert blocker.result(timeout=60) is not None

@@ -77,8 +77,9 @@ class StructuredCompiler:
         return future
 
     async def compiled(self, spec: StructuredSpec) -> CompiledStructure:
-        """`submit` for asyncio callers: awaits the compile without blocking the event loop."""
-        return await asyncio.wrap_future(self.submit(spec))
+        """`submit` for asyncio callers: awaits the compile without blocking the event loop. A caller
+        cancelled while waiting (client gone) leaves the shared compile running for the others."""
+        return await asyncio.shield(asyncio.wrap_future(self.submit(spec)))
 
     def cached(self, spec: StructuredSpec) -> bool:
         """Whether the cache holds (or is compiling) this spec."""
