@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.errors import InvalidRequestError
 from conduit_engine.proto_mapping import request_from_pb, sampling_from_pb, structured_from_pb
 from conduit_engine.structured.spec import MAX_SPEC_BYTES, StructuredKind, StructuredSpec
+from tests.support.imports import assert_not_loaded
 
 SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
 
@@ -127,9 +125,8 @@ def test_request_mapping_names_a_bad_spec_before_refusing_structured_outputs():
 
 
 def test_the_spec_keeps_the_engine_core_free_of_torch_and_the_backend():
-    code = (
-        "import sys; import conduit_engine.sampling_params, conduit_engine.scheduler; "
-        "import conduit_engine.structured; "
-        "loaded = {'torch', 'xgrammar'} & set(sys.modules); assert not loaded, loaded"
+    assert_not_loaded(
+        "import conduit_engine.sampling_params, conduit_engine.scheduler, conduit_engine.structured",
+        "torch",
+        "xgrammar",
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
