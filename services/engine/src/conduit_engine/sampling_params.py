@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from conduit_engine.errors import InvalidRequestError
+from conduit_engine.structured.spec import StructuredSpec
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -35,6 +36,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    structured: StructuredSpec | None = None  # output constraint, validated when built
 
     def __post_init__(self) -> None:
         if self.top_k == -1:

@@ -121,3 +121,10 @@ class Ops(ABC):
         """Causal attention of the packed queries q [T, Hq, D] over each sequence's cached context
         (new keys already written), as described by step.meta. Grouped-query: head h reads kv head
         h // (Hq // Hk). → [T, Hq, D]."""
+
+    @abstractmethod
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+        """Grammar masking, in place: for each i, token t of logits row rows[i] becomes -inf unless bit
+        t % 32 of bitmask[i, t // 32] is set (bit 0 is the least significant). logits [B, V] float32
+        with unit stride along V; bitmask [R, ceil(V/32)] int32 (bits past V are ignored); rows [R]
+        int64, distinct, in [0, B), in any order. Rows not listed are neither read nor written."""
