@@ -91,9 +91,8 @@ def messages_from_pb(chat: pb.ChatInput) -> list[ChatMessage]:
 
 def request_from_pb(msg: pb.GenerateRequest) -> GenerationRequest:
     params = sampling_from_pb(msg.sampling)  # a bad structured spec is refused here, naming its field
+
     # Contract fields whose engine side is not built yet: refused, never silently ignored.
-    if params.structured is not None:  # the constraint is built (structured/), not yet in the step loop
-        raise InvalidRequestError("sampling.structured", "structured outputs are not supported yet")
     if msg.HasField("kv_transfer"):
         raise InvalidRequestError("kv_transfer", "KV transfer is not supported yet")
     req = GenerationRequest(
