@@ -111,3 +111,30 @@ def test_decode_step_captured_as_cuda_graph_matches_eager():
     replayed = runner.run(ids, positions, meta).clone()
     eager = model(ids, positions, caches, meta)
     torch.testing.assert_close(replayed, eager, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
+def test_kv_blocks_gather_and_scatter_on_cuda_tensors_match_reference(dtype):
+    """Not through the bridge launcher: the kernels read a table of cache addresses, which must be the
+    caches' real device addresses, so this test builds CUDA caches directly."""
+    from conduit_engine.ops.cuda_ops import CudaOps
+    from conduit_engine.ops.torch_ops import TorchOps
+
+    gen = torch.Generator().manual_seed(5)
+    shape = (64, 16, 8, 128)  # a real model's block: 16 tokens, 8 KV heads, head_dim 128
+    host = [
+        (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+        for _ in range(4)
+    ]
+    device = [(k.cuda(), v.cuda()) for k, v in host]
+    blocks = [9, 0, 63, 31, 2]
+    ids = torch.tensor(blocks, dtype=torch.int64)
+    ops, ref = CudaOps(), TorchOps()
+    gathered = ops.gather_kv_blocks(device, ids.cuda())
+    assert torch.equal(gathered.cpu(), ref.gather_kv_blocks(host, ids))
+    buffer = torch.randn(4, 2, len(blocks), *shape[1:], generator=gen).to(dtype)
+    ref.scatter_kv_blocks(buffer, host, ids)
+    ops.scatter_kv_blocks(buffer.cuda(), device, ids.cuda())
+    torch.cuda.synchronize()
+    for (k, v), (dk, dv) in zip(host, device, strict=True):
+        assert torch.equal(dk.cpu(), k) and torch.equal(dv.cpu(), v)

@@ -28,6 +28,7 @@ KERNEL_SOURCES = (
     "cache.cu",
     "decode_attention.cu",
     "prefill_attention.cu",
+    "kv_transfer.cu",
 )
 
 _CTYPES = {torch.float32: "float", torch.float16: "conduit::f16", torch.bfloat16: "conduit::bf16"}
@@ -123,6 +124,14 @@ def prefill_attention_kernel(dtype: torch.dtype, head_dim: int) -> KernelRef:
     return KernelRef("prefill_attention.cu", f"paged_prefill_attention_kernel<{ctype(dtype)}, {head_dim}>")
 
 
+def gather_kv_blocks_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("kv_transfer.cu", f"gather_kv_blocks_kernel<{ctype(dtype)}>")
+
+
+def scatter_kv_blocks_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("kv_transfer.cu", f"scatter_kv_blocks_kernel<{ctype(dtype)}>")
+
+
 def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int]) -> list[KernelRef]:
     """Every specialisation the CUDA ops may launch for these model dtypes and head sizes."""
     refs: list[KernelRef] = []
@@ -135,6 +144,8 @@ def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int])
             write_kv_kernel(dtype),
             decode_attention_kernel(dtype),
             decode_reduce_kernel(dtype),
+            gather_kv_blocks_kernel(dtype),
+            scatter_kv_blocks_kernel(dtype),
         ]
         refs += [prefill_attention_kernel(dtype, head_dim) for head_dim in head_dims]
     return refs
