@@ -82,6 +82,10 @@ class KvTransferRegistry:
         """Distinct blocks pinned by transfers, ended ones still being read included."""
         return len({b for t in self._transfers.values() for b in t.block_ids})
 
+    def transfer(self, transfer_id: str) -> KvTransfer | None:
+        """The record of a transfer still holding blocks (pending, or ended while a pull reads it)."""
+        return self._transfers.get(transfer_id)
+
     def transfer_ids(self) -> list[str]:
         """Ids of the transfers still holding blocks (pending, or ended with a pull still reading)."""
         return list(self._transfers)
