@@ -12,22 +12,15 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.sched_sim import SimEngine, reference_output
+from tests.support.clock import ManualClock
 
 BLOCK = 4
 LEASE = 30.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def prefill_engine(num_blocks: int = 64, clock: Clock | None = None, **kw) -> SimEngine:
+def prefill_engine(num_blocks: int = 64, clock: ManualClock | None = None, **kw) -> SimEngine:
     return SimEngine(
-        num_blocks=num_blocks, block_size=BLOCK, kv_lease_seconds=LEASE, clock=clock or Clock(), **kw
+        num_blocks=num_blocks, block_size=BLOCK, kv_lease_seconds=LEASE, clock=clock or ManualClock(), **kw
     )
 
 
@@ -107,7 +100,7 @@ def test_decode_side_prefix_hits_are_not_pulled_and_count_as_saved():
 
 @pytest.mark.parametrize("gone", ["released", "expired"])
 def test_a_transfer_gone_before_the_pull_is_recomputed_with_identical_tokens(gone):
-    clock = Clock()
+    clock = ManualClock()
     prefill, decode = prefill_engine(clock=clock), decode_engine()
     cached = prompt_of(4, 8)
     warm = handoff(prefill, "warm", cached + [3])
@@ -146,7 +139,7 @@ def test_n_choices_share_one_transfer_and_decode_as_siblings():
 
 
 def test_many_transfers_pending_at_once_keep_free_plus_used_equal_to_total():
-    clock = Clock()
+    clock = ManualClock()
     prefill = prefill_engine(num_blocks=40, clock=clock)
     decode = decode_engine(num_blocks=40)
     prompts = {f"r{i}": prompt_of(20 + i, 3 + 2 * i) for i in range(6)}

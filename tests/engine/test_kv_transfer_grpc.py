@@ -33,17 +33,10 @@ from conduit_engine.kv_transfer.transport import KvPullSpec, create_transport
 from conduit_engine.ops.torch_ops import TorchOps
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.sequence import Sequence
+from tests.support.clock import ManualClock
 
 LAYERS, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM = 3, 16, 4, 2, 8
 LEASE = 30.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def on_this_thread(fn):
@@ -67,7 +60,7 @@ class Source:
     """A prefill engine's transfer side: BlockManager, registry, caches, and PullKv on a real server."""
 
     def __init__(self, dtype: torch.dtype, chunk_blocks: int = 2) -> None:
-        self.clock = Clock()
+        self.clock = ManualClock()
         self.bm = BlockManager(NUM_BLOCKS, BLOCK)
         self.registry = KvTransferRegistry(self.bm, LEASE, self.clock)
         self.kv = caches(dtype, seed=7)

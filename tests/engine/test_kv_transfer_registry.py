@@ -23,24 +23,15 @@ from conduit_engine.kv_transfer.pull_plan import (
 from conduit_engine.kv_transfer.registry import KvTransferRegistry
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.sequence import Sequence
+from tests.support.clock import ManualClock
 
 LEASE = 30.0
 T0 = 1_800_000_000.0
 
 
-class Clock:
-    """Injected time: tests move it by hand, so leases end exactly when a test says."""
-
-    def __init__(self) -> None:
-        self.now = T0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock(T0)
 
 
 @pytest.fixture

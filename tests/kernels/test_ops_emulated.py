@@ -296,6 +296,14 @@ KV_TRANSFER_SHAPES = {
 KV_BLOCK_LISTS = {"one": [7], "scattered": [5, 0, 8, 2], "many_reversed": list(range(8, -1, -1))}
 
 
+def kv_transfer_cases(test):
+    """Every dtype x cache shape x block list."""
+    for name, cases in (("dtype", DTYPES), ("shape", KV_TRANSFER_SHAPES), ("blocks", KV_BLOCK_LISTS)):
+        values, ids = (cases, DTYPE_IDS) if name == "dtype" else (list(cases.values()), list(cases))
+        test = pytest.mark.parametrize(name, values, ids=ids)(test)
+    return test
+
+
 def _kv_caches(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> list:
     layers, *cache_shape = shape
     return [
@@ -303,9 +311,7 @@ def _kv_caches(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype)
     ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("shape", list(KV_TRANSFER_SHAPES.values()), ids=list(KV_TRANSFER_SHAPES))
-@pytest.mark.parametrize("blocks", list(KV_BLOCK_LISTS.values()), ids=list(KV_BLOCK_LISTS))
+@kv_transfer_cases
 def test_gather_kv_blocks_matches_reference_and_the_chunk_layout(launcher, dtype, shape, blocks):
     gen = torch.Generator().manual_seed(len(blocks) * 31 + shape[1])
     caches = _kv_caches(gen, shape, dtype)
@@ -319,9 +325,7 @@ def test_gather_kv_blocks_matches_reference_and_the_chunk_layout(launcher, dtype
             assert torch.equal(want[layer, 0, j], k[block]) and torch.equal(want[layer, 1, j], v[block])
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("shape", list(KV_TRANSFER_SHAPES.values()), ids=list(KV_TRANSFER_SHAPES))
-@pytest.mark.parametrize("blocks", list(KV_BLOCK_LISTS.values()), ids=list(KV_BLOCK_LISTS))
+@kv_transfer_cases
 def test_scatter_kv_blocks_matches_reference_and_touches_only_its_blocks(launcher, dtype, shape, blocks):
     gen = torch.Generator().manual_seed(len(blocks) * 17 + shape[1])
     caches = _kv_caches(gen, shape, dtype)
