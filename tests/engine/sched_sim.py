@@ -11,15 +11,33 @@ token was written there. Every step checks what a real paged-attention model wou
 
 So a scheduling or caching bug that would make a real model read wrong KV fails here as an
 assertion, and outputs are comparable across runs: the next token depends only on the prefix.
+
+Disaggregation: a request added with `produce=True` ends at its first token (KV_HANDOFF) with its prompt
+blocks pinned in the engine's `KvTransferRegistry`; `consume` on another SimEngine plans a pull, copies the
+source's slots for transfer blocks [start_block, total) (the transport), commits and decodes on, or
+recomputes when the source no longer has the transfer. Every step also checks that each pinned block
+still holds what it held when pinned (neither freed nor reused) and that the registry's pins are exactly
+the BlockManager's.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from conduit_engine.block_manager import BlockManager
 from conduit_engine.config import SchedulerConfig
+from conduit_engine.kv_transfer.errors import KvTransferNotFoundError
+from conduit_engine.kv_transfer.pull_plan import (
+    KvPullCounters,
+    KvPullPlan,
+    abandon_pull,
+    commit_pull,
+    plan_pull,
+)
+from conduit_engine.kv_transfer.registry import KvTransfer, KvTransferRegistry
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.scheduler import Scheduler
 from conduit_engine.sequence import FinishReason, Sequence
@@ -61,6 +79,8 @@ class SimEngine:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        kv_lease_seconds: float = 30.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -77,12 +97,26 @@ class SimEngine:
         self.streams: dict[str, list[int]] = {}  # what a client would have received, in order
         self.steps: list[StepRecord] = []
         self._arrivals = itertools.count()
+        self.registry = KvTransferRegistry(self.block_manager, kv_lease_seconds, clock)
+        self.producers: set[str] = set()  # names of the choices run as the prefill side
+        self.handoffs: dict[str, KvTransfer] = {}  # request id → the transfer its prefill produced
+        self.pinned_kv: dict[str, dict[int, int]] = {}  # transfer id → slot → content when pinned
+        self.pull_counters = KvPullCounters()
 
     # ----- requests ----------------------------------------------------------------------------------
     def add(
-        self, request_id: str, prompt: list[int], max_tokens: int, priority: int = 0, n: int = 1
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        priority: int = 0,
+        n: int = 1,
+        produce: bool = False,
     ) -> list[Sequence]:
-        """Queue a request; choices after the first are named `<request_id>/<index>` (as siblings)."""
+        """Queue a request; choices after the first are named `<request_id>/<index>` (as siblings).
+
+        With `produce` every choice ends at its first token (KV_HANDOFF); the first choice's prompt
+        blocks are pinned under a transfer in `handoffs[request_id]`."""
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n)
         arrival = next(self._arrivals)
         seqs: list[Sequence] = []
@@ -100,8 +134,52 @@ class SimEngine:
             seqs.append(seq)
             self.seqs[name] = seq
             self.streams[name] = []
+            if produce:
+                self.producers.add(name)
             self.scheduler.add(seq)
         return seqs
+
+    def consume(
+        self, request_id: str, prompt: list[int], first_tokens: list[int], max_tokens: int, source: SimEngine
+    ) -> str:
+        """Decode side of `source.handoffs[request_id]`: choice 0 pulls the prompt's KV (or, when the
+        source no longer has it, recomputes); later choices share its prompt through the prefix cache
+        like colocated siblings. Streams start after the first token. Returns "pulled" or "recompute"."""
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=len(first_tokens))
+        arrival = next(self._arrivals)
+        seqs: list[Sequence] = []
+        for index, token in enumerate(first_tokens):
+            name = request_id if index == 0 else f"{request_id}/{index}"
+            seq = Sequence(
+                name, list(prompt), params, index=index, arrival=arrival, parent=seqs[0] if seqs else None
+            )
+            seq.append_token(token)
+            seqs.append(seq)
+            self.seqs[name] = seq
+            self.streams[name] = []
+        plan = plan_pull(self.block_manager, seqs[0], len(prompt))
+        assert plan is not None, "the decode cache has no room for the pull"
+        outcome = self._pull(plan, source, source.handoffs[request_id].transfer_id)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return outcome
+
+    def _pull(self, plan: KvPullPlan, source: SimEngine, transfer_id: str) -> str:
+        """The transport: copy the slots of transfer blocks [start_block, total) into the plan's blocks."""
+        try:
+            transfer = source.registry.start_pull(transfer_id)
+        except KvTransferNotFoundError:
+            abandon_pull(self.block_manager, plan)
+            return "recompute"
+        bs = self.block_size
+        for src, dst in zip(transfer.block_ids[plan.start_block :], plan.dest_block_ids, strict=True):
+            for offset in range(bs):
+                if src * bs + offset in source.kv:
+                    self.kv[dst * bs + offset] = source.kv[src * bs + offset]
+        source.registry.finish_pull(transfer_id, completed=True)
+        commit_pull(self.block_manager, plan)
+        self.pull_counters.record(plan, block_bytes=1)
+        return "pulled"
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs[request_id]
@@ -115,6 +193,7 @@ class SimEngine:
 
     # ----- the step --------------------------------------------------------------------------------
     def step(self) -> StepRecord:
+        self.registry.expire_due()  # as the engine loop does between steps
         out = self.scheduler.schedule()
         record = StepRecord(preempted=[s.request_id for s in out.preempted])
         written: set[int] = set()
@@ -151,12 +230,43 @@ class SimEngine:
             seq.append_token(token)
             self.streams[seq.request_id].append(token)
             record.sampled[seq.request_id] = token
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                seq.finish(FinishReason.LENGTH)
-                self.scheduler.finish(seq)
-        self.block_manager.check_integrity([s for s in self.live if s.block_table])
+            self._finish_if_done(seq)
+        self.check_invariants()
         self.steps.append(record)
         return record
+
+    def _finish_if_done(self, seq: Sequence) -> None:
+        if seq.request_id in self.producers:
+            if seq.parent is None:
+                self._produce(seq)
+            seq.finish(FinishReason.KV_HANDOFF)
+            self.scheduler.finish(seq)
+        elif seq.num_output_tokens >= seq.params.max_tokens:
+            seq.finish(FinishReason.LENGTH)
+            self.scheduler.finish(seq)
+
+    def _produce(self, seq: Sequence) -> None:
+        """Prefill side at the first token: pin the prompt's blocks before the sequence frees them."""
+        prompt = seq.prompt_token_ids
+        transfer = self.registry.produce(
+            seq.block_table[: self.block_manager.blocks_needed(len(prompt))], prompt
+        )
+        self.handoffs[seq.request_id] = transfer
+        bs = self.block_size
+        self.pinned_kv[transfer.transfer_id] = {
+            seq.block_table[p // bs] * bs + p % bs: self.kv[seq.block_table[p // bs] * bs + p % bs]
+            for p in range(len(prompt))
+        }
+
+    def check_invariants(self) -> None:
+        """Ref counts match the live sequences plus the pins; pinned blocks hold what they held."""
+        self.block_manager.check_integrity([s for s in self.live if s.block_table])
+        self.registry.check_integrity()
+        stats = self.block_manager.stats()
+        assert stats.used + stats.free == stats.total
+        for transfer_id in self.registry.transfer_ids():
+            for slot, content in self.pinned_kv[transfer_id].items():
+                assert self.kv.get(slot) == content, f"pinned slot {slot} of {transfer_id} was overwritten"
 
     def run(self, max_steps: int = 10_000) -> list[StepRecord]:
         start = len(self.steps)
@@ -165,5 +275,6 @@ class SimEngine:
                 break
             self.step()
         assert not self.scheduler.has_work(), "the scheduler did not finish its work"
-        assert self.block_manager.stats().used == 0
+        # Only pinned transfers may still hold blocks.
+        assert self.block_manager.stats().used == self.registry.num_pinned_blocks
         return self.steps[start:]

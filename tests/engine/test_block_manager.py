@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from conduit_engine.block_manager import BlockManager, chain_hash
+from conduit_engine.block_manager import BlockManager, chain_hash, prefix_block_hashes
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.sequence import Sequence
 
@@ -345,6 +345,69 @@ def test_check_integrity_catches_a_wrong_ref_count(live):
         bm.check_integrity([seq])
 
 
+def test_a_pinned_block_outlives_its_sequence_until_unpinned(live):
+    bm = manager(live, 6, 4)
+    seq = make_seq(list(range(10)))
+    admit(bm, seq)
+    bm.pin(seq.block_table)
+    bm.free(seq)
+    assert ref_counts(bm) == [1, 1, 1, 0, 0, 0]
+    assert bm.free_block_ids() == [3, 4, 5]
+    assert (bm.stats().used, bm.stats().pinned) == (3, 3)
+    # A new prompt with the same first block shares the pinned block and takes fresh ones for the rest.
+    other = make_seq([0, 1, 2, 3, 7, 7, 7, 7, 7])
+    assert admit(bm, other) == 4
+    assert other.block_table == [0, 3, 4]
+    bm.check_integrity([other])
+    bm.free(other)
+    bm.unpin([0, 1, 2])
+    # Unpinned last block first, like `free`; full blocks keep their prefix-cache content.
+    assert bm.free_block_ids() == [5, 4, 3, 2, 1, 0]
+    assert (bm.stats().used, bm.stats().pinned, bm.stats().cached) == (0, 0, 3)
+
+
+def test_pin_and_unpin_refuse_what_they_cannot_do_and_change_nothing(live):
+    bm = manager(live, 4, 2)
+    seq = live(make_seq([1, 2, 3]))
+    admit(bm, seq)
+    with pytest.raises(ValueError, match="block_ids: block 3 is free; only held blocks can be pinned"):
+        bm.pin([0, 3])
+    with pytest.raises(ValueError, match="block_ids: 9 is not a block of this cache"):
+        bm.pin([9])
+    assert ref_counts(bm) == [1, 1, 0, 0] and bm.pinned_references() == {}
+    bm.pin([0, 0])
+    with pytest.raises(ValueError, match="block_ids: block 0 is unpinned more often than pinned"):
+        bm.unpin([0, 0, 0])
+    assert bm.pinned_references() == {0: 2}
+    bm.check_integrity([seq])
+    bm.unpin([0, 0])
+    assert ref_counts(bm) == [1, 1, 0, 0]
+
+
+def test_check_integrity_counts_pinned_references(live):
+    bm = BlockManager(4, 2)
+    seq = make_seq([1, 2, 3])
+    admit(bm, seq)
+    bm.pin([1, 1])
+    bm.check_integrity([seq])
+    bm.blocks[1].ref_count = 2  # as if one pin's reference were lost
+    with pytest.raises(AssertionError, match="block 1 ref count wrong"):
+        bm.check_integrity([seq])
+    bm.blocks[1].ref_count = 1  # fewer references than pins, whoever holds them
+    with pytest.raises(AssertionError, match="block 1 pinned 2 times"):
+        bm.check_integrity()
+
+
+def test_prefix_block_hashes_are_what_commit_registers(live):
+    bm = manager(live, 8, 4)
+    seq = live(make_seq(list(range(11))))
+    admit(bm, seq)
+    hashes = prefix_block_hashes(list(range(11)), 4)
+    assert len(hashes) == 2
+    assert [bm.blocks[b].hash for b in seq.block_table[:2]] == hashes
+    assert prefix_block_hashes([1, 2, 3], 4) == []
+
+
 @pytest.mark.parametrize(("num_blocks", "block_size"), [(0, 4), (4, 0)])
 def test_rejects_an_empty_geometry(num_blocks, block_size):
     with pytest.raises(ValueError, match="num_blocks and block_size"):
@@ -372,6 +435,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
         self.seqs: list[Sequence] = []
         self.kv: dict[int, tuple[int, ...]] = {}
+        # Pins of finished sequences (a produced KV transfer): blocks, and the slots' content when pinned.
+        self.pins: list[tuple[list[int], dict[int, tuple[int, ...]]]] = []
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
@@ -434,6 +499,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.free(seq)
             self.seqs.remove(seq)
 
+    @rule(seq=consumes(held))
+    def finish_pinned(self, seq):
+        """A prefill that hands its KV off: pin the computed tokens' blocks, then the sequence ends."""
+        if seq not in self.seqs or seq.num_computed_tokens == 0:
+            return
+        blocks = seq.block_table[: self.bm.blocks_needed(seq.num_computed_tokens)]
+        content = {self._slot(seq, p): fingerprint(seq, p) for p in range(seq.num_computed_tokens)}
+        self.bm.pin(blocks)
+        self.pins.append((blocks, content))
+        self.seqs.remove(seq)
+        self.bm.free(seq)
+
+    @rule(data=st.data())
+    def unpin(self, data):
+        if self.pins:
+            blocks, _ = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+            self.bm.unpin(blocks)
+
     @invariant()
     def invariants_hold(self):
         self.bm.check_integrity(self.seqs)
@@ -444,9 +527,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         # cached ⊆ free: the cached count is exactly the free blocks still holding content
         assert stats.cached == sum(1 for b in free if self.bm.blocks[b].hash is not None)
         owners: dict[int, int] = {}
-        for seq in self.seqs:
-            for block_id in seq.block_table:
-                owners[block_id] = owners.get(block_id, 0) + 1
+        for block_id in [b for seq in self.seqs for b in seq.block_table] + [
+            b for p in self.pins for b in p[0]
+        ]:
+            owners[block_id] = owners.get(block_id, 0) + 1
         for block in self.bm.blocks:
             assert block.ref_count == owners.get(block.block_id, 0)
             if block.ref_count > 1:
@@ -455,6 +539,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq in self.seqs:
             for pos in range(seq.num_computed_tokens):
                 assert self.kv.get(self._slot(seq, pos)) == fingerprint(seq, pos)
+        # Pinned blocks are neither freed nor reused: their slots still hold what was pinned.
+        assert stats.pinned == len({b for blocks, _ in self.pins for b in blocks})
+        for _, content in self.pins:
+            assert all(self.kv.get(slot) == value for slot, value in content.items())
 
 
 BlockManagerMachine.TestCase.settings = settings(

@@ -109,19 +109,15 @@ def test_modifiers_without_a_constraint_are_refused():
         assert err.value.field == f"sampling.{name}"
 
 
-def test_request_mapping_names_a_bad_spec_before_refusing_structured_outputs():
+def test_request_mapping_names_a_bad_spec():
     bad = pb.GenerateRequest(text="hi", sampling=_sampling(json_schema="{nope"))
     with pytest.raises(InvalidRequestError, match="^sampling.json_schema: is not valid JSON"):
         request_from_pb(bad)
     empty_choice = pb.GenerateRequest(text="hi", sampling=_sampling(choice=pb.ChoiceList()))
     with pytest.raises(InvalidRequestError, match="^sampling.choice: must list at least one string"):
         request_from_pb(empty_choice)
-    # Until the step loop enforces it, a valid constraint is refused rather than silently ignored.
     good = pb.GenerateRequest(text="hi", sampling=_sampling(regex="a+"))
-    with pytest.raises(
-        InvalidRequestError, match="^sampling.structured: structured outputs are not supported"
-    ):
-        request_from_pb(good)
+    assert request_from_pb(good).params.structured.text == "a+"
 
 
 def test_the_spec_keeps_the_engine_core_free_of_torch_and_the_backend():

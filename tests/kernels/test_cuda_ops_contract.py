@@ -10,6 +10,7 @@ from test_ops_emulated import _meta_for_tokens
 
 from conduit_engine.ops.cuda_ops import CudaOps, decode_shared_bytes, prefill_shared_bytes
 from conduit_engine.ops.kernel_loader import all_specializations, ctype, kernels_dir, read_source
+from conduit_engine.ops.torch_ops import TorchOps
 from tests.support.imports import assert_not_loaded
 
 
@@ -119,4 +120,34 @@ def test_empty_batches_launch_nothing(launcher):
     ops.apply_token_bitmask(
         torch.zeros(3, 40), torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
     )
+    assert launcher.launches == []
+
+
+def test_kv_transfer_ops_name_the_bad_argument_in_both_backends(launcher):
+    caches = [(torch.zeros(4, 2, 1, 8), torch.zeros(4, 2, 1, 8)) for _ in range(2)]
+    ids = torch.tensor([1, 3], dtype=torch.int64)
+    for ops in (CudaOps(launcher), TorchOps()):
+        with pytest.raises(ValueError, match=r"block_ids: must lie in \[0, 4\), got values from 1 to 4"):
+            ops.gather_kv_blocks(caches, torch.tensor([1, 4], dtype=torch.int64))
+        with pytest.raises(ValueError, match="block_ids: expected a 1-D int64 tensor"):
+            ops.gather_kv_blocks(caches, ids.int())
+        with pytest.raises(ValueError, match=r"kv_caches\[1\].v: dtype torch.float16 differs from layer 0"):
+            ops.gather_kv_blocks([caches[0], (caches[1][0], caches[1][1].half())], ids)
+        with pytest.raises(ValueError, match=r"kv_caches\[0\].k: must be contiguous"):
+            ops.gather_kv_blocks([(torch.zeros(2, 4, 1, 8).transpose(0, 1), caches[0][1]), caches[1]], ids)
+        with pytest.raises(ValueError, match="kv_caches: expected at least one layer"):
+            ops.gather_kv_blocks([], ids)
+        with pytest.raises(ValueError, match=r"buffer: expected shape \(2, 2, 2, 2, 1, 8\)"):
+            ops.scatter_kv_blocks(torch.zeros(2, 2, 3, 2, 1, 8), caches, ids)
+        with pytest.raises(ValueError, match="block_ids: must be distinct for a scatter"):
+            ops.scatter_kv_blocks(torch.zeros(2, 2, 2, 2, 1, 8), caches, torch.tensor([3, 3]))
+    assert launcher.launches == []
+
+
+def test_kv_transfer_of_no_blocks_launches_nothing(launcher):
+    ops = CudaOps(launcher)
+    caches = [(torch.zeros(4, 2, 1, 8), torch.zeros(4, 2, 1, 8))]
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert ops.gather_kv_blocks(caches, empty).shape == (1, 2, 0, 2, 1, 8)
+    ops.scatter_kv_blocks(torch.zeros(1, 2, 0, 2, 1, 8), caches, empty)
     assert launcher.launches == []

@@ -328,3 +328,77 @@ def test_apply_token_bitmask_on_strided_logits_skips_rows_outside(launcher):
     assert torch.equal(logits, want) and torch.equal(wide[:, 100:], before[:, 100:])
     ops.apply_token_bitmask(logits, bitmask, torch.tensor([-1, 4]))  # outside [0, 4): never written
     assert torch.equal(logits, want)
+
+
+# ---- KV block gather / scatter (disaggregation transfer buffers) -----------------------------------------
+
+KV_TRANSFER_SHAPES = {
+    # (layers, cache blocks, block_size, kv_heads, head_dim): stories260K-like, a 64-dim model, and a
+    # block of 2*1*5 = 10 elements, which is no whole number of 16-byte packs (element-wise path).
+    "small": (2, 12, 4, 2, 8),
+    "wide": (3, 40, 16, 2, 64),
+    "odd": (2, 9, 2, 1, 5),
+}
+KV_BLOCK_LISTS = {"one": [7], "scattered": [5, 0, 8, 2], "many_reversed": list(range(8, -1, -1))}
+
+
+def kv_transfer_cases(test):
+    """Every dtype x cache shape x block list."""
+    for name, cases in (("dtype", DTYPES), ("shape", KV_TRANSFER_SHAPES), ("blocks", KV_BLOCK_LISTS)):
+        values, ids = (cases, DTYPE_IDS) if name == "dtype" else (list(cases.values()), list(cases))
+        test = pytest.mark.parametrize(name, values, ids=ids)(test)
+    return test
+
+
+def _kv_caches(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> list:
+    layers, *cache_shape = shape
+    return [
+        (_rand(gen, *cache_shape, dtype=dtype), _rand(gen, *cache_shape, dtype=dtype)) for _ in range(layers)
+    ]
+
+
+@kv_transfer_cases
+def test_gather_kv_blocks_matches_reference_and_the_chunk_layout(launcher, dtype, shape, blocks):
+    gen = torch.Generator().manual_seed(len(blocks) * 31 + shape[1])
+    caches = _kv_caches(gen, shape, dtype)
+    ids = torch.tensor(blocks, dtype=torch.int64)
+    got = _ops(launcher).gather_kv_blocks(caches, ids)
+    want = REF.gather_kv_blocks(caches, ids)
+    assert got.shape == (shape[0], 2, len(blocks), *shape[2:]) and got.is_contiguous()
+    assert torch.equal(got, want)
+    for layer, (k, v) in enumerate(caches):  # [layer][k, v][block]...: the KvChunk payload layout
+        for j, block in enumerate(blocks):
+            assert torch.equal(want[layer, 0, j], k[block]) and torch.equal(want[layer, 1, j], v[block])
+
+
+@kv_transfer_cases
+def test_scatter_kv_blocks_matches_reference_and_touches_only_its_blocks(launcher, dtype, shape, blocks):
+    gen = torch.Generator().manual_seed(len(blocks) * 17 + shape[1])
+    caches = _kv_caches(gen, shape, dtype)
+    buffer = _rand(gen, shape[0], 2, len(blocks), *shape[2:], dtype=dtype)
+    ids = torch.tensor(blocks, dtype=torch.int64)
+    want = [(k.clone(), v.clone()) for k, v in caches]
+    REF.scatter_kv_blocks(buffer, want, ids)
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    _ops(launcher).scatter_kv_blocks(buffer, caches, ids)
+    untouched = [b for b in range(shape[1]) if b not in blocks]
+    for (k, v), (wk, wv), (bk, bv) in zip(caches, want, before, strict=True):
+        assert torch.equal(k, wk) and torch.equal(v, wv)
+        assert torch.equal(k[untouched], bk[untouched]) and torch.equal(v[untouched], bv[untouched])
+    assert torch.equal(_ops(launcher).gather_kv_blocks(caches, ids), buffer)  # the round trip
+
+
+def test_scatter_kv_blocks_reads_an_unaligned_buffer_element_by_element(launcher):
+    """A contiguous buffer that starts 4 bytes past a 16-byte boundary takes the scalar path."""
+    gen = torch.Generator().manual_seed(11)
+    caches = _kv_caches(gen, (2, 6, 4, 2, 8), torch.float32)
+    flat = _rand(gen, 2 * 2 * 3 * 4 * 2 * 8 + 1)
+    buffer = flat[1:].view(2, 2, 3, 4, 2, 8)
+    assert buffer.data_ptr() % 16 != 0
+    ids = torch.tensor([4, 1, 3], dtype=torch.int64)
+    want = [(k.clone(), v.clone()) for k, v in caches]
+    REF.scatter_kv_blocks(buffer, want, ids)
+    _ops(launcher).scatter_kv_blocks(buffer, caches, ids)
+    assert all(
+        torch.equal(k, wk) and torch.equal(v, wv) for (k, v), (wk, wv) in zip(caches, want, strict=True)
+    )

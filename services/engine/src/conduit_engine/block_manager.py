@@ -4,13 +4,17 @@ Plain Python: no torch. A full, computed block is identified by a chained hash o
 every block before it; when its last owner frees it, it stays in the free queue with its hash, so a
 later request with the same prefix can take it back instead of recomputing it. A free block is reused
 for new content in least-recently-freed order, which evicts its cached content.
+
+A block can also be pinned (`pin`/`unpin`): a reference that belongs to no sequence, taken by a KV
+transfer so a finished prefill's blocks outlive it until a decode engine has pulled them.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from conduit_engine.sequence import Sequence
@@ -33,6 +37,7 @@ class BlockStats:
     cached: int  # free blocks still holding reusable prefix content
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of which served from it
+    pinned: int = 0  # blocks held by at least one pin (KV transfers); counted in `used`
 
     @property
     def hit_rate(self) -> float:
@@ -51,6 +56,16 @@ def chain_hash(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHash:
     return digest.digest()
 
 
+def prefix_block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int) -> list[BlockHash]:
+    """Chained hashes of every full block of `token_ids`: what `commit_computed_blocks` registers."""
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(parent, tuple(token_ids[start : start + block_size]))
+        hashes.append(parent)
+    return hashes
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -65,6 +80,7 @@ class BlockManager:
         self._seq_hashes: dict[int, list[BlockHash]] = {}
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._pins: Counter[int] = Counter()  # block id → references held by pins
 
     # ----- queries -------------------------------------------------------------------------------
     @property
@@ -92,6 +108,7 @@ class BlockManager:
             cached=cached,
             prefix_queries=self._prefix_queries,
             prefix_hits=self._prefix_hits,
+            pinned=len(self._pins),
         )
 
     # ----- allocation ----------------------------------------------------------------------------
@@ -163,14 +180,43 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, last block first so a prefix's tail is evicted before its head."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
-            if block.ref_count == 0:
-                self._free[block_id] = None
+            self._release(block_id)
         seq.block_table.clear()
         seq.num_computed_tokens = 0
         self._seq_hashes.pop(seq.seq_id, None)
+
+    def pin(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference on each of `block_ids`, all held by a live sequence (all or nothing).
+
+        The pin outlives the sequence: a pinned block is neither freed nor reused, and keeps its
+        prefix-cache hash, until `unpin`. A block listed twice is pinned twice.
+        """
+        ids = list(block_ids)
+        for block_id in ids:
+            if not 0 <= block_id < self.num_blocks:
+                raise ValueError(f"block_ids: {block_id} is not a block of this cache")
+            if self.blocks[block_id].ref_count == 0:
+                raise ValueError(f"block_ids: block {block_id} is free; only held blocks can be pinned")
+        for block_id in ids:
+            self.blocks[block_id].ref_count += 1
+            self._pins[block_id] += 1
+
+    def unpin(self, block_ids: Iterable[int]) -> None:
+        """Drop references `pin` took (all or nothing); a block nobody else holds becomes free, last
+        block first like `free`, and keeps its cached content."""
+        ids = list(block_ids)
+        for block_id, count in Counter(ids).items():
+            if self._pins.get(block_id, 0) < count:
+                raise ValueError(f"block_ids: block {block_id} is unpinned more often than pinned")
+        for block_id in reversed(ids):
+            self._pins[block_id] -= 1
+            if self._pins[block_id] == 0:
+                del self._pins[block_id]
+            self._release(block_id)
+
+    def pinned_references(self) -> dict[int, int]:
+        """Block id → references held by pins (a copy)."""
+        return dict(self._pins)
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached content of free blocks."""
@@ -179,7 +225,8 @@ class BlockManager:
 
     # ----- invariants ----------------------------------------------------------------------------
     def check_integrity(self, live: list[Sequence] | None = None) -> None:
-        """Assert free + used == total and the ref counts match the live sequences' block tables."""
+        """Assert free + used == total and the ref counts match the live sequences' block tables plus
+        the pins (a pinned block is never free)."""
         free = set(self._free)
         assert len(free) == len(self._free)
         for block in self.blocks:
@@ -189,8 +236,10 @@ class BlockManager:
                 assert self._cached.get(block.hash) == block.block_id, f"block {block.block_id} hash lost"
         for h, block_id in self._cached.items():
             assert self.blocks[block_id].hash == h
+        for block_id, pins in self._pins.items():
+            assert 0 < pins <= self.blocks[block_id].ref_count, f"block {block_id} pinned {pins} times"
         if live is not None:
-            counts = [0] * self.num_blocks
+            counts = [self._pins.get(block_id, 0) for block_id in range(self.num_blocks)]
             for seq in live:
                 assert len(set(seq.block_table)) == len(seq.block_table), (
                     f"seq {seq.seq_id} owns a block twice"
@@ -201,6 +250,14 @@ class BlockManager:
                 assert counts[block.block_id] == block.ref_count, f"block {block.block_id} ref count wrong"
 
     # ----- internals -----------------------------------------------------------------------------
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; the last one returns the block to the back of the free queue."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
+        if block.ref_count == 0:
+            self._free[block_id] = None
+
     def _take(self, block_id: int, keep_content: bool) -> None:
         """Add a reference; a free block leaves the free queue, and loses its cached content unless
         it is being reused for exactly that content (a prefix-cache hit)."""

@@ -19,6 +19,7 @@ _FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+    FinishReason.KV_HANDOFF: pb.FINISH_REASON_KV_HANDOFF,
 }
 
 # Proto fields copied as they are when present: (proto field, SamplingParams field)

@@ -30,6 +30,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+    KV_HANDOFF = "kv_handoff"  # prefill side of a disaggregated request: a decode engine continues it
 
 
 @dataclass(eq=False, slots=True)

@@ -3,11 +3,17 @@
 Tensors of all sequences in a step are packed along dim 0 ("tokens"). The paged KV cache of one layer
 is a pair of tensors shaped [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
 `block_id * block_size + offset`.
+
+KV transfer (prefill/decode disaggregation) moves whole blocks of every layer through one contiguous
+buffer laid out [num_layers][k, v][num_blocks][block_size][num_kv_heads][head_dim], the layout of a
+KvChunk's payload in engine.proto; `check_kv_transfer` validates the arguments of both ops the same way
+in every backend.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -128,3 +134,74 @@ class Ops(ABC):
         t % 32 of bitmask[i, t // 32] is set (bit 0 is the least significant). logits [B, V] float32
         with unit stride along V; bitmask [R, ceil(V/32)] int32 (bits past V are ignored); rows [R]
         int64, distinct, in [0, B), in any order. Rows not listed are neither read nor written."""
+
+    @abstractmethod
+    def gather_kv_blocks(
+        self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Copy cache blocks `block_ids` [n] (int64, any order) of every layer's K and V into a new
+        contiguous buffer [num_layers, 2, n, block_size, num_kv_heads, head_dim] on the caches' device;
+        transfer block j is cache block block_ids[j]."""
+
+    @abstractmethod
+    def scatter_kv_blocks(
+        self,
+        buffer: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        block_ids: torch.Tensor,
+    ) -> None:
+        """The inverse of `gather_kv_blocks`: write buffer [num_layers, 2, n, block_size, num_kv_heads,
+        head_dim] (contiguous, on the caches' device) into cache blocks `block_ids` [n] (int64, distinct);
+        no other block changes."""
+
+
+def check_kv_transfer(
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    block_ids: torch.Tensor,
+    buffer: torch.Tensor | None = None,
+) -> tuple[int, ...]:
+    """Validate the arguments of gather/scatter_kv_blocks; returns the buffer shape for these block ids.
+
+    Every layer's K and V must be contiguous with one shape, dtype and device; `block_ids` a 1-D int64
+    tensor on that device naming existing blocks, distinct when `buffer` is given (a scatter: two writes
+    to one block would race). Reading the ids' range synchronises with the device, which a transfer
+    (followed by a host copy anyway) can afford.
+    """
+    _require(len(kv_caches) > 0, "kv_caches: expected at least one layer")
+    first = kv_caches[0][0]
+    _require(
+        first.dim() == 4,
+        f"kv_caches: expected [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(first.shape)}",
+    )
+    for layer, pair in enumerate(kv_caches):
+        for name, cache in zip(("k", "v"), pair, strict=True):
+            where = f"kv_caches[{layer}].{name}"
+            _require(cache.shape == first.shape, f"{where}: shape {tuple(cache.shape)} differs from layer 0")
+            _require(cache.dtype == first.dtype, f"{where}: dtype {cache.dtype} differs from layer 0")
+            _require(cache.device == first.device, f"{where}: device {cache.device} differs from layer 0")
+            _require(cache.is_contiguous(), f"{where}: must be contiguous")
+    _require(
+        block_ids.dim() == 1 and block_ids.dtype == torch.int64 and block_ids.device == first.device,
+        f"block_ids: expected a 1-D int64 tensor on {first.device}, "
+        f"got {block_ids.dtype} {tuple(block_ids.shape)} on {block_ids.device}",
+    )
+    num = block_ids.numel()
+    if num:
+        low, high = int(block_ids.min()), int(block_ids.max())
+        _require(
+            0 <= low and high < first.shape[0],
+            f"block_ids: must lie in [0, {first.shape[0]}), got values from {low} to {high}",
+        )
+    shape = (len(kv_caches), 2, num, *first.shape[1:])
+    if buffer is not None:
+        _require(tuple(buffer.shape) == shape, f"buffer: expected shape {shape}, got {tuple(buffer.shape)}")
+        _require(buffer.dtype == first.dtype, f"buffer: dtype {buffer.dtype} differs from the cache's")
+        _require(buffer.device == first.device, f"buffer: on {buffer.device}, the cache is on {first.device}")
+        _require(buffer.is_contiguous(), "buffer: must be contiguous")
+        _require(torch.unique(block_ids).numel() == num, "block_ids: must be distinct for a scatter")
+    return shape
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

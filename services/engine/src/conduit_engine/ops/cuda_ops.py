@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -21,7 +21,7 @@ import torch
 
 from conduit_engine.ops import cuda_checks as checks
 from conduit_engine.ops import kernel_loader as kl
-from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext
+from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext, check_kv_transfer
 from conduit_engine.ops.cuda_checks import check, pack_elems
 from conduit_engine.ops.kernel_loader import KernelArg, KernelLauncher, KernelRef
 
@@ -138,6 +138,8 @@ class CudaOps(Ops):
         self.decode_threads = decode_threads
         self.check_calls = check_calls
         self.bitmask_threads = bitmask_threads
+        # (cache addresses, device table of them) of the last KV transfer: one engine has one cache.
+        self._kv_pointers: tuple[tuple[object, ...], torch.Tensor] | None = None
 
     def _launch(
         self,
@@ -458,6 +460,66 @@ class CudaOps(Ops):
                 np.int32(logits.shape[0]),
             ],
         )
+
+    # ---- KV transfer (prefill/decode disaggregation) ---------------------------------------------------
+
+    def gather_kv_blocks(
+        self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.Tensor
+    ) -> torch.Tensor:
+        shape = check_kv_transfer(kv_caches, block_ids)
+        buffer = torch.empty(shape, dtype=kv_caches[0][0].dtype, device=block_ids.device)
+        self._copy_kv_blocks(kl.gather_kv_blocks_kernel, buffer, kv_caches, block_ids)
+        return buffer
+
+    def scatter_kv_blocks(
+        self,
+        buffer: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        block_ids: torch.Tensor,
+    ) -> None:
+        check_kv_transfer(kv_caches, block_ids, buffer)
+        self._copy_kv_blocks(kl.scatter_kv_blocks_kernel, buffer, kv_caches, block_ids)
+
+    def _copy_kv_blocks(
+        self,
+        kernel_for: Callable[[torch.dtype], KernelRef],
+        buffer: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        block_ids: torch.Tensor,
+    ) -> None:
+        """One launch for every block of every layer's K and V (kv_transfer.cu); arguments checked."""
+        num_blocks = block_ids.numel()
+        if num_blocks == 0:
+            return
+        caches = [cache for pair in kv_caches for cache in pair]
+        check(len(caches) <= 65535, f"kv_caches: {len(caches) // 2} layers exceed the grid's 32767")
+        block_elems = caches[0][0].numel()
+        check(block_elems < 2**31, f"kv_caches: a block of {block_elems} elements exceeds 2^31")
+        vec = pack_elems(buffer.dtype)
+        vectorized = block_elems % vec == 0 and _aligned(buffer, *caches)
+        per_thread = vec if vectorized else 1
+        self._launch(
+            kernel_for(buffer.dtype),
+            (num_blocks, len(caches), 1),
+            (_threads_for(min(256, math.ceil(block_elems / per_thread))), 1, 1),
+            [
+                buffer,
+                self._cache_pointers(caches),
+                block_ids,
+                np.int32(num_blocks),
+                np.int32(block_elems),
+                np.int32(vectorized),
+            ],
+        )
+
+    def _cache_pointers(self, caches: list[torch.Tensor]) -> torch.Tensor:
+        """int64 table of the caches' addresses on their device, rebuilt only when an address changes."""
+        addresses = [cache.data_ptr() for cache in caches]
+        key = (str(caches[0].device), *addresses)
+        if self._kv_pointers is None or self._kv_pointers[0] != key:
+            table = torch.tensor(addresses, dtype=torch.int64).to(caches[0].device)
+            self._kv_pointers = (key, table)
+        return self._kv_pointers[1]
 
 
 @functools.cache

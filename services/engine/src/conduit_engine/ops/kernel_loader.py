@@ -29,6 +29,7 @@ KERNEL_SOURCES = (
     "decode_attention.cu",
     "prefill_attention.cu",
     "bitmask.cu",
+    "kv_transfer.cu",
 )
 
 _CTYPES = {torch.float32: "float", torch.float16: "conduit::f16", torch.bfloat16: "conduit::bf16"}
@@ -127,6 +128,14 @@ def prefill_attention_kernel(dtype: torch.dtype, head_dim: int) -> KernelRef:
 APPLY_TOKEN_BITMASK_KERNEL = KernelRef("bitmask.cu", "apply_token_bitmask_kernel")
 
 
+def gather_kv_blocks_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("kv_transfer.cu", f"gather_kv_blocks_kernel<{ctype(dtype)}>")
+
+
+def scatter_kv_blocks_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("kv_transfer.cu", f"scatter_kv_blocks_kernel<{ctype(dtype)}>")
+
+
 def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int]) -> list[KernelRef]:
     """Every specialisation the CUDA ops may launch for these model dtypes and head sizes."""
     refs: list[KernelRef] = []
@@ -139,6 +148,8 @@ def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int])
             write_kv_kernel(dtype),
             decode_attention_kernel(dtype),
             decode_reduce_kernel(dtype),
+            gather_kv_blocks_kernel(dtype),
+            scatter_kv_blocks_kernel(dtype),
         ]
         refs += [prefill_attention_kernel(dtype, head_dim) for head_dim in head_dims]
     refs.append(APPLY_TOKEN_BITMASK_KERNEL)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
-from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext
+from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext, check_kv_transfer
 
 
 class TorchOps(Ops):
@@ -137,6 +139,27 @@ class TorchOps(Ops):
         selected = logits.index_select(0, rows)
         selected.masked_fill_(~allowed, float("-inf"))
         logits.index_copy_(0, rows, selected)
+
+    def gather_kv_blocks(
+        self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.Tensor
+    ) -> torch.Tensor:
+        shape = check_kv_transfer(kv_caches, block_ids)
+        buffer = torch.empty(shape, dtype=kv_caches[0][0].dtype, device=block_ids.device)
+        for layer, pair in enumerate(kv_caches):
+            for kv, cache in enumerate(pair):
+                torch.index_select(cache, 0, block_ids, out=buffer[layer, kv])
+        return buffer
+
+    def scatter_kv_blocks(
+        self,
+        buffer: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        block_ids: torch.Tensor,
+    ) -> None:
+        check_kv_transfer(kv_caches, block_ids, buffer)
+        for layer, pair in enumerate(kv_caches):
+            for kv, cache in enumerate(pair):
+                cache.index_copy_(0, block_ids, buffer[layer, kv])
 
 
 def _decode_gather(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

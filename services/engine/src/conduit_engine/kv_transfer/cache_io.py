@@ -1,0 +1,110 @@
+"""Between the paged KV cache and KvChunk payload bytes: the source reads blocks, the destination writes.
+
+A payload is the ops' transfer buffer (`Ops.gather_kv_blocks`) as raw little-endian bytes, laid out
+[layer][k, v][block][block_size][kv_head][head_dim]. The reader gathers with the engine's ops (one kernel
+on CUDA), copies to the host if needed and makes the one `bytes` copy protobuf requires. The writer views
+the received bytes as a tensor without copying, moves it to the cache's device if needed and scatters.
+
+Both touch only blocks no step reads or writes meanwhile: a transfer's source blocks are pinned (nobody
+writes a pinned block), and the destination blocks belong to a sequence not yet handed to the scheduler.
+So they may run on any thread; on CUDA the writer synchronises its stream before returning, so a later
+step on another stream sees the data.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from conduit_engine.kv_transfer.layout import KvLayoutSpec
+from conduit_engine.ops.base import Ops
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def layout_of(model: str, kv_caches: KVCaches) -> KvLayoutSpec:
+    """The KvLayoutSpec of these caches ([num_blocks, block_size, num_kv_heads, head_dim] per layer)."""
+    _, block_size, num_kv_heads, head_dim = kv_caches[0][0].shape
+    return KvLayoutSpec(
+        model=model,
+        dtype=str(kv_caches[0][0].dtype).removeprefix("torch."),
+        block_size=block_size,
+        num_layers=len(kv_caches),
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+
+
+def _require_little_endian() -> None:
+    # Payloads are the tensors' memory as is; a big-endian host would have to swap every element.
+    if sys.byteorder != "little":
+        raise RuntimeError("KV transfer needs a little-endian host (KvChunk payloads are little-endian)")
+
+
+class CacheBlockReader:
+    """Source side: cache blocks → payload bytes."""
+
+    def __init__(self, ops: Ops, kv_caches: KVCaches) -> None:
+        _require_little_endian()
+        self._ops = ops
+        self._kv_caches = kv_caches
+        self._device = kv_caches[0][0].device
+
+    def read(self, block_ids: Sequence[int]) -> bytes:
+        """The payload of cache blocks `block_ids`, in that order."""
+        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self._device)
+        buffer = self._ops.gather_kv_blocks(self._kv_caches, ids)
+        return buffer.cpu().view(torch.uint8).numpy().tobytes()
+
+
+class CacheBlockWriter:
+    """Destination side (a KvBlockSink): payload bytes → the cache blocks a pull plan allocated.
+
+    `dest_block_ids[i]` receives transfer block `start_block + i`.
+    """
+
+    def __init__(
+        self, ops: Ops, kv_caches: KVCaches, dest_block_ids: Sequence[int], start_block: int
+    ) -> None:
+        _require_little_endian()
+        self._ops = ops
+        self._kv_caches = kv_caches
+        self._dest = list(dest_block_ids)
+        self._start = start_block
+        first = kv_caches[0][0]
+        self._device, self._dtype = first.device, first.dtype
+        self._block_shape = tuple(first.shape[1:])
+        self._block_bytes = 2 * len(kv_caches) * first[0].numel() * first.element_size()
+        self.blocks_written = 0
+
+    async def write(self, first_block: int, num_blocks: int, data: bytes) -> None:
+        index = first_block - self._start
+        if index < 0 or num_blocks < 1 or index + num_blocks > len(self._dest):
+            raise ValueError(
+                f"first_block: blocks [{first_block}, {first_block + num_blocks}) are outside the pull's "
+                f"[{self._start}, {self._start + len(self._dest)})"
+            )
+        if len(data) != num_blocks * self._block_bytes:
+            raise ValueError(
+                f"data: {num_blocks} blocks take {num_blocks * self._block_bytes} bytes, got {len(data)}"
+            )
+        shape = (len(self._kv_caches), 2, num_blocks, *self._block_shape)
+        buffer = _view_bytes(data, self._dtype).view(shape)
+        if self._device.type != "cpu":
+            buffer = buffer.to(self._device)
+        ids = torch.tensor(self._dest[index : index + num_blocks], dtype=torch.int64, device=self._device)
+        self._ops.scatter_kv_blocks(buffer, self._kv_caches, ids)
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+        self.blocks_written += num_blocks
+
+
+def _view_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over `data`'s memory (no copy). torch warns that bytes are read-only; the scatter only
+    reads its source, so the warning is silenced here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=dtype)

@@ -1,0 +1,112 @@
+"""KvTransport over gRPC: the source streams KvChunk messages from PullKv, the puller hands them to a sink.
+
+One grpc.aio channel per source address, kept for the transport's life (the sources are the deployment's
+prefill engines, a short list). Channels belong to the event loop that made them: one transport per loop.
+Each chunk is checked against the pull (order, block counts, payload size) before the sink sees it, so
+a confused or hostile source cannot write outside the blocks the pull planned.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from conduit.engine.v1 import engine_pb2 as pb
+from conduit.engine.v1 import engine_pb2_grpc as pb_grpc
+from conduit_engine.kv_transfer.errors import (
+    KvLayoutMismatchError,
+    KvSourceUnavailableError,
+    KvTransferError,
+    KvTransferNotFoundError,
+)
+from conduit_engine.kv_transfer.transport import KvBlockSink, KvPullResult, KvPullSpec, KvTransport
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the engines' default gRPC message limit
+DEFAULT_TIMEOUT_S = 60.0
+
+_ERRORS: dict[grpc.StatusCode, type[KvTransferError]] = {
+    grpc.StatusCode.NOT_FOUND: KvTransferNotFoundError,
+    grpc.StatusCode.FAILED_PRECONDITION: KvLayoutMismatchError,
+    grpc.StatusCode.UNAVAILABLE: KvSourceUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: KvSourceUnavailableError,
+}
+
+
+class GrpcKvTransport(KvTransport):
+    """Pulls over engine.proto's PullKv; `timeout_s` bounds a whole pull (None: no deadline)."""
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"timeout_s: must be > 0 or None, got {timeout_s}")
+        self._timeout_s = timeout_s
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def pull(self, spec: KvPullSpec, sink: KvBlockSink) -> KvPullResult:
+        request = pb.PullKvRequest(
+            transfer_id=spec.transfer_id,
+            start_block=spec.start_block,
+            layout_fingerprint=spec.layout.fingerprint,
+        )
+        stub = pb_grpc.EngineStub(self._channel(spec.source_address))
+        call = stub.PullKv(request, timeout=self._timeout_s)
+        next_block, num_bytes = spec.start_block, 0
+        try:
+            async for chunk in call:
+                _check_chunk(chunk, spec, next_block)
+                if chunk.num_blocks:
+                    await sink.write(chunk.first_block, chunk.num_blocks, chunk.data)
+                next_block += chunk.num_blocks
+                num_bytes += len(chunk.data)
+        except grpc.aio.AioRpcError as exc:
+            kind = _ERRORS.get(exc.code(), KvTransferError)
+            raise kind(f"{_where(spec)}: {exc.code().name}: {exc.details()}") from None
+        finally:
+            call.cancel()  # a no-op after the last chunk; stops the source when the sink or a check failed
+        if next_block != spec.total_blocks:
+            raise KvTransferError(
+                f"{_where(spec)}: the stream ended at block {next_block} of {spec.total_blocks}"
+            )
+        return KvPullResult(num_blocks=spec.num_blocks, num_bytes=num_bytes)
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=self._options)
+            self._channels[address] = channel
+        return channel
+
+
+def _where(spec: KvPullSpec) -> str:
+    return f"PullKv {spec.transfer_id} from {spec.source_address}"
+
+
+def _check_chunk(chunk: pb.KvChunk, spec: KvPullSpec, expected_first: int) -> None:
+    """Raise KvTransferError unless `chunk` is the next run of the pull, with a payload of its size."""
+    problem = None
+    if chunk.total_blocks != spec.total_blocks:
+        problem = f"the source has {chunk.total_blocks} blocks, the handle {spec.total_blocks}"
+    elif chunk.first_block != expected_first:
+        problem = f"chunk starts at block {chunk.first_block}, expected {expected_first}"
+    elif chunk.first_block + chunk.num_blocks > spec.total_blocks:
+        problem = f"chunk runs past block {spec.total_blocks}"
+    elif chunk.num_blocks == 0 and chunk.first_block != spec.total_blocks:
+        problem = f"an empty chunk at block {chunk.first_block}"
+    elif len(chunk.data) != chunk.num_blocks * spec.layout.block_bytes:
+        problem = (
+            f"{chunk.num_blocks} blocks in {len(chunk.data)} bytes, expected {spec.layout.block_bytes} each"
+        )
+    if problem is not None:
+        raise KvTransferError(f"{_where(spec)}: {problem}")

@@ -1,0 +1,150 @@
+"""The source engine's PullKv and ReleaseKv handlers (engine.proto), for EngineServicer to delegate to.
+
+PullKv starts a pull in the registry (so the blocks stay pinned however the transfer ends meanwhile),
+streams the requested blocks in chunks of whole blocks of at most `chunk_bytes` (4 MiB by default: far
+below the 64 MiB message limit, small enough to interleave with other streams), and finishes the pull:
+completed after the last chunk was handed to gRPC, failed if the puller went away or anything broke.
+
+The registry belongs to the engine loop thread: every registry call goes through `run_on_engine`
+(AsyncEngine.run_sync in the engine) as a task that finishes even when the RPC is cancelled, and a pull
+whose start lands after its RPC was cancelled is finished too, so no pull is left holding its blocks.
+Gathering runs in a worker thread: pinned blocks are not written.
+Errors abort the call with their status code here, since server.status_for does not know the KV errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from conduit.engine.v1 import engine_pb2 as pb
+from conduit_engine.errors import InvalidRequestError
+from conduit_engine.kv_transfer.cache_io import CacheBlockReader
+from conduit_engine.kv_transfer.errors import KvLayoutMismatchError, KvTransferError
+from conduit_engine.kv_transfer.grpc_transport import DEFAULT_MAX_MESSAGE_BYTES
+from conduit_engine.kv_transfer.layout import KvLayoutSpec
+from conduit_engine.kv_transfer.registry import KvTransfer, KvTransferRegistry
+
+RunOnEngine = Callable[[Callable[[], Any]], Awaitable[Any]]
+
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+_MESSAGE_OVERHEAD = 64  # KvChunk's fields besides the payload, rounded up
+
+
+def blocks_per_chunk(block_bytes: int, chunk_bytes: int) -> int:
+    """Whole blocks per KvChunk: as many as fit in `chunk_bytes`, at least one."""
+    return max(1, chunk_bytes // block_bytes)
+
+
+def kv_status_code(exc: BaseException) -> grpc.StatusCode:
+    """The status a KV transfer error travels as (for server.status_for, too)."""
+    if isinstance(exc, KvTransferError):
+        return grpc.StatusCode[exc.grpc_code]
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+class KvTransferService:
+    """PullKv / ReleaseKv over one engine's registry and KV cache."""
+
+    def __init__(
+        self,
+        registry: KvTransferRegistry,
+        reader: CacheBlockReader,
+        layout: KvLayoutSpec,
+        run_on_engine: RunOnEngine,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes: must be >= 1, got {chunk_bytes}")
+        if layout.block_bytes + _MESSAGE_OVERHEAD > max_message_bytes:
+            raise ValueError(
+                f"kv block of {layout.block_bytes} bytes does not fit a {max_message_bytes}-byte gRPC message"
+            )
+        self._registry = registry
+        self._reader = reader
+        self._layout = layout
+        self._run = run_on_engine
+        self._tasks: set[asyncio.Future[Any]] = set()  # engine calls that outlive a cancelled RPC
+        limit = (max_message_bytes - _MESSAGE_OVERHEAD) // layout.block_bytes
+        self.blocks_per_chunk = min(blocks_per_chunk(layout.block_bytes, chunk_bytes), limit)
+
+    async def pull_kv(
+        self, request: pb.PullKvRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KvChunk]:
+        """The PullKv handler."""
+        try:
+            async with contextlib.aclosing(self.chunks(request)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except (KvTransferError, InvalidRequestError) as exc:
+            await context.abort(kv_status_code(exc), str(exc))
+
+    async def release_kv(
+        self, request: pb.ReleaseKvRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseKvResponse:
+        """The ReleaseKv handler."""
+        if not request.transfer_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id: must not be empty")
+        released = await asyncio.shield(self._spawn(lambda: self._registry.release(request.transfer_id)))
+        return pb.ReleaseKvResponse(released=released)
+
+    async def chunks(self, request: pb.PullKvRequest) -> AsyncIterator[pb.KvChunk]:
+        """The chunks of one pull (raises KvTransferError / InvalidRequestError before or between them)."""
+        self._check_request(request)
+        transfer_id = request.transfer_id
+        transfer = await self._start_pull(transfer_id)
+        completed = False
+        try:
+            total = transfer.num_blocks
+            if request.start_block > total:
+                raise InvalidRequestError(
+                    "start_block",
+                    f"must be at most {total} (the transfer's blocks), got {request.start_block}",
+                )
+            if request.start_block == total:  # everything was a prefix-cache hit: say so, send nothing
+                yield pb.KvChunk(first_block=total, num_blocks=0, total_blocks=total)
+            for first in range(request.start_block, total, self.blocks_per_chunk):
+                ids = transfer.block_ids[first : first + self.blocks_per_chunk]
+                data = await asyncio.to_thread(self._reader.read, ids)
+                yield pb.KvChunk(first_block=first, num_blocks=len(ids), total_blocks=total, data=data)
+            completed = True
+        finally:
+            await asyncio.shield(self._spawn(lambda: self._registry.finish_pull(transfer_id, completed)))
+
+    async def _start_pull(self, transfer_id: str) -> KvTransfer:
+        started = self._spawn(lambda: self._registry.start_pull(transfer_id))
+
+        def finish_orphan(task: asyncio.Future[Any]) -> None:
+            if not task.cancelled() and task.exception() is None:
+                self._spawn(lambda: self._registry.finish_pull(transfer_id, False))
+
+        try:
+            return await asyncio.shield(started)
+        except asyncio.CancelledError:
+            started.add_done_callback(finish_orphan)  # the start may still happen: end that pull then
+            raise
+
+    def _spawn(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run `fn` through run_on_engine as a task of its own, kept until done."""
+        task = asyncio.ensure_future(self._run(fn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _check_request(self, request: pb.PullKvRequest) -> None:
+        if not request.transfer_id:
+            raise InvalidRequestError("transfer_id", "must not be empty")
+        if not request.layout_fingerprint:
+            raise InvalidRequestError("layout_fingerprint", "must not be empty")
+        if request.layout_fingerprint != self._layout.fingerprint:
+            raise KvLayoutMismatchError(
+                f"layout_fingerprint: {request.layout_fingerprint} differs from this engine's "
+                f"{self._layout.fingerprint} ({self._layout})"
+            )

@@ -1,0 +1,90 @@
+"""The KvTransport interface: how a decode engine fetches a produced transfer's blocks from its source.
+
+A pull names the source (address and transfer id), the first block it needs (`start_block`: earlier blocks
+were prefix-cache hits on the puller) and the puller's layout. The transport delivers blocks
+[start_block, total_blocks) in order to a `KvBlockSink`, each run as one payload in the KvChunk layout
+([layer][k, v][block][block_size][kv_head][head_dim], little-endian), and returns once all are written.
+Failures are the errors of `kv_transfer.errors`: NOT_FOUND (unknown, released or expired id), UNAVAILABLE
+(source down or silent), FAILED_PRECONDITION (layouts differ), anything else a plain KvTransferError.
+The caller treats every one of them the same way: it recomputes the prompt (see pull_plan.abandon_pull).
+
+`GrpcKvTransport` (grpc_transport.py) moves the bytes over the PullKv RPC. An RDMA or NIXL transport would
+be a second implementation of the same `pull`: instead of bytes, the puller registers its KV cache memory
+once and passes the destination block ids (the sink would gain a `destination_blocks()` method for
+that); the source answers a small control call with its block ids and memory descriptors instead of
+streaming data; the transport then issues one-sided reads of each (layer, K|V, block) region, which is
+contiguous in both caches, straight into the destination blocks, and tells the source the pull completed
+(the same `finish_pull` the PullKv handler calls after its last chunk). The spec, the sink's ordering
+guarantee, the errors and the registry's lifecycle stay as they are.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from conduit_engine.kv_transfer.layout import KvLayoutSpec
+
+
+@dataclass(frozen=True, slots=True)
+class KvPullSpec:
+    """One pull: where from, which blocks, and the puller's layout (fingerprint and block bytes)."""
+
+    source_address: str  # HOST:PORT the source engine advertises
+    transfer_id: str
+    start_block: int  # first transfer block to fetch
+    total_blocks: int  # blocks of the whole transfer
+    layout: KvLayoutSpec
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start_block <= self.total_blocks:
+            raise ValueError(
+                f"start_block: must lie in [0, {self.total_blocks}] (the transfer's blocks), "
+                f"got {self.start_block}"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.total_blocks - self.start_block
+
+
+@dataclass(frozen=True, slots=True)
+class KvPullResult:
+    """What a completed pull moved."""
+
+    num_blocks: int
+    num_bytes: int
+
+
+class KvBlockSink(Protocol):
+    """Receives a pull's blocks: runs of consecutive transfer blocks, in order, each exactly once."""
+
+    async def write(self, first_block: int, num_blocks: int, data: bytes) -> None:
+        """Store transfer blocks [first_block, first_block + num_blocks) from one payload."""
+        ...
+
+
+class KvTransport(ABC):
+    """Fetches transfer blocks from a source engine into a sink."""
+
+    @abstractmethod
+    async def pull(self, spec: KvPullSpec, sink: KvBlockSink) -> KvPullResult:
+        """Deliver blocks [spec.start_block, spec.total_blocks) to `sink`; return when all are written.
+
+        Raises KvTransferNotFoundError, KvSourceUnavailableError, KvLayoutMismatchError or another
+        KvTransferError; after an error some blocks may have been written, none committed.
+        """
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release connections; the transport is not used afterwards."""
+
+
+def create_transport(kind: str = "grpc", **options: Any) -> KvTransport:
+    """The transport named `kind` ("grpc"), built with its keyword options; imported only when chosen."""
+    if kind == "grpc":
+        from conduit_engine.kv_transfer.grpc_transport import GrpcKvTransport
+
+        return GrpcKvTransport(**options)
+    raise ValueError(f"kv transport: unknown kind {kind!r}; expected 'grpc'")
