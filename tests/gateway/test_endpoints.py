@@ -6,9 +6,9 @@ import json
 
 import httpx
 
-from conduit_gateway.engine.selection import RoundRobinSelector, make_selector
 from conduit_gateway.http.sse import ChunkEncoder
 from conduit_gateway.http.validation import validation_error
+from conduit_gateway.routing.selection import RoundRobinSelector, make_selector
 from conduit_gateway.schemas.chat import ChatCompletionChunk
 from tests.gateway.conftest import MODEL
 

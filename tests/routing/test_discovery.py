@@ -9,7 +9,7 @@ import threading
 
 import httpx
 
-from conduit_gateway.engine.discovery import DnsDiscovery
+from conduit_gateway.routing.discovery import DnsDiscovery
 from tests.gateway.polling import wait_for
 from tests.routing.helpers import admin, complete, deltas, nodes, routed, sdk
 

@@ -9,18 +9,18 @@ from dataclasses import dataclass
 import pytest
 
 from conduit.engine.v1 import engine_pb2
-from conduit_gateway.engine.prefix_key import prefix_key
-from conduit_gateway.engine.selection import (
+from conduit_gateway.routing.prefix_key import prefix_key
+from conduit_gateway.routing.selection import (
     EngineSelector,
     RouteRequest,
     SelectionOptions,
     make_selector,
     strategy_names,
 )
-from conduit_gateway.engine.selection import base as selection_base
-from conduit_gateway.engine.selection.least_load import LeastLoadSelector
-from conduit_gateway.engine.selection.min_expected_latency import MinExpectedLatencySelector
-from conduit_gateway.engine.selection.prefix_affinity import HashRing, PrefixAffinitySelector, ring_hash
+from conduit_gateway.routing.selection import base as selection_base
+from conduit_gateway.routing.selection.least_load import LeastLoadSelector
+from conduit_gateway.routing.selection.min_expected_latency import MinExpectedLatencySelector
+from conduit_gateway.routing.selection.prefix_affinity import HashRing, PrefixAffinitySelector, ring_hash
 
 
 @dataclass

@@ -9,8 +9,8 @@ import uuid
 import grpc
 
 from conduit.engine.v1 import engine_pb2
-from conduit_gateway.engine.prefix_key import prefix_key
-from conduit_gateway.engine.selection.prefix_affinity import HashRing, ring_hash
+from conduit_gateway.routing.prefix_key import prefix_key
+from conduit_gateway.routing.selection.prefix_affinity import HashRing, ring_hash
 from tests.gateway.polling import wait_for
 from tests.routing.helpers import MODEL, complete, deltas, nodes, routed, sdk
 

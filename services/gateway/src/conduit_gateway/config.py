@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from conduit_gateway.engine.selection import strategy_names
+from conduit_gateway.routing.selection import strategy_names
 
 ROUTING_STRATEGIES = strategy_names()
 

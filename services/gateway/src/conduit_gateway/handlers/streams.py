@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from conduit.engine.v1 import engine_pb2
-from conduit_gateway.engine.node import EngineNode
-from conduit_gateway.engine.pool import EnginePool
 from conduit_gateway.errors import OpenAIError
+from conduit_gateway.routing.node import EngineNode
+from conduit_gateway.routing.pool import EnginePool
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from conduit_gateway.config import ConfigError
-from conduit_gateway.engine.node import EngineNode, NodeSource
-from conduit_gateway.engine.pool import DuplicateNodeError, EnginePool, UnknownNodeError
 from conduit_gateway.errors import OpenAIError, invalid_param
+from conduit_gateway.routing.node import EngineNode, NodeSource
+from conduit_gateway.routing.pool import DuplicateNodeError, EnginePool, UnknownNodeError
 from conduit_gateway.schemas.admin import AddNodeRequest, NodeList, NodeLoad, NodeView
 from conduit_gateway.schemas.common import error_responses
 

@@ -16,7 +16,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from conduit_gateway import __version__
 from conduit_gateway.config import GatewayConfig
 from conduit_gateway.context import GatewayContext
-from conduit_gateway.engine.discovery import Resolver
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.http import admin
 from conduit_gateway.http.middleware import (
@@ -28,6 +27,7 @@ from conduit_gateway.http.middleware import (
 )
 from conduit_gateway.http.routes import router
 from conduit_gateway.http.validation import validation_error
+from conduit_gateway.routing.discovery import Resolver
 
 log = logging.getLogger(__name__)
 

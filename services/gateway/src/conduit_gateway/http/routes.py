@@ -10,11 +10,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from conduit_gateway.context import GatewayContext
-from conduit_gateway.engine.node import EngineNode
-from conduit_gateway.engine.pool import require_serving
 from conduit_gateway.errors import model_not_found
 from conduit_gateway.handlers.chat import ChatHandler
 from conduit_gateway.handlers.completions import CompletionsHandler
+from conduit_gateway.routing.node import EngineNode
+from conduit_gateway.routing.pool import require_serving
 from conduit_gateway.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from conduit_gateway.schemas.common import error_responses
 from conduit_gateway.schemas.completions import Completion, CompletionRequest

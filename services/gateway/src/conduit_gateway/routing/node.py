@@ -17,10 +17,10 @@ import grpc
 
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.config import GatewayConfig
-from conduit_gateway.engine.client import EngineClient
-from conduit_gateway.engine.health import HealthWatch
-from conduit_gateway.engine.latency import TokenLatency
-from conduit_gateway.engine.load import LoadReport, poll_load
+from conduit_gateway.routing.client import EngineClient
+from conduit_gateway.routing.health import HealthWatch
+from conduit_gateway.routing.latency import TokenLatency
+from conduit_gateway.routing.load import LoadReport, poll_load
 
 log = logging.getLogger(__name__)
 

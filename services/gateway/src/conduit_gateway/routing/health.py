@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 if TYPE_CHECKING:
-    from conduit_gateway.engine.node import EngineNode
+    from conduit_gateway.routing.node import EngineNode
 
 log = logging.getLogger(__name__)
 

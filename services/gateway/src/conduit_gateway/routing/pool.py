@@ -13,11 +13,11 @@ from collections.abc import Collection
 
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.config import GatewayConfig, parse_engine_address
-from conduit_gateway.engine.discovery import DnsDiscovery, Resolver
-from conduit_gateway.engine.node import EngineNode, NodeSource
-from conduit_gateway.engine.prefix_key import prefix_key
-from conduit_gateway.engine.selection import EngineSelector, RouteRequest, SelectionOptions, make_selector
 from conduit_gateway.errors import model_not_found, no_engine_ready
+from conduit_gateway.routing.discovery import DnsDiscovery, Resolver
+from conduit_gateway.routing.node import EngineNode, NodeSource
+from conduit_gateway.routing.prefix_key import prefix_key
+from conduit_gateway.routing.selection import EngineSelector, RouteRequest, SelectionOptions, make_selector
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import grpc
 from conduit.engine.v1 import engine_pb2
 
 if TYPE_CHECKING:
-    from conduit_gateway.engine.node import EngineNode
+    from conduit_gateway.routing.node import EngineNode
 
 log = logging.getLogger(__name__)
 
