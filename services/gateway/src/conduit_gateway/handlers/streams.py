@@ -30,10 +30,6 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXH
 OnRetry = Callable[[grpc.StatusCode], None]
 
 
-def _ignore_retry(code: grpc.StatusCode) -> None:
-    pass
-
-
 @dataclass(slots=True)
 class PromptStream:
     """The live gRPC stream of one prompt on one node, with its already-received first message.
@@ -80,7 +76,7 @@ async def open_stream(
     prompt_index: int,
     request: engine_pb2.GenerateRequest,
     timeout_s: float | None,
-    on_retry: OnRetry = _ignore_retry,
+    on_retry: OnRetry,
 ) -> PromptStream:
     """Send `request` to a node for `model` and wait for its first message, retrying refusals elsewhere."""
     route = pool.route_request(model, request)
@@ -135,7 +131,7 @@ async def open_streams(
     model: str,
     requests: Sequence[engine_pb2.GenerateRequest],
     timeout_s: float | None,
-    on_retry: OnRetry = _ignore_retry,
+    on_retry: OnRetry,
 ) -> list[PromptStream]:
     """Open one stream per prompt concurrently; if any fails, close the others and raise its error."""
     if len(requests) == 1:

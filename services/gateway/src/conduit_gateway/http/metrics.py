@@ -16,7 +16,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class GatewayMetrics:
     """Every metric the gateway exports; `render()` is the /metrics body."""
 
-    def __init__(self, nodes: Callable[[], Sequence[EngineNode]] = list) -> None:
+    def __init__(self, nodes: Callable[[], Sequence[EngineNode]]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(NodeCollector(nodes))
         self.requests = Counter(

@@ -54,16 +54,9 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(
-        self,
-        events: AsyncIterator[str],
-        headers: dict[str, str] | None = None,
-        on_close: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
         super().__init__(
-            events,
-            status_code=200,
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+            events, status_code=200, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         self._events = events
         self._on_close = on_close

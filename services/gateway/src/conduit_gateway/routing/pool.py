@@ -17,7 +17,7 @@ from conduit_gateway.errors import model_not_found, no_engine_ready
 from conduit_gateway.routing.discovery import DnsDiscovery, Resolver
 from conduit_gateway.routing.node import EngineNode, NodeSource
 from conduit_gateway.routing.prefix_key import prefix_key
-from conduit_gateway.routing.selection import EngineSelector, RouteRequest, SelectionOptions, make_selector
+from conduit_gateway.routing.selection import RouteRequest, SelectionOptions, make_selector
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +35,10 @@ class UnknownNodeError(KeyError):
 class EnginePool:
     """Engine nodes with their health and load; `acquire` returns a routable node that serves the model."""
 
-    def __init__(
-        self,
-        config: GatewayConfig,
-        selector: EngineSelector | None = None,
-        resolver: Resolver | None = None,
-    ) -> None:
+    def __init__(self, config: GatewayConfig, resolver: Resolver | None = None) -> None:
         self.config = config
         self._nodes: dict[str, EngineNode] = {}
-        self._selector = selector or make_selector(
+        self._selector = make_selector(
             config.routing, SelectionOptions(affinity_load_factor=config.affinity_load_factor)
         )
         self._discovery = (
@@ -152,9 +147,6 @@ class EnginePool:
     async def _check_all(self) -> bool:
         await asyncio.gather(*(node.check(HEALTH_TIMEOUT_S) for node in self.engines))
         return bool(self.routable())
-
-    def serving(self) -> list[EngineNode]:
-        return [node for node in self._nodes.values() if node.serving]
 
     def routable(self) -> list[EngineNode]:
         return [node for node in self._nodes.values() if node.routable]
