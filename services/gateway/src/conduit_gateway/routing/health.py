@@ -19,8 +19,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-INITIAL_BACKOFF_S = 0.2
-
 
 class Backoff:
     """Exponential delays from `initial_s` up to `maximum_s`, with jitter so replicas do not reconnect in
@@ -43,9 +41,9 @@ class Backoff:
 class HealthWatch:
     """Runs `node`'s Watch loop; `rewatch()` re-opens the stream to learn the current status now."""
 
-    def __init__(self, node: EngineNode, max_backoff_s: float) -> None:
+    def __init__(self, node: EngineNode, initial_backoff_s: float, max_backoff_s: float) -> None:
         self._node = node
-        self._backoff = Backoff(INITIAL_BACKOFF_S, max_backoff_s)
+        self._backoff = Backoff(initial_backoff_s, max_backoff_s)
         self._rewatch = asyncio.Event()
 
     def rewatch(self) -> None:

@@ -16,8 +16,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LOAD_TIMEOUT_S = 1.0
-
 
 @dataclass(frozen=True, slots=True)
 class LoadReport:
@@ -45,15 +43,16 @@ class LoadReport:
         return asdict(self)
 
 
-async def poll_load(node: EngineNode, interval_s: float) -> None:
-    """Refresh `node.load` every `interval_s` while the node serves; forget it when it does not.
+async def poll_load(node: EngineNode, interval_s: float, timeout_s: float) -> None:
+    """Refresh `node.load` every `interval_s` (each GetLoad within `timeout_s`) while the node serves;
+    forget it when it does not.
 
     A stale report is worse than none: strategies fall back to the gateway's own in-flight count.
     """
     while True:
         if node.serving:
             try:
-                node.load = LoadReport.from_pb(await node.client.load(LOAD_TIMEOUT_S))
+                node.load = LoadReport.from_pb(await node.client.load(timeout_s))
             except grpc.aio.AioRpcError as exc:
                 log.debug("engine %s GetLoad failed: %s", node.address, exc.code().name)
                 node.load = None

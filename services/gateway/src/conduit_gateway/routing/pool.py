@@ -21,8 +21,6 @@ from conduit_gateway.routing.selection import RouteRequest, SelectionOptions, ma
 
 log = logging.getLogger(__name__)
 
-HEALTH_TIMEOUT_S = 1.0
-
 
 class DuplicateNodeError(ValueError):
     """The address is already in the pool."""
@@ -145,7 +143,7 @@ class EnginePool:
         return await asyncio.shield(self._refreshing)
 
     async def _check_all(self) -> bool:
-        await asyncio.gather(*(node.check(HEALTH_TIMEOUT_S) for node in self.engines))
+        await asyncio.gather(*(node.check(self.config.health_check_timeout_s) for node in self.engines))
         return bool(self.routable())
 
     def routable(self) -> list[EngineNode]:
