@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2
 
+from conduit_gateway.race import finished_first
+
 if TYPE_CHECKING:
     from conduit_gateway.routing.node import EngineNode
 
@@ -68,11 +70,9 @@ class HealthWatch:
         self._rewatch.clear()
         while True:
             read = asyncio.ensure_future(call.read())
-            rewatch = asyncio.ensure_future(self._rewatch.wait())
             try:
-                await asyncio.wait({read, rewatch}, return_when=asyncio.FIRST_COMPLETED)
+                await finished_first(read, self._rewatch.wait())
             finally:
-                rewatch.cancel()
                 if not read.done():
                     call.cancel()
                     await asyncio.gather(read, return_exceptions=True)

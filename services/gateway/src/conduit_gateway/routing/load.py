@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class LoadReport:
-    """One GetLoad answer."""
+    """One GetLoad answer (the admin API shows it as it is)."""
 
     running: int
     waiting: int
@@ -38,9 +38,6 @@ class LoadReport:
             kv_blocks_cached=reply.kv_blocks_cached,
             prefix_cache_hit_rate=round(reply.prefix_cache_hit_rate, 6),
         )
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 async def poll_load(node: EngineNode, interval_s: float, timeout_s: float) -> None:
