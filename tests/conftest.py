@@ -1,4 +1,7 @@
-"""Shared fixtures: the read-only test data in ../shared (skip outside CI, fail inside CI when missing)."""
+"""Shared fixtures: the read-only test data in ../shared (skip outside CI, fail inside CI when missing).
+
+Also loads the layer check (tests/support/layers.py): every test is unit, integration, deploy or kernels.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.shared import require_shared
+
+pytest_plugins = ["pytester", "tests.support.layers"]
 
 
 @pytest.fixture(scope="session")

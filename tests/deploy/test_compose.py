@@ -15,6 +15,8 @@ from conduit_gateway import cli as gateway_cli
 from tests.deploy import dockerfiles, envoy_config, strict_yaml
 from tests.deploy.paths import COMPOSE_FILE, ENVOY_CONFIG, MAKEFILE, REPO, tool
 
+pytestmark = pytest.mark.deploy
+
 PROFILES = {"cpu": "engine", "gpu": "engine-gpu"}
 
 

@@ -17,6 +17,8 @@ from conduit_gateway import cli as gateway_cli
 from tests.deploy import dockerfiles
 from tests.deploy.paths import DOCKERIGNORE, ENGINE_DOCKERFILE, GATEWAY_DOCKERFILE, REPO, tool
 
+pytestmark = pytest.mark.deploy
+
 PROTOC = (
     "-m grpc_tools.protoc -Iprotos --python_out=protos/python/gen --grpc_python_out=protos/python/gen "
     "--pyi_out=protos/python/gen protos/conduit/engine/v1/engine.proto"

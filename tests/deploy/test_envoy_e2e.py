@@ -21,6 +21,8 @@ from tests.deploy.envoy_process import start_envoy
 from tests.deploy.paths import ENGINE_DOCKERFILE, GATEWAY_DOCKERFILE
 from tests.support.processes import free_port, require_shared, start_engine, start_gateway
 
+pytestmark = pytest.mark.deploy
+
 MODEL = "stories260K"
 PROMPT = "Once upon a time"
 # Far more tokens than one SSE event: the first chunk must reach the client while the rest is still coming.

@@ -15,6 +15,8 @@ from tests.deploy import chart_render, envoy_config
 from tests.deploy.chart_render import NAMESPACE, component, find
 from tests.deploy.paths import CHART
 
+pytestmark = pytest.mark.deploy
+
 VALUES = list(chart_render.VALUES_FILES)
 KUBERNETES_VERSIONS = chart_render.newest_kubernetes_versions(2)
 # Custom resources whose schemas kubernetes-validate cannot know; checked field by field below instead.

@@ -17,6 +17,8 @@ from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, Schedu
 from tests.engine.model_factory import greedy_with, load_hf
 from tests.engine.server_thread import ServerThread
 
+pytestmark = pytest.mark.integration
+
 
 def engine_config(model, **scheduler) -> EngineConfig:
     return EngineConfig(

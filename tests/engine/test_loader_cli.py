@@ -11,6 +11,8 @@ from conduit_engine.errors import ModelLoadError
 from tests.engine.harness import generate, greedy, make_engine
 from tests.engine.model_factory import greedy_with, load_hf, make_tiny_model
 
+pytestmark = pytest.mark.unit
+
 
 def test_sharded_checkpoint_loads_and_matches(tmp_path):
     folder = make_tiny_model(tmp_path / "sharded", family="llama", num_layers=3)

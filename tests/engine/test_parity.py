@@ -11,6 +11,8 @@ from conduit_engine.request import GenerationRequest
 from tests.engine.harness import generate, greedy, make_engine, run_to_completion
 from tests.engine.model_factory import greedy_with, hf_greedy, load_hf, make_tiny_model
 
+pytestmark = pytest.mark.unit
+
 KNOWN_STORY = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
     "One day, she saw a big, red ball. She wanted to play with it, but it was too high."

@@ -31,6 +31,8 @@ from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.stop_rules import blocked_token_ids
 from tests.engine.harness import make_engine
 
+pytestmark = pytest.mark.unit
+
 CPU = torch.device("cpu")
 EOS = 2
 

@@ -17,6 +17,8 @@ from tests.engine.model_factory import greedy_with, load_hf
 from tests.engine.server_thread import ServerThread
 from tests.engine.test_grpc_server import engine_config
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def engine(stories_path):

@@ -12,6 +12,7 @@ import json
 import random
 from typing import NamedTuple
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +21,8 @@ from conduit_engine.sequence import FinishReason
 from tests.engine.harness import greedy, make_engine
 from tests.engine.model_factory import greedy_with, load_hf, make_tiny_model
 from tests.engine.sched_sim import SimEngine, reference_output
+
+pytestmark = pytest.mark.unit
 
 
 def first_token_order(engine: SimEngine) -> list[str]:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
 from conduit_gateway.http.sse import ChunkEncoder
 from conduit_gateway.http.validation import validation_error
 from conduit_gateway.routing.selection import RoundRobinSelector, make_selector
 from conduit_gateway.schemas.chat import ChatCompletionChunk
 from tests.gateway.conftest import MODEL
+
+pytestmark = pytest.mark.integration
 
 
 def test_health_reports_engines(http, fake):

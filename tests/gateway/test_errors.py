@@ -13,6 +13,8 @@ import pytest
 from tests.gateway.conftest import MODEL
 from tests.support.processes import free_port
 
+pytestmark = pytest.mark.integration
+
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 

@@ -15,6 +15,8 @@ from tests.gateway.sse import parse_events, post_stream
 from tests.support.fake_engine import FakeEngine
 from tests.support.processes import free_port
 
+pytestmark = pytest.mark.integration
+
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 

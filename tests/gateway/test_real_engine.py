@@ -13,6 +13,8 @@ from tests.gateway.polling import wait_for
 from tests.gateway.sse import parse_events
 from tests.support.processes import require_shared, start_engine, start_gateway
 
+pytestmark = pytest.mark.integration
+
 MODEL = "stories260K"
 STORY = "Once upon a time"
 MESSAGES = [

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from conduit_gateway.schemas.chat import ChatCompletionChunk
 from conduit_gateway.schemas.completions import Completion
 from tests.gateway.conftest import MODEL
 from tests.gateway.sse import parse_events, post_stream
 from tests.support.fake_engine import WORDS
+
+pytestmark = pytest.mark.integration
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi there"}]}
 

@@ -12,6 +12,8 @@ from conduit_engine.ops.cuda_ops import CudaOps, decode_shared_bytes, prefill_sh
 from conduit_engine.ops.kernel_loader import all_specializations, ctype, kernels_dir, read_source
 from tests.support.imports import assert_not_loaded
 
+pytestmark = pytest.mark.kernels
+
 
 def test_importing_the_cuda_backend_does_not_import_cupy():
     assert_not_loaded(

@@ -19,6 +19,8 @@ from conduit_engine.ops.base import AttentionMetadata
 from conduit_engine.ops.cuda_ops import CudaOps
 from conduit_engine.ops.torch_ops import TorchOps
 
+pytestmark = pytest.mark.kernels
+
 SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
 STORIES_TEXT = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, "

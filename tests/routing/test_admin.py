@@ -11,6 +11,8 @@ import pytest
 from tests.gateway.polling import wait_for
 from tests.routing.helpers import ADMIN_KEY, MODEL, admin, complete, deltas, nodes, routed, sdk
 
+pytestmark = pytest.mark.integration
+
 LONG = 200
 
 

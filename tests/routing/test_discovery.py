@@ -8,10 +8,13 @@ import socket
 import threading
 
 import httpx
+import pytest
 
 from conduit_gateway.routing.discovery import DnsDiscovery
 from tests.gateway.polling import wait_for
 from tests.routing.helpers import admin, complete, deltas, nodes, routed, sdk
+
+pytestmark = pytest.mark.integration
 
 NAME = "engines.conduit.test"
 

@@ -14,6 +14,8 @@ from tests.gateway.polling import wait_for
 from tests.routing.helpers import ADMIN_KEY, MODEL, complete, deltas, nodes, routed, sdk
 from tests.support.processes import start_gateway
 
+pytestmark = pytest.mark.integration
+
 STREAMS = 12  # four per engine: two running, two waiting (the engines batch two sequences)
 TOKENS = 300
 

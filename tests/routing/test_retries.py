@@ -13,6 +13,8 @@ from tests.gateway.sse import post_stream
 from tests.routing.helpers import admin, nodes
 from tests.support.fake_engine import FakeEngine
 
+pytestmark = pytest.mark.integration
+
 MODEL = "fake-model"
 BODY = {"model": MODEL, "prompt": "x", "max_tokens": 2}
 

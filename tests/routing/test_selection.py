@@ -22,6 +22,8 @@ from conduit_gateway.routing.selection.least_load import LeastLoadSelector
 from conduit_gateway.routing.selection.min_expected_latency import MinExpectedLatencySelector
 from conduit_gateway.routing.selection.prefix_affinity import HashRing, PrefixAffinitySelector, ring_hash
 
+pytestmark = pytest.mark.unit
+
 
 @dataclass
 class Node:

@@ -7,12 +7,15 @@ import threading
 import uuid
 
 import grpc
+import pytest
 
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.routing.prefix_key import prefix_key
 from conduit_gateway.routing.selection.prefix_affinity import HashRing, ring_hash
 from tests.gateway.polling import wait_for
 from tests.routing.helpers import MODEL, complete, deltas, nodes, routed, sdk
+
+pytestmark = pytest.mark.integration
 
 STORY = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
