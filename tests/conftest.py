@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from tests.support.shared import require_shared
+from tests.support.stories import MODEL
 
 pytest_plugins = ["pytester", "tests.support.layers"]
 
 
 @pytest.fixture(scope="session")
 def stories_path() -> Path:
-    return require_shared("models/stories260K")
+    return require_shared(f"models/{MODEL}")
 
 
 @pytest.fixture(scope="session")

@@ -200,6 +200,7 @@ def test_services_and_budgets_select_the_pods_and_name_real_ports(release):
     workloads = [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
     selectors = [(o, o["spec"]["selector"]) for o in objects if o["kind"] == "PodDisruptionBudget"]
     selectors += [(o, {"matchLabels": o["spec"]["selector"]}) for o in objects if o["kind"] == "Service"]
+    assert {obj["kind"] for obj, _ in selectors} == {"PodDisruptionBudget", "Service"}
     for obj, selector in selectors:
         matched = [
             w

@@ -317,6 +317,7 @@ def test_random_workloads_finish_with_uninterrupted_outputs(
             break
     assert not engine.scheduler.has_work(), "livelock: requests left unfinished"
     assert engine.block_manager.stats().used == 0
+    assert len(engine.seqs) == sum(r.n for r in requests)
     for name, seq in engine.seqs.items():
         expected = reference_output(seq.prompt_token_ids, seq.params.max_tokens)
         got = engine.streams[name]

@@ -57,6 +57,7 @@ def test_nvrtc_compiles_every_specialisation(nvrtc, source):
         for r in all_specializations([torch.float32, torch.float16, torch.bfloat16], HEAD_DIMS)
         if r.source == source
     ]
+    assert refs, source
     prog = ctypes.c_void_p()
     assert (
         nvrtc.nvrtcCreateProgram(
@@ -87,7 +88,9 @@ def test_nvrtc_compiles_every_specialisation(nvrtc, source):
 def test_kernel_sources_include_no_toolkit_headers():
     """NVRTC in a CuPy wheel install has no cuda_fp16.h / cuda_bf16.h / cuda_runtime.h to include."""
     kernels = kernels_dir()
-    for path in [*kernels.glob("*.cu"), *kernels.glob("*.cuh")]:
+    paths = [*kernels.glob("*.cu"), *kernels.glob("*.cuh")]
+    assert len(paths) > len(KERNEL_SOURCES)  # every source, plus the shared headers
+    for path in paths:
         for line in path.read_text().splitlines():
             if line.startswith("#include"):
                 assert '"' in line, f"{path.name}: {line} (only project headers may be included)"

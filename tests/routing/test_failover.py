@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.polling import wait_for
 from tests.routing.helpers import ADMIN_KEY, MODEL, complete, deltas, nodes, routed, sdk
+from tests.support.polling import wait_for
 from tests.support.processes import start_gateway
 
 pytestmark = pytest.mark.integration

@@ -32,7 +32,7 @@ def engine_serving(address: str, timeout_s: float = 1.0) -> bool:
     return engine_health(address, timeout_s) == SERVING
 
 
-def gateway_health(url: str, timeout_s: float = 2.0) -> int | None:
+def gateway_health(url: str, timeout_s: float = 5.0) -> int | None:
     """The status code of GET `url`/health (200: an engine is SERVING, 503: none), or None when the
     gateway does not answer."""
     try:
