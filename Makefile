@@ -41,7 +41,7 @@ test: venv
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The unit layer only: in-process tests, no servers or child processes (well under a minute).
+# The unit layer only: in-process tests, no servers or long-lived child processes (under a minute).
 test-fast: venv
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 

@@ -2,7 +2,8 @@
 
 The markers are registered in pyproject.toml (`--strict-markers` refuses any other); each test module
 declares its layer with `pytestmark = pytest.mark.<layer>` at its top. `make test` runs every layer,
-`make test-fast` only `unit`. Loaded for the whole suite by tests/conftest.py.
+`make test-fast` only `unit` (in-process: no servers, no long-lived child processes). Loaded for the whole
+suite by tests/conftest.py.
 """
 
 from __future__ import annotations
