@@ -1,4 +1,5 @@
-# Conduit: `make run` serves the stack, `make test` runs every check. Both set up .venv themselves.
+# Conduit: `make run` serves the stack, `make test` runs every check (`make test-fast`: the unit layer).
+# All set up .venv themselves.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -12,7 +13,7 @@ ENGINE_PORT ?= 50051
 GATEWAY_PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: venv proto test lint format run run-engine demo-model bench compose-up clean
+.PHONY: venv proto test test-fast lint format run run-engine demo-model bench compose-up clean
 
 venv: $(STAMP) $(GEN_STAMP)
 
@@ -34,10 +35,15 @@ $(GEN_STAMP): $(PROTO)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=$(GEN) --grpc_python_out=$(GEN) --pyi_out=$(GEN) $(PROTO)
 	touch $@
 
+# Every layer (unit, integration, deploy, kernels); CI runs this (.ci/run).
 test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The unit layer only: in-process tests, no servers or long-lived child processes (under a minute).
+test-fast: venv
+	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

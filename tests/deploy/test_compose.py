@@ -15,6 +15,8 @@ from conduit_gateway import cli as gateway_cli
 from tests.deploy import dockerfiles, envoy_config, strict_yaml
 from tests.deploy.paths import COMPOSE_FILE, ENVOY_CONFIG, MAKEFILE, REPO, tool
 
+pytestmark = pytest.mark.deploy
+
 PROFILES = {"cpu": "engine", "gpu": "engine-gpu"}
 
 
@@ -62,6 +64,7 @@ def test_each_profile_starts_one_engine_the_gateway_and_envoy(project):
 
 def test_every_service_has_a_dockerfile_or_a_pinned_image(project):
     _, _, config = project
+    assert len(config["services"]) == 3
     for name, service in config["services"].items():
         if "build" in service:
             assert service["build"]["context"] == str(REPO), name
@@ -110,6 +113,7 @@ def test_gateway_reaches_the_engine_the_profile_started(project):
     gateway = config["services"]["gateway"]
     gateway_config = gateway_cli.config_from_args(gateway["command"], gateway.get("environment") or {})
     engine_port = engine_cli.build_parser().parse_args(config["services"][engine]["command"]).port
+    assert len(gateway_config.engines) == 1
     for address in gateway_config.engines:
         host, _, port = address.rpartition(":")
         assert host in _engine_names(config, engine) and int(port) == engine_port

@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from conduit_common.env_flags import env_name, long_flags
 from conduit_engine import cli as engine_cli
 from conduit_engine.ops import kernel_loader
 from conduit_gateway import cli as gateway_cli
 from tests.deploy import dockerfiles
 from tests.deploy.paths import DOCKERIGNORE, ENGINE_DOCKERFILE, GATEWAY_DOCKERFILE, REPO, tool
+
+pytestmark = pytest.mark.deploy
 
 PROTOC = (
     "-m grpc_tools.protoc -Iprotos --python_out=protos/python/gen --grpc_python_out=protos/python/gen "
@@ -124,12 +127,7 @@ def test_environment_defaults_are_cli_variables(image):
     if name == "engine":
         known = {engine_cli.env_name(flag) for flag, *_ in engine_cli.FLAGS} | {"CONDUIT_KERNELS_DIR"}
     else:
-        known = {
-            "CONDUIT_" + option[2:].upper().replace("-", "_")
-            for action in gateway_cli.build_parser()._actions
-            for option in action.option_strings
-            if option.startswith("--") and option != "--help"
-        }
+        known = {env_name(flag) for flag, _ in long_flags(gateway_cli.build_parser())}
     conduit_vars = {k for k in parsed.final.env() if k.startswith("CONDUIT_")}
     assert conduit_vars and conduit_vars <= known
 
@@ -217,12 +215,15 @@ def test_dockerignore_sends_the_sources_and_nothing_else():
         assert not dockerfiles.in_context(path, patterns), path
     # Every COPY from the context finds files there.
     for path in (ENGINE_DOCKERFILE, GATEWAY_DOCKERFILE):
-        for stage in dockerfiles.parse(path).stages:
-            for copy in stage.all("COPY"):
-                if any(flag.startswith("--from=") for flag in copy.flags):
-                    continue
-                source = copy.value[0].rstrip("/")
-                assert any(f == source or f.startswith(source + "/") for f in sent), f"{path.name}: {source}"
+        sources = [
+            copy.value[0].rstrip("/")
+            for stage in dockerfiles.parse(path).stages
+            for copy in stage.all("COPY")
+            if not any(flag.startswith("--from=") for flag in copy.flags)
+        ]
+        assert sources, f"{path.name} copies nothing from the context"
+        for source in sources:
+            assert any(f == source or f.startswith(source + "/") for f in sent), f"{path.name}: {source}"
     assert "services/engine/src/conduit_engine/cli.py" in sent
     assert "protos/conduit/engine/v1/engine.proto" in sent
 

@@ -10,6 +10,8 @@ import yaml
 from tests.deploy import envoy_config, strict_yaml
 from tests.deploy.paths import CHART, ENVOY_CONFIG
 
+pytestmark = pytest.mark.deploy
+
 
 def _seconds(duration: str) -> float:
     match = re.fullmatch(r"(\d+(?:\.\d+)?)s", duration)

@@ -20,9 +20,10 @@ from tests.deploy import dockerfiles
 from tests.deploy.envoy_process import start_envoy
 from tests.deploy.paths import ENGINE_DOCKERFILE, GATEWAY_DOCKERFILE
 from tests.support.processes import free_port, require_shared, start_engine, start_gateway
+from tests.support.stories import MODEL, PROMPT, PROMPT_IDS
 
-MODEL = "stories260K"
-PROMPT = "Once upon a time"
+pytestmark = pytest.mark.deploy
+
 # Far more tokens than one SSE event: the first chunk must reach the client while the rest is still coming.
 STREAM_TOKENS = 400
 
@@ -109,7 +110,7 @@ def test_grpc_generate_through_envoy_streams_the_engines_tokens(stack, engine_st
     assert [t for m in proxied for t in m.token_ids] == [t for m in direct for t in m.token_ids]
     assert len([t for m in proxied for t in m.token_ids]) == 12
     assert proxied[-1].finished and proxied[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
-    assert proxied[0].prompt_token_ids == [1, 403, 407, 261, 378]
+    assert proxied[0].prompt_token_ids == list(PROMPT_IDS)
 
 
 def test_access_log_records_the_request_id_the_client_got(stack):

@@ -15,6 +15,8 @@ from tests.deploy import chart_render, envoy_config
 from tests.deploy.chart_render import NAMESPACE, component, find
 from tests.deploy.paths import CHART
 
+pytestmark = pytest.mark.deploy
+
 VALUES = list(chart_render.VALUES_FILES)
 KUBERNETES_VERSIONS = chart_render.newest_kubernetes_versions(2)
 # Custom resources whose schemas kubernetes-validate cannot know; checked field by field below instead.
@@ -198,6 +200,7 @@ def test_services_and_budgets_select_the_pods_and_name_real_ports(release):
     workloads = [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
     selectors = [(o, o["spec"]["selector"]) for o in objects if o["kind"] == "PodDisruptionBudget"]
     selectors += [(o, {"matchLabels": o["spec"]["selector"]}) for o in objects if o["kind"] == "Service"]
+    assert {obj["kind"] for obj, _ in selectors} == {"PodDisruptionBudget", "Service"}
     for obj, selector in selectors:
         matched = [
             w

@@ -13,6 +13,8 @@ from conduit_engine.tokenizer import ChatMessage
 from tests.engine.harness import greedy, make_engine, run_to_completion
 from tests.engine.model_factory import make_tiny_model
 
+pytestmark = pytest.mark.unit
+
 EXTRA = "<extra>"
 
 

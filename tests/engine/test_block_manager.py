@@ -16,6 +16,8 @@ from conduit_engine.block_manager import BlockManager, chain_hash, prefix_block_
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.sequence import Sequence
 
+pytestmark = pytest.mark.unit
+
 
 def make_seq(tokens: list[int], **params: object) -> Sequence:
     return Sequence("r", list(tokens), SamplingParams(max_tokens=8, **params))  # type: ignore[arg-type]

@@ -11,6 +11,8 @@ from tokenizers import Tokenizer
 
 from conduit_engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 
+pytestmark = pytest.mark.unit
+
 FFFD = "\ufffd"
 MULTIBYTE_TEXTS = ["中文字符的日本語한국어", "😀🎉👍🏽🇫🇷", "café naïve Ωμέγα ñ über façade", "€ ¿qué? ⅓ ∑ →"]
 PROMPTS = ["", "Once upon a time", "Hello 中", "Hi!\n", "   spaces"]

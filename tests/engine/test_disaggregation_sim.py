@@ -14,6 +14,8 @@ import pytest
 from tests.engine.sched_sim import SimEngine, reference_output
 from tests.support.clock import ManualClock
 
+pytestmark = pytest.mark.unit
+
 BLOCK = 4
 LEASE = 30.0
 

@@ -8,7 +8,6 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import conduit_engine.server as server_module
@@ -16,6 +15,10 @@ from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from tests.engine.model_factory import greedy_with, load_hf
 from tests.engine.server_thread import ServerThread
+from tests.support.health import NOT_SERVING, SERVING, engine_health
+from tests.support.stories import PROMPT, PROMPT_IDS
+
+pytestmark = pytest.mark.integration
 
 
 def engine_config(model, **scheduler) -> EngineConfig:
@@ -57,12 +60,10 @@ def wait_until(predicate, attempts=200, delay=0.05):
 
 
 def test_generate_text_streams_tokens_equal_to_transformers(stub, stories_path):
-    req = pb.GenerateRequest(
-        request_id="t1", text="Once upon a time", sampling=greedy_params(30, ignore_eos=True)
-    )
+    req = pb.GenerateRequest(request_id="t1", text=PROMPT, sampling=greedy_params(30, ignore_eos=True))
     msgs, tokens, text = collect(stub.Generate(req))
-    assert list(msgs[0].prompt_token_ids) == [1, 403, 407, 261, 378]
-    assert tokens == greedy_with(load_hf(stories_path), [1, 403, 407, 261, 378], 30)
+    assert list(msgs[0].prompt_token_ids) == list(PROMPT_IDS)
+    assert tokens == greedy_with(load_hf(stories_path), list(PROMPT_IDS), 30)
     assert all(m.request_id == "t1" for m in msgs)
     final = msgs[-1]
     assert final.finished and final.finish_reason == pb.FINISH_REASON_LENGTH
@@ -220,21 +221,13 @@ def test_health_goes_not_serving_to_serving(stories_path, monkeypatch):
     srv = ServerThread(engine_config(stories_path)).start(wait=False)
     try:
         assert wait_until(lambda: srv.server is not None and srv.server.port > 0)
-        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(srv.address))
-
-        def status():
-            try:
-                return health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-            except grpc.RpcError:
-                return None
-
-        assert wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert wait_until(lambda: engine_health(srv.address, timeout_s=2) == NOT_SERVING)
         with pytest.raises(grpc.RpcError) as err:
             list(srv.stub().Generate(pb.GenerateRequest(text="hi")))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         release.set()
         srv.wait_started()
-        assert status() == health_pb2.HealthCheckResponse.SERVING
+        assert engine_health(srv.address, timeout_s=2) == SERVING
     finally:
         release.set()
         srv.stop()
@@ -281,7 +274,6 @@ def test_queue_bound_is_resource_exhausted(stories_path):
 def test_drain_lets_streams_finish_and_refuses_new_ones(stories_path):
     srv = ServerThread(engine_config(stories_path)).start()
     stub = srv.stub()
-    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(srv.address))
     call = stub.Generate(
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=greedy_params(200, ignore_eos=True))
     )
@@ -289,7 +281,7 @@ def test_drain_lets_streams_finish_and_refuses_new_ones(stories_path):
     assert srv.server is not None
     drain = asyncio.run_coroutine_threadsafe(srv.server.drain_and_stop(), srv.loop)
     assert wait_until(lambda: srv.server.async_engine.draining)
-    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert engine_health(srv.address) == NOT_SERVING
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(pb.GenerateRequest(text="hi")))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -16,6 +16,8 @@ from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, Schedu
 from tests.engine.model_factory import greedy_with, load_hf
 from tests.engine.server_thread import ServerThread
 
+pytestmark = pytest.mark.integration
+
 WARMUP_PROMPT_TOKENS = 1  # the server's warm-up request is the BOS token alone
 
 

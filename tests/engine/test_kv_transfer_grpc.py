@@ -35,6 +35,8 @@ from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.sequence import Sequence
 from tests.support.clock import ManualClock
 
+pytestmark = pytest.mark.integration
+
 LAYERS, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM = 3, 16, 4, 2, 8
 LEASE = 30.0
 

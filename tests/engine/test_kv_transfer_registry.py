@@ -25,6 +25,8 @@ from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.sequence import Sequence
 from tests.support.clock import ManualClock
 
+pytestmark = pytest.mark.unit
+
 LEASE = 30.0
 T0 = 1_800_000_000.0
 

@@ -10,6 +10,9 @@ from conduit_engine.cli import build_parser, config_from_args, env_name
 from conduit_engine.errors import ModelLoadError
 from tests.engine.harness import generate, greedy, make_engine
 from tests.engine.model_factory import greedy_with, load_hf, make_tiny_model
+from tests.support.stories import PROMPT
+
+pytestmark = pytest.mark.unit
 
 
 def test_sharded_checkpoint_loads_and_matches(tmp_path):
@@ -110,7 +113,7 @@ def test_token_text_keeps_the_leading_space(stories_path):
     from conduit_engine.tokenizer import ModelTokenizer
 
     tok = ModelTokenizer(stories_path)
-    ids = tok.encode("Once upon a time")
+    ids = tok.encode(PROMPT)
     assert [tok.token_text(i) for i in ids] == ["<s>", " Once", " upon", " a", " time"]
 
 

@@ -10,14 +10,12 @@ import torch
 from conduit_engine.request import GenerationRequest
 from tests.engine.harness import generate, greedy, make_engine, run_to_completion
 from tests.engine.model_factory import greedy_with, hf_greedy, load_hf, make_tiny_model
+from tests.support.stories import KNOWN_STORY, KNOWN_STORY_TOKENS, PROMPT, PROMPT_IDS
 
-KNOWN_STORY = (
-    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
-    "One day, she saw a big, red ball. She wanted to play with it, but it was too high."
-)
+pytestmark = pytest.mark.unit
 
 PROMPTS = [
-    "Once upon a time",
+    PROMPT,
     "The cat sat on the",
     "Tom and Sue went to the park. They",
     "One day, a little bird",
@@ -27,8 +25,8 @@ PROMPTS = [
 
 def test_stories260k_known_story_from_bos(stories_path):
     engine = make_engine(stories_path)
-    out = generate(engine, {"bos": [1]}, greedy(62))["bos"]
-    assert out.token_ids == hf_greedy(stories_path, [1], 62)
+    out = generate(engine, {"bos": [1]}, greedy(KNOWN_STORY_TOKENS))["bos"]
+    assert out.token_ids == hf_greedy(stories_path, [1], KNOWN_STORY_TOKENS)
     assert engine.tokenizer.decode(out.token_ids).strip() == KNOWN_STORY
     assert out.text == engine.tokenizer.decode(out.token_ids)
 
@@ -36,7 +34,7 @@ def test_stories260k_known_story_from_bos(stories_path):
 def test_stories260k_prompts_match_transformers(stories_path):
     engine = make_engine(stories_path)
     prompt_ids = {p: engine.tokenizer.encode(p) for p in PROMPTS}
-    assert prompt_ids["Once upon a time"] == [1, 403, 407, 261, 378]
+    assert prompt_ids[PROMPT] == list(PROMPT_IDS)
     results = generate(engine, prompt_ids, greedy(40, ignore_eos=True))
     model = load_hf(stories_path)
     for prompt, ids in prompt_ids.items():

@@ -16,6 +16,8 @@ from tests.engine.harness import Collected, generate, greedy, make_engine, run_t
 from tests.engine.model_factory import greedy_with, load_hf, make_tiny_model
 from tests.engine.test_block_manager import COLLIDING_BLOCKS
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):

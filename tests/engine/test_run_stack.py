@@ -8,9 +8,12 @@ import sys
 import time
 
 import openai
+import pytest
 
 from conduit_engine.demo_model import write_demo_model
 from tests.support.processes import free_port
+
+pytestmark = pytest.mark.integration
 
 
 def live_pids(pattern: str) -> list[str]:

@@ -30,6 +30,9 @@ from conduit_engine.sampling.truncation import apply_min_p, apply_top_k_top_p
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.stop_rules import blocked_token_ids
 from tests.engine.harness import make_engine
+from tests.support.stories import PROMPT_IDS
+
+pytestmark = pytest.mark.unit
 
 CPU = torch.device("cpu")
 EOS = 2
@@ -460,7 +463,7 @@ def story_logits(stories_path):
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(str(stories_path), dtype=torch.float32).eval()
-    prompt = [1, 403, 407, 261, 378]
+    prompt = list(PROMPT_IDS)
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0]
     return prompt, logits.float()
@@ -470,7 +473,7 @@ def test_real_logits_penalties_and_logprobs(story_logits):
     prompt, logits = story_logits
     last = logits[-1]
     vocab = last.shape[0]
-    story = [403, 407, 261, 378, 29, 331, 285, 261, 350, 435, 420]  # tokens of a story so far
+    story = [*PROMPT_IDS[1:], 29, 331, 285, 261, 350, 435, 420]  # tokens of a story so far
     rows = [
         row(prompt=prompt, output=story, temperature=0.0, repetition_penalty=1.3, logprobs=5),
         row(
@@ -512,6 +515,7 @@ def test_real_prompt_logprobs(story_logits):
     prompt, logits = story_logits
     result = compute_prompt_logprobs(logits[:-1], prompt[1:], k=5)
     ref = torch.log_softmax(logits[:-1], dim=-1)
+    assert len(result) == len(prompt) - 1
     for t, entry in enumerate(result):
         assert_logprobs_match(entry, ref[t], prompt[t + 1], 5, atol=1e-4)
 

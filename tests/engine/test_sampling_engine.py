@@ -16,6 +16,9 @@ from tests.engine.harness import generate, make_engine, run_to_completion
 from tests.engine.model_factory import greedy_with, load_hf
 from tests.engine.server_thread import ServerThread
 from tests.engine.test_grpc_server import engine_config
+from tests.support.stories import PROMPT, PROMPT_IDS
+
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,7 @@ def test_n3_shares_prompt_blocks_and_counts_prompt_once(engine):
 
 def test_seeded_request_alone_equals_inside_a_batch(engine):
     params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
-    alone = generate(engine, {"s": [1, 403, 407]}, params)["s"].token_ids
+    alone = generate(engine, {"s": list(PROMPT_IDS[:3])}, params)["s"].token_ids
     rng = random.Random(0)
     for i in range(8):
         other = SamplingParams(
@@ -56,10 +59,10 @@ def test_seeded_request_alone_equals_inside_a_batch(engine):
             top_k=rng.choice([0, 20]),
         )
         engine.add_request(GenerationRequest(f"o{i}", other, token_ids=[1] + [rng.randrange(3, 512)] * 7))
-    engine.add_request(GenerationRequest("s", params, token_ids=[1, 403, 407]))
+    engine.add_request(GenerationRequest("s", params, token_ids=list(PROMPT_IDS[:3])))
     batched = run_to_completion(engine)[("s", 0)].token_ids
     assert batched == alone
-    again = generate(engine, {"s": [1, 403, 407]}, params)["s"].token_ids
+    again = generate(engine, {"s": list(PROMPT_IDS[:3])}, params)["s"].token_ids
     assert again == alone
 
 
@@ -70,7 +73,7 @@ def test_unseeded_requests_vary(engine):
 
 
 def test_logprobs_match_transformers(engine, stories_path):
-    prompt = [1, 403, 407, 261, 378]
+    prompt = list(PROMPT_IDS)
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=5, prompt_logprobs=3)
     out = generate(engine, {"lp": prompt}, params)["lp"]
     model = load_hf(stories_path)
@@ -167,7 +170,7 @@ def test_invalid_sampling_values_name_the_field(stub, field, sampling):
 
 def test_n_streams_over_grpc(stub):
     req = pb.GenerateRequest(
-        text="Once upon a time", sampling=pb.SamplingParams(max_tokens=8, n=3, seed=7, ignore_eos=True)
+        text=PROMPT, sampling=pb.SamplingParams(max_tokens=8, n=3, seed=7, ignore_eos=True)
     )
     msgs = list(stub.Generate(req))
     assert sorted({m.index for m in msgs}) == [0, 1, 2]
@@ -177,7 +180,7 @@ def test_n_streams_over_grpc(stub):
 
 
 def test_prompt_logprobs_once_with_n_and_after_preemption(stories_path):
-    prompt = [1, 403, 407, 261, 378, 300, 301]
+    prompt = [*PROMPT_IDS, 300, 301]
     params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2, n=3, ignore_eos=True)
     engine = make_engine(stories_path, block_size=4)
     engine.add_request(GenerationRequest("n", params, token_ids=prompt))

@@ -12,6 +12,7 @@ import json
 import random
 from typing import NamedTuple
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +21,8 @@ from conduit_engine.sequence import FinishReason
 from tests.engine.harness import greedy, make_engine
 from tests.engine.model_factory import greedy_with, load_hf, make_tiny_model
 from tests.engine.sched_sim import SimEngine, reference_output
+
+pytestmark = pytest.mark.unit
 
 
 def first_token_order(engine: SimEngine) -> list[str]:
@@ -314,6 +317,7 @@ def test_random_workloads_finish_with_uninterrupted_outputs(
             break
     assert not engine.scheduler.has_work(), "livelock: requests left unfinished"
     assert engine.block_manager.stats().used == 0
+    assert len(engine.seqs) == sum(r.n for r in requests)
     for name, seq in engine.seqs.items():
         expected = reference_output(seq.prompt_token_ids, seq.params.max_tokens)
         got = engine.streams[name]

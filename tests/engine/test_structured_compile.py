@@ -12,6 +12,8 @@ from conduit_engine.structured.compiler import StructuredCompiler
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
 from tests.engine.structured_support import spell, stories_vocab
 
+pytestmark = pytest.mark.unit
+
 SCHEMA = '{"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}'
 
 

@@ -16,6 +16,8 @@ from conduit_engine.tokenizer import ModelTokenizer
 from tests.engine.model_factory import greedy_with, load_hf
 from tests.engine.structured_support import Choice, compile_spec, decode
 
+pytestmark = pytest.mark.unit
+
 SCHEMAS = [
     {
         "type": "object",

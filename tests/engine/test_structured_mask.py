@@ -17,6 +17,8 @@ from conduit_engine.structured.batch_mask import BitmaskBuilder
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
 from tests.engine.structured_support import compile_spec, spell, stories_vocab
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 512
 DIGITS = "[0-9]{1,3}"
 

@@ -10,6 +10,8 @@ from conduit_engine.proto_mapping import request_from_pb, sampling_from_pb, stru
 from conduit_engine.structured.spec import MAX_SPEC_BYTES, StructuredKind, StructuredSpec
 from tests.support.imports import assert_not_loaded
 
+pytestmark = pytest.mark.unit
+
 SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
 
 

@@ -13,6 +13,8 @@ from conduit_engine.structured.vocabulary import GrammarVocab
 from conduit_engine.tokenizer import ModelTokenizer
 from tests.engine.structured_support import compile_spec, spell, stories_vocab
 
+pytestmark = pytest.mark.unit
+
 SCHEMA = (
     '{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}'
 )

@@ -1,17 +1,14 @@
-"""GatewayConfig validation, flags and CONDUIT_* variables, and the real `conduit-gateway` process."""
+"""GatewayConfig validation, flags and CONDUIT_* variables, and the engine channel options they set."""
 
 from __future__ import annotations
 
-import signal
-
-import httpx
-import openai
 import pytest
 
 from conduit_gateway.cli import config_from_args
 from conduit_gateway.config import ConfigError, GatewayConfig
-from tests.gateway.conftest import MODEL
-from tests.support.processes import ProcessStartError, start_gateway
+from conduit_gateway.routing.client import channel_options
+
+pytestmark = pytest.mark.unit
 
 
 def test_flags_map_onto_config():
@@ -76,6 +73,13 @@ def test_bad_environment_value_names_the_flag(capsys):
         ({"retry_after_s": -1}, "retry_after"),
         ({"health_interval_s": 0}, "health_interval"),
         ({"request_timeout_s": 0}, "request_timeout"),
+        ({"health_check_timeout_s": 0}, "health_check_timeout"),
+        ({"load_timeout_s": -1}, "load_timeout"),
+        ({"model_info_timeout_s": float("inf")}, "model_info_timeout"),
+        ({"grpc_keepalive_timeout_s": 0}, "grpc_keepalive_timeout"),
+        ({"reconnect_backoff_s": 0}, "reconnect_backoff"),
+        ({"max_reconnect_backoff_s": 0.1}, "max_reconnect_backoff"),
+        ({"shutdown_grace_s": 0}, "shutdown_grace"),
         ({"log_level": "loud"}, "log_level"),
     ],
 )
@@ -94,32 +98,38 @@ def test_missing_engine_is_a_usage_error(capsys):
     assert "engine: at least one HOST:PORT is required" in capsys.readouterr().err
 
 
-def test_gateway_process_from_environment(fake):
-    """The real CLI process, configured only through CONDUIT_* variables."""
-    env = {"CONDUIT_ENGINE": fake.address, "CONDUIT_API_KEY": "sekret", "CONDUIT_LOG_LEVEL": "warning"}
-    with start_gateway(fake.address, env=env) as gateway:
-        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sekret", max_retries=0) as sdk:
-            assert (
-                sdk.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text == "Once upon"
-            )
-        assert httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL}).status_code == 401
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises it: no SIGKILL was needed.
-    assert gateway.process.returncode == -signal.SIGTERM
-
-
-def test_start_gateway_reports_the_process_output():
-    with pytest.raises(ProcessStartError, match="engine: expected HOST:PORT"):
-        start_gateway("not-an-address")
-
-
-def test_gateway_imports_neither_torch_nor_the_engine():
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, conduit_gateway.cli, conduit_gateway.http.app; "
-        "bad = [m for m in ('torch', 'conduit_engine', 'transformers') if m in sys.modules]; "
-        "sys.exit(f'imported {bad}' if bad else 0)"
+def test_server_settings_map_onto_config_and_the_engine_channels():
+    argv = ["--engine", "a:1", "--grpc-keepalive", "20", "--grpc-keepalive-timeout", "5"]
+    argv += ["--reconnect-backoff", "0.5", "--max-reconnect-backoff", "4", "--health-check-timeout", "3"]
+    argv += ["--load-timeout", "2", "--model-info-timeout", "6"]
+    config = config_from_args(
+        argv, {"CONDUIT_SHUTDOWN_GRACE": "20", "CONDUIT_GRPC_MAX_MESSAGE_BYTES": "1024"}
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    assert (config.grpc_keepalive_s, config.grpc_keepalive_timeout_s) == (20.0, 5.0)
+    assert (config.reconnect_backoff_s, config.max_reconnect_backoff_s) == (0.5, 4.0)
+    assert (config.health_check_timeout_s, config.load_timeout_s, config.model_info_timeout_s) == (3, 2, 6)
+    assert (config.shutdown_grace_s, config.grpc_max_message_bytes) == (20.0, 1024)
+    options = dict(channel_options(config))
+    assert options["grpc.max_send_message_length"] == options["grpc.max_receive_message_length"] == 1024
+    assert (options["grpc.keepalive_time_ms"], options["grpc.keepalive_timeout_ms"]) == (20_000, 5_000)
+    assert (options["grpc.initial_reconnect_backoff_ms"], options["grpc.max_reconnect_backoff_ms"]) == (
+        500,
+        4_000,
+    )
+
+
+def test_default_channel_options():
+    options = dict(channel_options(GatewayConfig(engines=("a:1",))))
+    assert options == {
+        "grpc.max_send_message_length": 64 * 1024 * 1024,
+        "grpc.max_receive_message_length": 64 * 1024 * 1024,
+        "grpc.keepalive_time_ms": 30_000,
+        "grpc.keepalive_timeout_ms": 10_000,
+        "grpc.keepalive_permit_without_calls": 0,
+        "grpc.http2.max_pings_without_data": 0,
+        "grpc.initial_reconnect_backoff_ms": 200,
+        "grpc.max_reconnect_backoff_ms": 2_000,
+    }
+    # The ping timeout never exceeds the ping period.
+    short = dict(channel_options(GatewayConfig(engines=("a:1",), grpc_keepalive_s=2.0)))
+    assert short["grpc.keepalive_timeout_ms"] == 2_000

@@ -16,8 +16,9 @@ from tests.engine.server_thread import ServerThread
 from tests.engine.test_grpc_server import engine_config, wait_until
 from tests.gateway.sse import post_stream
 from tests.support.processes import start_gateway
+from tests.support.stories import MODEL
 
-MODEL = "stories260K"
+pytestmark = pytest.mark.integration
 
 
 class FailingSteps:

@@ -11,7 +11,10 @@ import openai
 import pytest
 
 from tests.gateway.conftest import MODEL
+from tests.support.health import gateway_health
 from tests.support.processes import free_port
+
+pytestmark = pytest.mark.integration
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -182,7 +185,7 @@ def test_api_keys(make_gateway, fake):
     # auth comes before body parsing: a bad body without a key is still 401
     assert httpx.post(f"{gateway.url}/v1/completions", content=b"{").status_code == 401
     # probes and scrapes need no key
-    assert httpx.get(f"{gateway.url}/health").status_code == 200
+    assert gateway_health(gateway.url) == 200
     assert httpx.get(f"{gateway.url}/metrics").status_code == 200
 
 
@@ -289,7 +292,7 @@ def test_gateway_concurrency_limit_is_429(make_gateway, fake):
 
 def test_no_engine_is_503(make_gateway):
     gateway = make_gateway([f"127.0.0.1:{free_port()}"])
-    assert httpx.get(f"{gateway.url}/health").status_code == 503
+    assert gateway_health(gateway.url) == 503
     with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0) as sdk:
         with pytest.raises(openai.InternalServerError) as caught:
             sdk.chat.completions.create(**CHAT)
@@ -304,11 +307,11 @@ def test_no_engine_is_503(make_gateway):
 def test_engine_not_serving_is_503(make_gateway, fake):
     gateway = make_gateway([fake.address])
     fake.set_serving(False)
-    assert httpx.get(f"{gateway.url}/health").status_code == 503
+    assert gateway_health(gateway.url) == 503
     response = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert response.status_code == 503
     fake.set_serving(True)
-    assert httpx.get(f"{gateway.url}/health").status_code == 200
+    assert gateway_health(gateway.url) == 200
     response = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert response.status_code == 200
 

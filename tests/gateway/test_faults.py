@@ -10,10 +10,12 @@ import pytest
 
 from conduit.engine.v1 import engine_pb2
 from tests.gateway.conftest import MODEL
-from tests.gateway.polling import wait_for
 from tests.gateway.sse import parse_events, post_stream
 from tests.support.fake_engine import FakeEngine
+from tests.support.polling import wait_for
 from tests.support.processes import free_port
+
+pytestmark = pytest.mark.integration
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 

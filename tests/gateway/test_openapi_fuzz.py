@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
 from tests.gateway.conftest import MODEL
+
+pytestmark = pytest.mark.integration
 
 EXAMPLES_PER_MODE = 150
 

@@ -9,12 +9,14 @@ import openai
 import pytest
 
 from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
-from tests.gateway.polling import wait_for
 from tests.gateway.sse import parse_events
+from tests.support.polling import wait_for
 from tests.support.processes import require_shared, start_engine, start_gateway
+from tests.support.stories import KNOWN_STORY, KNOWN_STORY_TOKENS, MODEL, PROMPT, PROMPT_IDS
 
-MODEL = "stories260K"
-STORY = "Once upon a time"
+pytestmark = pytest.mark.integration
+
+STORY = PROMPT
 MESSAGES = [
     {"role": "system", "content": "You tell stories."},
     {"role": "user", "content": "Tell me a story"},
@@ -23,7 +25,7 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def model_path():
-    return require_shared("models/stories260K")
+    return require_shared(f"models/{MODEL}")
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +110,7 @@ def stream_text(chunks) -> tuple[dict[int, str], dict[int, str]]:
 
 def test_completion_greedy_equals_transformers(sdk, reference):
     ids = reference.prompt_ids(STORY)
-    assert ids == [1, 403, 407, 261, 378]
+    assert ids == list(PROMPT_IDS)
     text, finish, generated = reference.greedy(ids, 40)
     result = sdk.completions.create(model=MODEL, prompt=STORY, max_tokens=40, temperature=0)
     assert result.choices[0].text == text
@@ -124,11 +126,8 @@ def test_completion_greedy_equals_transformers(sdk, reference):
 
 
 def test_known_story_from_bos(sdk):
-    result = sdk.completions.create(model=MODEL, prompt=[1], max_tokens=62, temperature=0)
-    assert result.choices[0].text.strip() == (
-        "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
-        "One day, she saw a big, red ball. She wanted to play with it, but it was too high."
-    )
+    result = sdk.completions.create(model=MODEL, prompt=[1], max_tokens=KNOWN_STORY_TOKENS, temperature=0)
+    assert result.choices[0].text.strip() == KNOWN_STORY
 
 
 def test_chat_greedy_equals_transformers(sdk, reference):
@@ -181,6 +180,7 @@ def test_include_usage_chunk(sdk, reference):
             stream_options={"include_usage": True},
         )
     )
+    assert len(chunks) == 10  # the role, seven tokens, the finish reason, the usage
     assert all(chunk.usage is None for chunk in chunks[:-1])
     last = chunks[-1]
     assert last.choices == []
@@ -303,5 +303,5 @@ def test_prompt_logprobs_cover_the_prompt(gateway):
     choice = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
     entries = choice["prompt_logprobs"]
     assert len(entries) == 5 and entries[0] is None
-    for entry, token_id in zip(entries[1:], [403, 407, 261, 378], strict=True):
+    for entry, token_id in zip(entries[1:], PROMPT_IDS[1:], strict=True):
         assert str(token_id) in entry

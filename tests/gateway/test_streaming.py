@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from conduit_gateway.schemas.chat import ChatCompletionChunk
 from conduit_gateway.schemas.completions import Completion
 from tests.gateway.conftest import MODEL
 from tests.gateway.sse import parse_events, post_stream
 from tests.support.fake_engine import WORDS
+
+pytestmark = pytest.mark.integration
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi there"}]}
 
@@ -41,6 +44,7 @@ def test_include_usage_adds_final_usage_chunk(http):
     _, events = post_stream(http, "/v1/chat/completions", body)
     *chunks, usage_chunk, done = events
     assert done == "[DONE]"
+    assert len(chunks) == 6  # the role, four tokens, the finish reason
     assert all(c["usage"] is None for c in chunks)
     assert usage_chunk["choices"] == []
     # The fake counts "hi there" as 2 words + 2 per message + BOS = 5 prompt tokens.

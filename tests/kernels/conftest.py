@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +9,7 @@ import torch
 from kernel_emulator import FORWARD, EmulatedLauncher, build_library, repo_build_dir
 
 from conduit_engine.ops.kernel_loader import KernelRef, all_specializations
+from tests.support.shared import require_executable
 
 HERE = Path(__file__).resolve().parent
 SELFTEST_SOURCE = HERE / "emu_selftest.cu"
@@ -33,10 +32,7 @@ SELFTEST_KERNELS = tuple(
 
 @pytest.fixture(scope="session")
 def emu_build() -> tuple[Path, dict[KernelRef, str]]:
-    if shutil.which("g++") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("g++ is required for the kernel emulation tests and is missing in CI")
-        pytest.skip("g++ not found: the CUDA kernels cannot be emulated on this machine")
+    require_executable("g++", "the CUDA kernels cannot be emulated on this machine")
     refs = [*all_specializations(DTYPES, HEAD_DIMS), *SELFTEST_KERNELS]
     return build_library(refs, repo_build_dir(), extra_sources=[SELFTEST_SOURCE])
 

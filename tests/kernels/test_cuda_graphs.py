@@ -13,6 +13,8 @@ from test_ops_emulated import PagedBatch, step
 from conduit_engine.cuda_graphs import StaticDecodeInputs, capture_batch_sizes, padded_batch_size
 from conduit_engine.ops.cuda_ops import CudaOps
 
+pytestmark = pytest.mark.kernels
+
 
 def test_capture_batch_sizes():
     assert capture_batch_sizes(1) == (1,)

@@ -9,9 +9,17 @@ import torch
 from test_ops_emulated import _meta_for_tokens
 
 from conduit_engine.ops.cuda_ops import CudaOps, decode_shared_bytes, prefill_shared_bytes
-from conduit_engine.ops.kernel_loader import all_specializations, ctype, kernels_dir, read_source
+from conduit_engine.ops.kernel_loader import (
+    KERNEL_SOURCES,
+    all_specializations,
+    ctype,
+    kernels_dir,
+    read_source,
+)
 from conduit_engine.ops.torch_ops import TorchOps
 from tests.support.imports import assert_not_loaded
+
+pytestmark = pytest.mark.kernels
 
 
 def test_importing_the_cuda_backend_does_not_import_cupy():
@@ -23,7 +31,9 @@ def test_importing_the_cuda_backend_does_not_import_cupy():
 
 
 def test_every_specialisation_names_an_existing_kernel():
-    for ref in all_specializations([torch.float32, torch.float16, torch.bfloat16], [64]):
+    refs = all_specializations([torch.float32, torch.float16, torch.bfloat16], [64])
+    assert {ref.source for ref in refs} == set(KERNEL_SOURCES)
+    for ref in refs:
         assert ref.name.split("<")[0] in read_source(ref.source), ref
     assert (kernels_dir() / "emulation" / "cuda_emu.h").is_file()
     with pytest.raises(ValueError, match="float64 is not supported"):
@@ -31,7 +41,9 @@ def test_every_specialisation_names_an_existing_kernel():
 
 
 def test_every_kernel_source_documents_layout_grid_and_limits():
-    for path in sorted(kernels_dir().glob("*.cu")):
+    paths = sorted(kernels_dir().glob("*.cu"))
+    assert [path.name for path in paths] == sorted(KERNEL_SOURCES)
+    for path in paths:
         header = path.read_text().split("#include")[0]
         for word in ("Layout", "Grid", "Limits"):
             assert word in header, f"{path.name}: header comment lacks '{word}'"
@@ -48,7 +60,7 @@ def ops(launcher) -> CudaOps:
     return CudaOps(launcher)
 
 
-def test_wrappers_name_the_bad_field(ops):
+def test_wrappers_name_the_bad_field(ops, launcher):
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"weight: expected shape \(8,\)"):
         ops.rms_norm(x, torch.ones(4), 1e-5)
@@ -85,9 +97,9 @@ def test_wrappers_name_the_bad_field(ops):
         bad = dataclasses.replace(meta, block_tables=meta.block_tables.long())
         ops.begin_step(torch.zeros(3, dtype=torch.int64), bad, torch.zeros(10, 16))
     with pytest.raises(ValueError, match="decode_partition_size"):
-        CudaOps(ops._launcher, decode_partition_size=100)
+        CudaOps(launcher, decode_partition_size=100)
     with pytest.raises(ValueError, match="bitmask_threads"):
-        CudaOps(ops._launcher, bitmask_threads=100)
+        CudaOps(launcher, bitmask_threads=100)
 
 
 def test_bitmask_wrapper_names_the_bad_field(ops):

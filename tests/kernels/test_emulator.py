@@ -8,6 +8,8 @@ import torch
 from conftest import SELFTEST_KERNELS
 from kernel_emulator import FORWARD, REVERSE, SHUFFLED, EmulatedLauncher, EmulationError
 
+pytestmark = pytest.mark.kernels
+
 BLOCK_SUM, WARP_OPS, ROTATE, ROTATE_DYNAMIC, BAD_SYNC, CONVERT, ATOMICS, SMEM_OVERFLOW = SELFTEST_KERNELS
 
 

@@ -7,7 +7,6 @@ attention, SwiGLU) through the exact wrappers the engine uses on a GPU, on the C
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -18,24 +17,17 @@ from conduit_engine.models.loader import load_model
 from conduit_engine.ops.base import AttentionMetadata
 from conduit_engine.ops.cuda_ops import CudaOps
 from conduit_engine.ops.torch_ops import TorchOps
+from tests.support.shared import require_shared
+from tests.support.stories import KNOWN_STORY, KNOWN_STORY_TOKENS, MODEL, PROMPT_IDS
 
-SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
-STORIES_TEXT = (
-    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, "
-    "she saw a big, red ball. She wanted to play with it, but it was too high."
-)
+pytestmark = pytest.mark.kernels
+
 BLOCK = 16
 
 
 @pytest.fixture(scope="module")
 def stories() -> Path:
-    path = SHARED / "models" / "stories260K"
-    if not path.is_dir():
-        message = f"test data {path} is missing (../shared must sit beside the checkout)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
+    return require_shared(f"models/{MODEL}")
 
 
 class TinyRunner:
@@ -82,11 +74,11 @@ def test_greedy_decoding_reproduces_the_reference_text(stories, launcher):
 
     runner = TinyRunner(stories, CudaOps(launcher, decode_partition_size=32, decode_threads=32), 1)
     tokens = [1]
-    for _ in range(62):
+    for _ in range(KNOWN_STORY_TOKENS):
         (nxt,) = runner.step([(0, [tokens[-1]], len(tokens) - 1)])
         tokens.append(nxt)
     text = Tokenizer.from_file(str(stories / "tokenizer.json")).decode(tokens[1:])
-    assert text == STORIES_TEXT + "\n"  # the 62nd token is the newline after the story
+    assert text == KNOWN_STORY + "\n"  # the last token is the newline after the story
     names = {k.name.split("<")[0] for k in launcher.launches}
     assert "paged_decode_reduce_kernel" in names  # contexts past 32 tokens went through split-K
 
@@ -94,8 +86,8 @@ def test_greedy_decoding_reproduces_the_reference_text(stories, launcher):
 def test_batched_chunked_prefill_with_cached_prefix_matches_torch_ops(stories, launcher):
     """Two sequences: one prefilled in chunks of 5 and 9 (the second chunk over cached tokens) while the
     other decodes; then both decode together. Same greedy tokens as TorchOps, step for step."""
-    prompt_a = [1, 403, 407, 261, 378, 30, 41, 300, 17, 260, 41, 89, 350, 12]
-    prompt_b = [1, 403, 407, 261, 378]
+    prompt_a = [*PROMPT_IDS, 30, 41, 300, 17, 260, 41, 89, 350, 12]
+    prompt_b = list(PROMPT_IDS)
 
     def run(ops) -> list[list[int]]:
         runner = TinyRunner(stories, ops, 2)

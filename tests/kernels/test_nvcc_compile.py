@@ -2,7 +2,7 @@
 
 Each source is compiled with all the specialisations the CUDA ops can launch (dtypes x head sizes),
 with `-Xptxas -v`; registers, shared memory and stack per kernel are printed and written to
-build/kernel-resources-<arch>.txt. Skipped only when nvcc is absent (then the reason is printed).
+build/kernel-resources-<arch>.txt. Without nvcc the tests skip with the reason, and fail under CI=true.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import pytest
 import torch
 
 from conduit_engine.ops.kernel_loader import KERNEL_SOURCES, all_specializations, kernels_dir
+from tests.support.shared import require_executable
+
+pytestmark = pytest.mark.kernels
 
 ARCHS = ("sm_80", "sm_90")
 HEAD_DIMS = (8, 64, 128, 256)  # the prefill kernel is templated on head_dim
@@ -87,10 +90,7 @@ def _resources(log: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def compile_logs(tmp_path_factory) -> dict[tuple[str, str], str]:
-    if shutil.which("nvcc") is None:
-        reason = "nvcc not found on PATH: the CUDA compile checks cannot run on this machine"
-        print(reason)
-        pytest.skip(reason)
+    require_executable("nvcc", "the CUDA compile checks cannot run on this machine")
     workdir = tmp_path_factory.mktemp("nvcc")
     jobs = [(source, arch) for source in KERNEL_SOURCES for arch in ARCHS]
     with ThreadPoolExecutor(max_workers=2) as pool:

@@ -17,6 +17,8 @@ from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext
 from conduit_engine.ops.cuda_ops import CudaOps
 from conduit_engine.ops.torch_ops import TorchOps
 
+pytestmark = pytest.mark.kernels
+
 REF = TorchOps()
 TOL = {
     torch.float32: {"atol": 2e-5, "rtol": 2e-5},

@@ -16,7 +16,10 @@ import torch
 from conduit_engine.ops.kernel_loader import KernelArg, KernelRef
 
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
-pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and CuPy (run bench/gpu_check.sh)")
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and CuPy (run bench/gpu_check.sh)"),
+]
 
 if HAS_GPU:
     # Re-collected here, so each runs with this module's `launcher` fixture.

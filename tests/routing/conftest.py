@@ -9,11 +9,12 @@ from tests.routing.helpers import ADMIN_KEY, ENGINE_ARGS
 from tests.support.engine_fleet import EngineFleet
 from tests.support.gateway_thread import GatewayThread
 from tests.support.processes import require_shared
+from tests.support.stories import MODEL
 
 
 @pytest.fixture(scope="package")
 def fleet():
-    model = require_shared("models/stories260K")
+    model = require_shared(f"models/{MODEL}")
     with EngineFleet(model, 3, ENGINE_ARGS) as engines:
         yield engines
 

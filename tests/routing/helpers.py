@@ -5,7 +5,8 @@ from __future__ import annotations
 import httpx
 import openai
 
-MODEL = "stories260K"
+from tests.support.stories import MODEL
+
 ADMIN_KEY = "admin-secret"
 # Two sequences per batch: a few concurrent requests already leave some waiting, not started.
 ENGINE_ARGS = ("--max-num-seqs", "2")

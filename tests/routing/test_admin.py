@@ -8,8 +8,11 @@ import threading
 import httpx
 import pytest
 
-from tests.gateway.polling import wait_for
 from tests.routing.helpers import ADMIN_KEY, MODEL, admin, complete, deltas, nodes, routed, sdk
+from tests.support.polling import wait_for
+from tests.support.stories import PROMPT
+
+pytestmark = pytest.mark.integration
 
 LONG = 200
 
@@ -98,7 +101,7 @@ class LongStream:
         with sdk(url) as client:
             stream = client.completions.create(
                 model=MODEL,
-                prompt="Once upon a time",
+                prompt=PROMPT,
                 max_tokens=LONG,
                 temperature=0,
                 stream=True,

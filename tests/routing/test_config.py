@@ -7,6 +7,8 @@ import pytest
 from conduit_gateway.cli import config_from_args
 from conduit_gateway.config import ConfigError, GatewayConfig
 
+pytestmark = pytest.mark.unit
+
 
 def test_routing_flags_map_onto_config():
     config = config_from_args(

@@ -7,11 +7,14 @@ import asyncio
 import socket
 import threading
 
-import httpx
+import pytest
 
-from conduit_gateway.engine.discovery import DnsDiscovery
-from tests.gateway.polling import wait_for
+from conduit_gateway.routing.discovery import DnsDiscovery
 from tests.routing.helpers import admin, complete, deltas, nodes, routed, sdk
+from tests.support.health import gateway_health
+from tests.support.polling import wait_for
+
+pytestmark = pytest.mark.integration
 
 NAME = "engines.conduit.test"
 
@@ -82,7 +85,7 @@ def test_dns_records_are_the_pool(fleet, make_gateway):
     # No records at all (the Service has no ready pods): an empty pool answers 503.
     resolver.wait_lookups(resolver.set(error=socket.gaierror(socket.EAI_NONAME, "Name or service not known")))
     assert nodes(gateway.url) == {}
-    assert httpx.get(f"{gateway.url}/health").status_code == 503
+    assert gateway_health(gateway.url) == 503
 
 
 def test_static_and_admin_nodes_are_not_touched_by_dns(fleet, make_gateway):

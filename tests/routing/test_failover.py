@@ -10,9 +10,11 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.polling import wait_for
 from tests.routing.helpers import ADMIN_KEY, MODEL, complete, deltas, nodes, routed, sdk
+from tests.support.polling import wait_for
 from tests.support.processes import start_gateway
+
+pytestmark = pytest.mark.integration
 
 STREAMS = 12  # four per engine: two running, two waiting (the engines batch two sequences)
 TOKENS = 300

@@ -8,10 +8,12 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.polling import wait_for
 from tests.gateway.sse import post_stream
 from tests.routing.helpers import admin, nodes
 from tests.support.fake_engine import FakeEngine
+from tests.support.polling import wait_for
+
+pytestmark = pytest.mark.integration
 
 MODEL = "fake-model"
 BODY = {"model": MODEL, "prompt": "x", "max_tokens": 2}

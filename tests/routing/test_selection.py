@@ -9,18 +9,21 @@ from dataclasses import dataclass
 import pytest
 
 from conduit.engine.v1 import engine_pb2
-from conduit_gateway.engine.prefix_key import prefix_key
-from conduit_gateway.engine.selection import (
+from conduit_gateway.routing.prefix_key import prefix_key
+from conduit_gateway.routing.selection import (
     EngineSelector,
+    RoundRobinSelector,
     RouteRequest,
     SelectionOptions,
     make_selector,
     strategy_names,
 )
-from conduit_gateway.engine.selection import base as selection_base
-from conduit_gateway.engine.selection.least_load import LeastLoadSelector
-from conduit_gateway.engine.selection.min_expected_latency import MinExpectedLatencySelector
-from conduit_gateway.engine.selection.prefix_affinity import HashRing, PrefixAffinitySelector, ring_hash
+from conduit_gateway.routing.selection.base import unregister_strategy
+from conduit_gateway.routing.selection.least_load import LeastLoadSelector
+from conduit_gateway.routing.selection.min_expected_latency import MinExpectedLatencySelector
+from conduit_gateway.routing.selection.prefix_affinity import HashRing, PrefixAffinitySelector, ring_hash
+
+pytestmark = pytest.mark.unit
 
 
 @dataclass
@@ -41,17 +44,20 @@ def test_strategy_names_and_unknown_strategy():
         make_selector("random")
 
 
-def test_a_strategy_is_one_class_with_a_name(monkeypatch):
-    monkeypatch.setattr(selection_base, "_REGISTRY", dict(selection_base._REGISTRY))
+def test_a_strategy_is_one_class_with_a_name():
+    try:
 
-    class LastSelector(EngineSelector):
-        name = "last"
+        class LastSelector(EngineSelector):
+            name = "last"
 
-        def choose(self, candidates, request=None):
-            return candidates[-1]
+            def choose(self, candidates, request=None):
+                return candidates[-1]
 
-    assert "last" in strategy_names()
-    assert make_selector("last").choose(nodes(0, 0, 0)).address == "10.0.0.2:50051"
+        assert "last" in strategy_names()
+        assert make_selector("last").choose(nodes(0, 0, 0)).address == "10.0.0.2:50051"
+    finally:
+        unregister_strategy("last")
+    assert "last" not in strategy_names()
 
 
 def test_least_load_never_picks_the_busiest_of_three():
@@ -128,3 +134,10 @@ def test_prefix_key_by_input_kind():
     assert prefix_key(chat, 100) == b"c\x00system\x1fBe brief.\x1euser\x1fHi"
     assert prefix_key(chat, 6) == b"c\x00system"
     assert prefix_key(engine_pb2.GenerateRequest(), 10) == b""
+
+
+def test_round_robin_cycles_candidates():
+    selector = RoundRobinSelector()
+    picks = [selector.choose(["a", "b", "c"]) for _ in range(5)]
+    assert picks == ["a", "b", "c", "a", "b"]
+    assert isinstance(make_selector("round_robin"), RoundRobinSelector)

@@ -7,17 +7,18 @@ import threading
 import uuid
 
 import grpc
+import pytest
 
 from conduit.engine.v1 import engine_pb2
-from conduit_gateway.engine.prefix_key import prefix_key
-from conduit_gateway.engine.selection.prefix_affinity import HashRing, ring_hash
-from tests.gateway.polling import wait_for
+from conduit_gateway.routing.prefix_key import prefix_key
+from conduit_gateway.routing.selection.prefix_affinity import HashRing, ring_hash
 from tests.routing.helpers import MODEL, complete, deltas, nodes, routed, sdk
+from tests.support.polling import wait_for
+from tests.support.stories import KNOWN_STORY
 
-STORY = (
-    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
-    "One day, she saw a big, red ball. She wanted to play with it, but it was too high. "
-)
+pytestmark = pytest.mark.integration
+
+STORY = f"{KNOWN_STORY} "
 
 
 def finished_after(fleet, before: list[int], total: int) -> list[int]:

@@ -10,23 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
+from tests.support.health import engine_serving
 from tests.support.processes import ENGINE_START_TIMEOUT_S, ManagedProcess, free_port
 
 __all__ = ["EngineFleet"]
-
-
-def _serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=1.0
-            )
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 class EngineFleet:
@@ -42,7 +31,9 @@ class EngineFleet:
             # Launch all, then wait: the engines load their models in parallel.
             self.engines = [self._launch(port) for port in self.ports]
             for engine in self.engines:
-                engine.wait_ready(lambda engine=engine: _serving(engine.address), ENGINE_START_TIMEOUT_S)
+                engine.wait_ready(
+                    lambda engine=engine: engine_serving(engine.address), ENGINE_START_TIMEOUT_S
+                )
         except BaseException:
             self.stop()
             raise
@@ -96,7 +87,7 @@ class EngineFleet:
         while True:
             engine = self._launch(self.ports[index])
             try:
-                engine.wait_ready(lambda: _serving(address), ENGINE_START_TIMEOUT_S)
+                engine.wait_ready(lambda: engine_serving(address), ENGINE_START_TIMEOUT_S)
                 break
             except Exception:
                 # The port can take a moment to be bindable again after the old process died.

@@ -78,7 +78,7 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
                     if script.error_after is not None and sent >= script.error_after:
                         await context.abort(script.error_code, script.error_message)
                     if script.hold_after is not None and sent >= script.hold_after:
-                        await fake._wait_released()
+                        await fake.wait_released()
                     word = script.words[(step + index) % len(script.words)]
                     last = step == max_tokens - 1
                     message = engine_pb2.GenerateResponse(
@@ -162,11 +162,12 @@ def _logprobs(word: str, token_id: int, logprob: float, top: int) -> engine_pb2.
 class FakeEngine:
     """Start with `start()` (or as a context manager); `address` is HOST:PORT on 127.0.0.1."""
 
-    def __init__(self, model: str = "fake-model") -> None:
+    def __init__(self, model: str = "fake-model", port: int = 0) -> None:
+        """`port` 0 picks a free one."""
         self.model = model
         self.script = Script()
         self.record = Record()
-        self.port = 0
+        self.port = port
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fake-engine", daemon=True)
         self._released: asyncio.Event | None = None
@@ -221,14 +222,15 @@ class FakeEngine:
         engine_pb2_grpc.add_EngineServicer_to_server(_Servicer(self), self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self.port = self._server.add_insecure_port(f"127.0.0.1:{self.port}")
         await self._server.start()
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
 
     async def _reset_release(self) -> None:
         self._released = asyncio.Event()
 
-    async def _wait_released(self) -> None:
+    async def wait_released(self) -> None:
+        """Return once `release()` has been called (held streams wait here)."""
         await self._released.wait()  # type: ignore[union-attr]
 
 
@@ -241,25 +243,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="fake-model")
     args = parser.parse_args()
-
-    async def serve() -> None:
-        server = grpc.aio.server()
-        fake = FakeEngine(args.model)
-        engine_pb2_grpc.add_EngineServicer_to_server(_Servicer(fake), server)
-        fake._released = asyncio.Event()
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        server.add_insecure_port(f"127.0.0.1:{args.port}")
-        await server.start()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await server.stop(grace=None)
-
-    asyncio.run(serve())
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with FakeEngine(args.model, port=args.port):
+        stop.wait()
 
 
 if __name__ == "__main__":

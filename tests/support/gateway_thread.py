@@ -9,8 +9,8 @@ import time
 import uvicorn
 
 from conduit_gateway.config import GatewayConfig
-from conduit_gateway.engine.discovery import Resolver
 from conduit_gateway.http.app import create_app
+from conduit_gateway.routing.discovery import Resolver
 from tests.support.processes import free_port
 
 __all__ = ["GatewayThread"]

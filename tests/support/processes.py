@@ -16,10 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-import grpc
-import httpx
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from tests.support.health import engine_serving, gateway_health
 from tests.support.shared import REPO_ROOT, require_shared, shared_dir
 
 __all__ = [
@@ -125,17 +122,6 @@ class ManagedProcess:
         self.stop()
 
 
-def _engine_serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=1.0
-            )
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
 def start_engine(
     model: str | Path,
     *extra_args: str,
@@ -148,19 +134,16 @@ def start_engine(
     args += ["--port", str(port), *extra_args]
     process = ManagedProcess("engine", args, port, env)
     try:
-        process.wait_ready(lambda: _engine_serving(process.address), timeout_s)
+        process.wait_ready(lambda: engine_serving(process.address), timeout_s)
     except BaseException:
         process.stop()
         raise
     return process
 
 
-def _gateway_answers(url: str, healthy: bool) -> bool:
-    try:
-        status = httpx.get(f"{url}/health", timeout=2.0).status_code
-    except httpx.HTTPError:
-        return False
-    return status == 200 or not healthy
+def _gateway_ready(url: str, healthy: bool) -> bool:
+    status = gateway_health(url)
+    return status == 200 if healthy else status is not None
 
 
 def start_gateway(
@@ -180,7 +163,7 @@ def start_gateway(
     args += ["--port", str(port), *extra_args]
     process = ManagedProcess("gateway", args, port, env)
     try:
-        process.wait_ready(lambda: _gateway_answers(process.url, wait_healthy), timeout_s)
+        process.wait_ready(lambda: _gateway_ready(process.url, wait_healthy), timeout_s)
     except BaseException:
         process.stop()
         raise

@@ -17,6 +17,16 @@ def env_name(flag: str) -> str:
     return ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
 
 
+def long_flags(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Action]]:
+    """(`--flag`, its action) for every option of `parser` that has a long flag, except --help."""
+    flags = []
+    for action in parser._actions:
+        flag = next((option for option in action.option_strings if option.startswith("--")), None)
+        if flag is not None and flag != "--help":
+            flags.append((flag, action))
+    return flags
+
+
 def apply_env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> dict[str, str]:
     """Make the CONDUIT_* variables in `environ` the defaults of `parser`'s flags.
 
@@ -25,10 +35,7 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, st
     of becoming defaults: argparse would append command-line values to a default list.
     """
     repeatable: dict[str, str] = {}
-    for action in parser._actions:
-        flag = next((option for option in action.option_strings if option.startswith("--")), None)
-        if flag is None or flag == "--help":
-            continue
+    for flag, action in long_flags(parser):
         value = environ.get(env_name(flag))
         if value is None or value == "":
             continue
@@ -41,9 +48,6 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, st
 
 def describe_env(parser: argparse.ArgumentParser) -> None:
     """Append `[env CONDUIT_…]` to every long flag's help text."""
-    for action in parser._actions:
-        flag = next((option for option in action.option_strings if option.startswith("--")), None)
-        if flag is None or flag == "--help" or not action.help:
-            continue
-        if env_name(flag) not in action.help:
+    for flag, action in long_flags(parser):
+        if action.help and env_name(flag) not in action.help:
             action.help = f"{action.help} [env {env_name(flag)}]"

@@ -94,6 +94,47 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--grpc-keepalive", type=float, default=30.0, help="HTTP/2 keepalive ping period, seconds"
     )
+    parser.add_argument(
+        "--grpc-keepalive-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a keepalive ping may go unanswered before the engine connection counts as broken "
+        "(at most --grpc-keepalive; default 10)",
+    )
+    parser.add_argument(
+        "--reconnect-backoff",
+        type=float,
+        default=0.2,
+        help="first wait before reconnecting to an engine or re-opening its health watch, seconds "
+        "(default 0.2)",
+    )
+    parser.add_argument(
+        "--max-reconnect-backoff",
+        type=float,
+        default=2.0,
+        help="longest wait between reconnection attempts of an engine channel, seconds (default 2)",
+    )
+    parser.add_argument(
+        "--health-check-timeout",
+        type=float,
+        default=1.0,
+        help="deadline of a grpc.health Check of an engine (GET /health), seconds (default 1)",
+    )
+    parser.add_argument(
+        "--load-timeout", type=float, default=1.0, help="deadline of a GetLoad poll, seconds (default 1)"
+    )
+    parser.add_argument(
+        "--model-info-timeout",
+        type=float,
+        default=2.0,
+        help="deadline of the GetModelInfo call before an engine joins the rotation, seconds (default 2)",
+    )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, seconds open connections (streams included) may finish (default 10)",
+    )
     parser.add_argument("--log-level", default="info", help="critical|error|warning|info|debug|trace")
     describe_env(parser)
     return parser
@@ -128,6 +169,13 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> Gateway
         request_timeout_s=args.request_timeout,
         grpc_max_message_bytes=args.grpc_max_message_bytes,
         grpc_keepalive_s=args.grpc_keepalive,
+        grpc_keepalive_timeout_s=args.grpc_keepalive_timeout,
+        reconnect_backoff_s=args.reconnect_backoff,
+        max_reconnect_backoff_s=args.max_reconnect_backoff,
+        health_check_timeout_s=args.health_check_timeout,
+        load_timeout_s=args.load_timeout,
+        model_info_timeout_s=args.model_info_timeout,
+        shutdown_grace_s=args.shutdown_grace,
         log_level=args.log_level.lower(),
     )
 
@@ -153,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_level=config.log_level,
         # grpc.aio runs on the standard asyncio loop; uvloop is not a supported grpc.aio loop.
         loop="asyncio",
-        timeout_graceful_shutdown=10,
+        timeout_graceful_shutdown=config.shutdown_grace_s,
     )
 
 

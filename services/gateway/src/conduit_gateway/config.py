@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from conduit_gateway.engine.selection import strategy_names
+from conduit_gateway.routing.selection import strategy_names
 
 ROUTING_STRATEGIES = strategy_names()
 
@@ -56,15 +56,38 @@ class GatewayConfig:
     max_concurrent_requests: int = 1024
     max_body_bytes: int = 8 * 1024 * 1024
     retry_after_s: int = 1
-    # Longest wait between attempts to re-open an engine's health watch (the backoff starts at 0.2 s).
+    # Longest wait between attempts to re-open an engine's health watch (the backoff starts at
+    # reconnect_backoff_s).
     health_interval_s: float = 2.0
     # None: generation streams have no deadline (they may legitimately run for minutes).
     request_timeout_s: float | None = None
+    # Deadlines of the short control calls: a health Check (GET /health, a request finding no ready
+    # engine), a GetLoad poll, and the GetModelInfo that precedes a node's return to rotation.
+    health_check_timeout_s: float = 1.0
+    load_timeout_s: float = 1.0
+    model_info_timeout_s: float = 2.0
+    # Engine channels: message size limit; HTTP/2 keepalive pings every grpc_keepalive_s while calls are
+    # open, and a ping unanswered for grpc_keepalive_timeout_s (at most the period) breaks the connection.
     grpc_max_message_bytes: int = 64 * 1024 * 1024
     grpc_keepalive_s: float = 30.0
+    grpc_keepalive_timeout_s: float = 10.0
+    # Reconnecting to an engine after a restart: the first wait (of the channel and of the health watch),
+    # doubling up to max_reconnect_backoff_s for the channel; short, so a restarted engine is back quickly.
+    reconnect_backoff_s: float = 0.2
+    max_reconnect_backoff_s: float = 2.0
+    # On SIGTERM, how long open HTTP connections (streams included) may finish before they are closed.
+    shutdown_grace_s: float = 10.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        self._check_engine_sources()
+        self._check_http()
+        self._check_routing()
+        self._check_engine_calls()
+        if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
+            raise ConfigError(f"log_level: unknown level {self.log_level!r}")
+
+    def _check_engine_sources(self) -> None:
         if not self.engines and self.engine_dns is None and not self.admin_keys:
             raise ConfigError(
                 "engine: at least one HOST:PORT is required (or --engine-dns, or --admin-key to add "
@@ -79,31 +102,50 @@ class GatewayConfig:
             raise ConfigError("admin_key: keys must not be empty")
         if set(self.admin_keys) & set(self.api_keys):
             raise ConfigError("admin_key: must differ from every api_key (an API key must not grant admin)")
+
+    def _check_http(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: must be in [0, 65535], got {self.port}")
         if any(not key for key in self.api_keys):
             raise ConfigError("api_key: keys must not be empty")
+        _positive("max_concurrent_requests", self.max_concurrent_requests)
+        _positive("max_body_bytes", self.max_body_bytes)
+        if self.retry_after_s < 0:
+            raise ConfigError(f"retry_after: must be >= 0, got {self.retry_after_s}")
+        _positive("shutdown_grace", self.shutdown_grace_s)
+
+    def _check_routing(self) -> None:
         if self.routing not in ROUTING_STRATEGIES:
             raise ConfigError(
                 f"routing: must be one of {', '.join(ROUTING_STRATEGIES)}, got {self.routing!r}"
             )
-        _positive("max_concurrent_requests", self.max_concurrent_requests)
-        _positive("max_body_bytes", self.max_body_bytes)
-        _positive("grpc_max_message_bytes", self.grpc_max_message_bytes)
-        if self.retry_after_s < 0:
-            raise ConfigError(f"retry_after: must be >= 0, got {self.retry_after_s}")
-        _positive("health_interval", self.health_interval_s)
-        _positive("grpc_keepalive", self.grpc_keepalive_s)
-        if self.request_timeout_s is not None:
-            _positive("request_timeout", self.request_timeout_s)
-        _positive("load_interval", self.load_interval_s)
         if self.retries < 0:
             raise ConfigError(f"retries: must be >= 0, got {self.retries}")
         _positive("affinity_prefix_chars", self.affinity_prefix_chars)
         if not (self.affinity_load_factor >= 1 and math.isfinite(self.affinity_load_factor)):
             raise ConfigError(f"affinity_load_factor: must be >= 1, got {self.affinity_load_factor}")
-        if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
-            raise ConfigError(f"log_level: unknown level {self.log_level!r}")
+
+    def _check_engine_calls(self) -> None:
+        for name in (
+            "health_interval",
+            "load_interval",
+            "health_check_timeout",
+            "load_timeout",
+            "model_info_timeout",
+            "grpc_keepalive",
+            "grpc_keepalive_timeout",
+            "reconnect_backoff",
+            "max_reconnect_backoff",
+        ):
+            _positive(name, getattr(self, f"{name}_s"))
+        _positive("grpc_max_message_bytes", self.grpc_max_message_bytes)
+        if self.request_timeout_s is not None:
+            _positive("request_timeout", self.request_timeout_s)
+        if self.max_reconnect_backoff_s < self.reconnect_backoff_s:
+            raise ConfigError(
+                f"max_reconnect_backoff: must be >= reconnect_backoff ({self.reconnect_backoff_s}), "
+                f"got {self.max_reconnect_backoff_s}"
+            )
 
 
 def _positive(name: str, value: float) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conduit_gateway.config import GatewayConfig
-from conduit_gateway.engine.discovery import Resolver
-from conduit_gateway.engine.pool import EnginePool
 from conduit_gateway.http.limits import ConcurrencyLimiter
 from conduit_gateway.http.metrics import GatewayMetrics
+from conduit_gateway.routing.discovery import Resolver
+from conduit_gateway.routing.pool import EnginePool
 
 
 @dataclass(slots=True)

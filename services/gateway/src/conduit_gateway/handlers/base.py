@@ -26,7 +26,7 @@ from conduit_gateway.handlers.choices import (
 )
 from conduit_gateway.handlers.streams import PromptStream, close_all, open_streams, read_messages
 from conduit_gateway.http.sse import DONE_EVENT, ChunkEncoder, EventStreamResponse, error_event
-from conduit_gateway.schemas.common import SamplingRequest
+from conduit_gateway.schemas.common import SamplingRequest, Usage
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +214,15 @@ class GenerationHandler(ABC):
         exclude = self.absent_prompt_logprobs if self.body.prompt_logprobs is None else None
         body = self.response(choices.ordered(), usage).model_dump_json(exclude=exclude)
         return Response(body, media_type="application/json")
+
+    def response_fields(self, usage: UsageTotals) -> dict[str, Any]:
+        """The fields every non-streamed response has besides its choices: id, created, model, usage."""
+        return {
+            "id": self.response_id,
+            "created": self.created,
+            "model": self.body.model,
+            "usage": Usage.model_validate(usage.as_dict()),
+        }
 
     def _prompt_logprobs(self, prompt_index: int) -> list[dict[str, Any] | None] | None:
         if self.body.prompt_logprobs is None:

@@ -19,7 +19,6 @@ from conduit_gateway.schemas.chat import (
     ChatMessageParam,
     ChoiceLogprobs,
 )
-from conduit_gateway.schemas.common import Usage
 
 # Request fields naming OpenAI features this server does not have: any value but null (or the listed
 # harmless one) is refused, so a client never silently gets less than it asked for.
@@ -122,9 +121,7 @@ class ChatHandler(GenerationHandler):
     def response(self, choices: list[ChoiceState], usage: UsageTotals) -> ChatCompletion:
         wants_logprobs = bool(self.body.logprobs)
         return ChatCompletion(
-            id=self.response_id,
-            created=self.created,
-            model=self.body.model,
+            **self.response_fields(usage),
             choices=[
                 ChatChoice(
                     index=choice.index,
@@ -136,7 +133,6 @@ class ChatHandler(GenerationHandler):
                 )
                 for choice in choices
             ],
-            usage=Usage.model_validate(usage.as_dict()),
             prompt_logprobs=self._prompt_logprobs(0),
         )
 

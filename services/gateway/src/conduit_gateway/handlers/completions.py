@@ -17,7 +17,6 @@ from conduit_gateway.handlers.choices import (
     token_offsets,
 )
 from conduit_gateway.handlers.sampling import sampling_params
-from conduit_gateway.schemas.common import Usage
 from conduit_gateway.schemas.completions import (
     Completion,
     CompletionChoice,
@@ -103,9 +102,7 @@ class CompletionsHandler(GenerationHandler):
 
     def response(self, choices: list[ChoiceState], usage: UsageTotals) -> Completion:
         return Completion(
-            id=self.response_id,
-            created=self.created,
-            model=self.body.model,
+            **self.response_fields(usage),
             choices=[
                 CompletionChoice(
                     index=choice.index,
@@ -118,7 +115,6 @@ class CompletionsHandler(GenerationHandler):
                 )
                 for choice in choices
             ],
-            usage=Usage.model_validate(usage.as_dict()),
         )
 
 

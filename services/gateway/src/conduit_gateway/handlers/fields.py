@@ -22,9 +22,9 @@ def uint32(name: str, value: int, minimum: int = 0) -> int:
     return value
 
 
-def int32(name: str, value: int, minimum: int = INT32_MIN) -> int:
-    if not minimum <= value <= INT32_MAX:
-        raise invalid_param(name, f"must be in [{minimum}, {INT32_MAX}], got {value}")
+def int32(name: str, value: int) -> int:
+    if not INT32_MIN <= value <= INT32_MAX:
+        raise invalid_param(name, f"must be in [{INT32_MIN}, {INT32_MAX}], got {value}")
     return value
 
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from conduit.engine.v1 import engine_pb2
-from conduit_gateway.engine.node import EngineNode
-from conduit_gateway.engine.pool import EnginePool
 from conduit_gateway.errors import OpenAIError
+from conduit_gateway.routing.node import EngineNode
+from conduit_gateway.routing.pool import EnginePool
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +28,6 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXH
 
 # Told the status of each refusal that is retried on another node (for metrics).
 OnRetry = Callable[[grpc.StatusCode], None]
-
-
-def _ignore_retry(code: grpc.StatusCode) -> None:
-    pass
 
 
 @dataclass(slots=True)
@@ -80,7 +76,7 @@ async def open_stream(
     prompt_index: int,
     request: engine_pb2.GenerateRequest,
     timeout_s: float | None,
-    on_retry: OnRetry = _ignore_retry,
+    on_retry: OnRetry,
 ) -> PromptStream:
     """Send `request` to a node for `model` and wait for its first message, retrying refusals elsewhere."""
     route = pool.route_request(model, request)
@@ -135,7 +131,7 @@ async def open_streams(
     model: str,
     requests: Sequence[engine_pb2.GenerateRequest],
     timeout_s: float | None,
-    on_retry: OnRetry = _ignore_retry,
+    on_retry: OnRetry,
 ) -> list[PromptStream]:
     """Open one stream per prompt concurrently; if any fails, close the others and raise its error."""
     if len(requests) == 1:

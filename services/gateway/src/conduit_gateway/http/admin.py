@@ -9,10 +9,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from conduit_gateway.config import ConfigError
-from conduit_gateway.engine.node import EngineNode, NodeSource
-from conduit_gateway.engine.pool import DuplicateNodeError, EnginePool, UnknownNodeError
 from conduit_gateway.errors import OpenAIError, invalid_param
-from conduit_gateway.schemas.admin import AddNodeRequest, NodeList, NodeLoad, NodeView
+from conduit_gateway.routing.node import EngineNode, NodeSource
+from conduit_gateway.routing.pool import DuplicateNodeError, EnginePool, UnknownNodeError
+from conduit_gateway.schemas.admin import AddNodeRequest, NodeList, NodeView
 from conduit_gateway.schemas.common import error_responses
 
 router = APIRouter(prefix="/admin", tags=["admin"])
@@ -38,7 +38,7 @@ def node_view(node: EngineNode, removed: bool = False) -> NodeView:
         ejections=node.ejections,
         load_score=node.load_score,
         token_latency_ms=round(latency * 1000, 3) if latency is not None else None,
-        load=NodeLoad(**node.load.as_dict()) if node.load is not None else None,
+        load=node.load,
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -11,25 +10,22 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conduit_gateway import __version__
 from conduit_gateway.config import GatewayConfig
 from conduit_gateway.context import GatewayContext
-from conduit_gateway.engine.discovery import Resolver
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.http import admin
 from conduit_gateway.http.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
+    InternalErrorMiddleware,
     MetricsMiddleware,
     RequestIdMiddleware,
-    send_error,
 )
 from conduit_gateway.http.routes import router
 from conduit_gateway.http.validation import validation_error
-
-log = logging.getLogger(__name__)
+from conduit_gateway.routing.discovery import Resolver
 
 
 def create_app(config: GatewayConfig, resolver: Resolver | None = None) -> FastAPI:
@@ -91,33 +87,6 @@ def _add_error_handlers(app: FastAPI) -> None:
             message = str(exc.detail)
         error = OpenAIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None)
         return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
-
-
-class InternalErrorMiddleware:
-    """Last resort: an unexpected exception becomes an OpenAI-shaped 500 (inside the request-id middleware,
-    so even that response carries X-Request-Id)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def send_and_watch(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_watch)
-        except Exception:
-            log.exception("unhandled error in %s %s", scope["method"], scope["path"])
-            if started:
-                raise
-            await send_error(send, OpenAIError(500, "Internal server error.", type="server_error"))
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from conduit_gateway.engine.node import EngineNode
+from conduit_gateway.routing.node import EngineNode
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -16,7 +16,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class GatewayMetrics:
     """Every metric the gateway exports; `render()` is the /metrics body."""
 
-    def __init__(self, nodes: Callable[[], Sequence[EngineNode]] = list) -> None:
+    def __init__(self, nodes: Callable[[], Sequence[EngineNode]]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(NodeCollector(nodes))
         self.requests = Counter(

@@ -1,4 +1,4 @@
-"""Pure-ASGI middleware, outermost first: request ids, metrics, API keys, body size limit.
+"""Pure-ASGI middleware, outermost first: request ids, metrics, the last-resort 500, API keys, body limit.
 
 Pure ASGI (not BaseHTTPMiddleware) so that streamed responses pass through untouched and a client
 disconnect still reaches the SSE response's receive().
@@ -7,6 +7,7 @@ disconnect still reaches the SSE response's receive().
 from __future__ import annotations
 
 import hmac
+import logging
 import re
 import time
 import uuid
@@ -16,6 +17,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.http.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
 
 # Client ids are echoed into headers, logs and the engine: keep them short and printable.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
@@ -29,8 +32,9 @@ async def send_error(send: Send, error: OpenAIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class RequestIdMiddleware:
-    """Echo the client's X-Request-Id (or make one) in every response and in `request.state.request_id`."""
+class HttpMiddleware:
+    """Middleware for HTTP requests: `handle` sees every HTTP request; other scopes (the lifespan) pass
+    through untouched."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -39,6 +43,16 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.handle(scope, receive, send)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class RequestIdMiddleware(HttpMiddleware):
+    """Echo the client's X-Request-Id (or make one) in every response and in `request.state.request_id`."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = Headers(scope=scope).get("x-request-id", "")
         request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
@@ -51,17 +65,14 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-class MetricsMiddleware:
+class MetricsMiddleware(HttpMiddleware):
     """Count every response by route template and status; time it to its last byte."""
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         status = 499  # stays so when the client left before any response started
 
@@ -82,20 +93,41 @@ class MetricsMiddleware:
             self.metrics.request_seconds.labels(route).observe(time.perf_counter() - started)
 
 
-class ApiKeyMiddleware:
+class InternalErrorMiddleware(HttpMiddleware):
+    """Last resort: an unexpected exception becomes an OpenAI-shaped 500 (inside the request-id middleware,
+    so even that response carries X-Request-Id)."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def send_and_watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            if started:
+                raise
+            await send_error(send, OpenAIError(500, "Internal server error.", type="server_error"))
+
+
+class ApiKeyMiddleware(HttpMiddleware):
     """Require `Authorization: Bearer <key>` on paths under `prefix` when keys are configured
     (constant-time compare). The API keys guard /v1; the admin keys, in a second instance, guard /admin."""
 
     def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], prefix: str = "/v1") -> None:
-        self.app = app
+        super().__init__(app)
         self._keys = [key.encode("utf-8") for key in api_keys]
         self._prefix = prefix
 
     def _guards(self, path: str) -> bool:
         return path == self._prefix or path.startswith(self._prefix + "/")
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self._keys or not self._guards(scope["path"]):
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self._keys or not self._guards(scope["path"]):
             await self.app(scope, receive, send)
             return
         authorization = Headers(scope=scope).get("authorization", "")
@@ -122,15 +154,15 @@ def _unauthorized(message: str) -> OpenAIError:
     return OpenAIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-class BodyLimitMiddleware:
+class BodyLimitMiddleware(HttpMiddleware):
     """Refuse request bodies over `limit` bytes with 413 before the app parses them."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.limit = limit
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
         declared = Headers(scope=scope).get("content-length")

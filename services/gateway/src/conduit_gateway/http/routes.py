@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable
 
 from fastapi import APIRouter, Request
@@ -10,11 +11,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from conduit_gateway.context import GatewayContext
-from conduit_gateway.engine.node import EngineNode
-from conduit_gateway.engine.pool import require_serving
 from conduit_gateway.errors import model_not_found
 from conduit_gateway.handlers.chat import ChatHandler
 from conduit_gateway.handlers.completions import CompletionsHandler
+from conduit_gateway.http.sse import wait_for_disconnect
+from conduit_gateway.race import finished_first
+from conduit_gateway.routing.node import EngineNode
+from conduit_gateway.routing.pool import require_serving
 from conduit_gateway.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from conduit_gateway.schemas.common import error_responses
 from conduit_gateway.schemas.completions import Completion, CompletionRequest
@@ -101,22 +104,10 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
     first token and a whole non-streamed generation.
     """
     task = asyncio.ensure_future(work)
-    watcher = asyncio.create_task(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        # Nobody is listening; the status only reaches the access log and metrics.
-        return Response(status_code=499)
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    if await finished_first(task, wait_for_disconnect(request.receive)):
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    # Nobody is listening; the status only reaches the access log and metrics.
+    return Response(status_code=499)

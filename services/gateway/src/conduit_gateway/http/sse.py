@@ -11,6 +11,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from conduit_gateway.errors import OpenAIError
+from conduit_gateway.race import finished_first
 
 DONE_EVENT = "data: [DONE]\n\n"
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
@@ -54,29 +55,20 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(
-        self,
-        events: AsyncIterator[str],
-        headers: dict[str, str] | None = None,
-        on_close: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
         super().__init__(
-            events,
-            status_code=200,
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+            events, status_code=200, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         self._events = events
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         producer = asyncio.create_task(self._produce(send))
-        watcher = asyncio.create_task(_wait_for_disconnect(receive))
         try:
-            await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await finished_first(producer, wait_for_disconnect(receive))
         finally:
-            for task in (producer, watcher):
-                task.cancel()
-            outcome, _ = await asyncio.gather(producer, watcher, return_exceptions=True)
+            producer.cancel()
+            (outcome,) = await asyncio.gather(producer, return_exceptions=True)
             try:
                 await self._events.aclose()  # type: ignore[attr-defined]
             finally:
@@ -100,6 +92,7 @@ class EventStreamResponse(StreamingResponse):
             on_close()
 
 
-async def _wait_for_disconnect(receive: Receive) -> None:
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Return when the client has gone away (its ASGI channel says http.disconnect)."""
     while (await receive())["type"] != "http.disconnect":
         pass

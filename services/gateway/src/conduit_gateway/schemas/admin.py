@@ -6,22 +6,12 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from conduit_gateway.routing.load import LoadReport
 from conduit_gateway.schemas.common import StrictModel
 
 
 class AddNodeRequest(StrictModel):
     address: str = Field(description="The engine's gRPC address, HOST:PORT.")
-
-
-class NodeLoad(BaseModel):
-    """The engine's last GetLoad answer."""
-
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    kv_blocks_cached: int
-    prefix_cache_hit_rate: float
 
 
 class NodeView(BaseModel):
@@ -39,7 +29,7 @@ class NodeView(BaseModel):
     ejections: int = Field(description="Times the node left the rotation by health or an unreachable engine.")
     load_score: int = Field(description="Requests at the node, as least_load sees them.")
     token_latency_ms: float | None = Field(description="Recent milliseconds per generated token.")
-    load: NodeLoad | None = Field(description="The engine's last GetLoad answer (null when unknown).")
+    load: LoadReport | None = Field(description="The engine's last GetLoad answer (null when unknown).")
 
 
 class NodeList(BaseModel):

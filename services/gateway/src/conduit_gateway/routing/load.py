@@ -4,24 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from conduit.engine.v1 import engine_pb2
 
 if TYPE_CHECKING:
-    from conduit_gateway.engine.node import EngineNode
+    from conduit_gateway.routing.node import EngineNode
 
 log = logging.getLogger(__name__)
-
-LOAD_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class LoadReport:
-    """One GetLoad answer."""
+    """One GetLoad answer (the admin API shows it as it is)."""
 
     running: int
     waiting: int
@@ -41,19 +39,17 @@ class LoadReport:
             prefix_cache_hit_rate=round(reply.prefix_cache_hit_rate, 6),
         )
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-
-async def poll_load(node: EngineNode, interval_s: float) -> None:
-    """Refresh `node.load` every `interval_s` while the node serves; forget it when it does not.
+async def poll_load(node: EngineNode, interval_s: float, timeout_s: float) -> None:
+    """Refresh `node.load` every `interval_s` (each GetLoad within `timeout_s`) while the node serves;
+    forget it when it does not.
 
     A stale report is worse than none: strategies fall back to the gateway's own in-flight count.
     """
     while True:
         if node.serving:
             try:
-                node.load = LoadReport.from_pb(await node.client.load(LOAD_TIMEOUT_S))
+                node.load = LoadReport.from_pb(await node.client.load(timeout_s))
             except grpc.aio.AioRpcError as exc:
                 log.debug("engine %s GetLoad failed: %s", node.address, exc.code().name)
                 node.load = None

@@ -12,21 +12,25 @@ from conduit_gateway.config import GatewayConfig
 
 
 def channel_options(config: GatewayConfig) -> list[tuple[str, int]]:
-    """Options of every engine channel: HTTP/2 keepalive and message size limits."""
-    keepalive_ms = int(config.grpc_keepalive_s * 1000)
+    """Options of every engine channel: message size limits, HTTP/2 keepalive and reconnect backoff."""
+    keepalive_ms = _ms(config.grpc_keepalive_s)
     return [
         ("grpc.max_send_message_length", config.grpc_max_message_bytes),
         ("grpc.max_receive_message_length", config.grpc_max_message_bytes),
         ("grpc.keepalive_time_ms", keepalive_ms),
-        ("grpc.keepalive_timeout_ms", min(keepalive_ms, 10_000)),
+        ("grpc.keepalive_timeout_ms", min(keepalive_ms, _ms(config.grpc_keepalive_timeout_s))),
         # Pings only while calls are active (the health watch is one): idle pings would make a
         # default-configured server answer GOAWAY(too_many_pings).
         ("grpc.keepalive_permit_without_calls", 0),
         ("grpc.http2.max_pings_without_data", 0),
-        # Reconnect quickly after an engine restart instead of backing off for up to two minutes.
-        ("grpc.initial_reconnect_backoff_ms", 200),
-        ("grpc.max_reconnect_backoff_ms", 2_000),
+        # Reconnect quickly after an engine restart instead of gRPC's default backoff of up to two minutes.
+        ("grpc.initial_reconnect_backoff_ms", _ms(config.reconnect_backoff_s)),
+        ("grpc.max_reconnect_backoff_ms", _ms(config.max_reconnect_backoff_s)),
     ]
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
 
 
 class EngineClient:

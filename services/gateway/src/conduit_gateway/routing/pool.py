@@ -13,15 +13,13 @@ from collections.abc import Collection
 
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.config import GatewayConfig, parse_engine_address
-from conduit_gateway.engine.discovery import DnsDiscovery, Resolver
-from conduit_gateway.engine.node import EngineNode, NodeSource
-from conduit_gateway.engine.prefix_key import prefix_key
-from conduit_gateway.engine.selection import EngineSelector, RouteRequest, SelectionOptions, make_selector
 from conduit_gateway.errors import model_not_found, no_engine_ready
+from conduit_gateway.routing.discovery import DnsDiscovery, Resolver
+from conduit_gateway.routing.node import EngineNode, NodeSource
+from conduit_gateway.routing.prefix_key import prefix_key
+from conduit_gateway.routing.selection import RouteRequest, SelectionOptions, make_selector
 
 log = logging.getLogger(__name__)
-
-HEALTH_TIMEOUT_S = 1.0
 
 
 class DuplicateNodeError(ValueError):
@@ -35,15 +33,10 @@ class UnknownNodeError(KeyError):
 class EnginePool:
     """Engine nodes with their health and load; `acquire` returns a routable node that serves the model."""
 
-    def __init__(
-        self,
-        config: GatewayConfig,
-        selector: EngineSelector | None = None,
-        resolver: Resolver | None = None,
-    ) -> None:
+    def __init__(self, config: GatewayConfig, resolver: Resolver | None = None) -> None:
         self.config = config
         self._nodes: dict[str, EngineNode] = {}
-        self._selector = selector or make_selector(
+        self._selector = make_selector(
             config.routing, SelectionOptions(affinity_load_factor=config.affinity_load_factor)
         )
         self._discovery = (
@@ -150,11 +143,8 @@ class EnginePool:
         return await asyncio.shield(self._refreshing)
 
     async def _check_all(self) -> bool:
-        await asyncio.gather(*(node.check(HEALTH_TIMEOUT_S) for node in self.engines))
+        await asyncio.gather(*(node.check(self.config.health_check_timeout_s) for node in self.engines))
         return bool(self.routable())
-
-    def serving(self) -> list[EngineNode]:
-        return [node for node in self._nodes.values() if node.serving]
 
     def routable(self) -> list[EngineNode]:
         return [node for node in self._nodes.values() if node.routable]

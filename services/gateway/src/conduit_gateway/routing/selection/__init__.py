@@ -9,14 +9,14 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from conduit_gateway.engine.selection.base import (
+from conduit_gateway.routing.selection.base import (
     EngineSelector,
     RoutableNode,
     RouteRequest,
     SelectionOptions,
     registered_strategies,
 )
-from conduit_gateway.engine.selection.round_robin import RoundRobinSelector
+from conduit_gateway.routing.selection.round_robin import RoundRobinSelector
 
 __all__ = [
     "EngineSelector",

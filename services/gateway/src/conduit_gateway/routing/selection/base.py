@@ -74,3 +74,8 @@ class EngineSelector(ABC):
 
 def registered_strategies() -> dict[str, type[EngineSelector]]:
     return dict(_REGISTRY)
+
+
+def unregister_strategy(name: str) -> None:
+    """Forget the strategy registered as `name` (one defined only for a while, such as in a test)."""
+    _REGISTRY.pop(name, None)

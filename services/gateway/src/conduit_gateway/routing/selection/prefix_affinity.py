@@ -16,7 +16,7 @@ import hashlib
 import math
 from collections.abc import Sequence
 
-from conduit_gateway.engine.selection.base import EngineSelector, Node, RouteRequest, SelectionOptions
+from conduit_gateway.routing.selection.base import EngineSelector, Node, RouteRequest, SelectionOptions
 
 POINTS_PER_NODE = 64
 # Rings are cached per candidate set; sets change only when engines come, go or change health.

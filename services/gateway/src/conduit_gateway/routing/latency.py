@@ -9,12 +9,11 @@ ALPHA = 0.2
 class TokenLatency:
     """Fed (decode seconds, tokens) per finished stream; `value` is None until the first sample."""
 
-    def __init__(self, alpha: float = ALPHA) -> None:
-        self.alpha = alpha
+    def __init__(self) -> None:
         self.value: float | None = None
 
     def record(self, seconds: float, tokens: int) -> None:
         if tokens <= 0 or seconds < 0:
             return
         sample = seconds / tokens
-        self.value = sample if self.value is None else self.alpha * sample + (1 - self.alpha) * self.value
+        self.value = sample if self.value is None else ALPHA * sample + (1 - ALPHA) * self.value

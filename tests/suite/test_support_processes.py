@@ -1,4 +1,4 @@
-"""tests/support: process management and the ../shared rule other suites rely on."""
+"""tests/support/processes.py: child processes stop (SIGTERM, then SIGKILL), report their output and exit."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from tests.support.processes import ManagedProcess, ProcessStartError, free_port
-from tests.support.shared import require_shared, shared_dir
+
+pytestmark = pytest.mark.integration
 
 
 def test_stop_escalates_to_sigkill_when_sigterm_is_ignored():
@@ -38,21 +39,7 @@ def test_context_manager_stops_the_process():
     assert process.process.returncode == -signal.SIGTERM
 
 
-def test_require_shared_skips_outside_ci_and_fails_in_ci(monkeypatch):
-    monkeypatch.delenv("CI", raising=False)
-    with pytest.raises(pytest.skip.Exception, match="is missing"):
-        require_shared("no/such/thing")
-    monkeypatch.setenv("CI", "true")
-    with pytest.raises(pytest.fail.Exception, match="is missing"):
-        require_shared("no/such/thing")
-    assert shared_dir().name == "shared"
-
-
 def test_output_tail_after_stop():
-    import sys
-
-    from tests.support.processes import ManagedProcess
-
     proc = ManagedProcess("echo", [sys.executable, "-c", "print('hello from the child')"], port=0)
     proc.process.wait(timeout=30)
     proc.stop()

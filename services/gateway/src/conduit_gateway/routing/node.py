@@ -17,14 +17,12 @@ import grpc
 
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.config import GatewayConfig
-from conduit_gateway.engine.client import EngineClient
-from conduit_gateway.engine.health import HealthWatch
-from conduit_gateway.engine.latency import TokenLatency
-from conduit_gateway.engine.load import LoadReport, poll_load
+from conduit_gateway.routing.client import EngineClient
+from conduit_gateway.routing.health import HealthWatch
+from conduit_gateway.routing.latency import TokenLatency
+from conduit_gateway.routing.load import LoadReport, poll_load
 
 log = logging.getLogger(__name__)
-
-MODEL_INFO_TIMEOUT_S = 2.0
 
 # Statuses that are the client's doing, not the engine's: they do not count as node failures.
 _CLIENT_ERRORS = frozenset(
@@ -103,12 +101,12 @@ class EngineNode:
 
     def start(self) -> None:
         """Start following health and load."""
-        self._health = HealthWatch(self, self._config.health_interval_s)
+        config = self._config
+        self._health = HealthWatch(self, config.reconnect_backoff_s, config.health_interval_s)
+        load = poll_load(self, config.load_interval_s, config.load_timeout_s)
         self._tasks = [
             asyncio.create_task(self._health.run(), name=f"health-watch {self.address}"),
-            asyncio.create_task(
-                poll_load(self, self._config.load_interval_s), name=f"load-poll {self.address}"
-            ),
+            asyncio.create_task(load, name=f"load-poll {self.address}"),
         ]
 
     async def stop(self) -> None:
@@ -147,7 +145,7 @@ class EngineNode:
         async with self._transition:
             if serving and not self.serving:
                 try:
-                    self.model_info = await self.client.model_info(MODEL_INFO_TIMEOUT_S)
+                    self.model_info = await self.client.model_info(self._config.model_info_timeout_s)
                 except grpc.aio.AioRpcError as exc:
                     log.warning("engine %s GetModelInfo failed: %s", self.address, exc.code().name)
                     return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from conduit_gateway.engine.selection.base import EngineSelector, Node, RouteRequest, SelectionOptions
+from conduit_gateway.routing.selection.base import EngineSelector, Node, RouteRequest, SelectionOptions
 
 
 class RoundRobinSelector(EngineSelector):

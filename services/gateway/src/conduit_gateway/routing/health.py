@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2
 
+from conduit_gateway.race import finished_first
+
 if TYPE_CHECKING:
-    from conduit_gateway.engine.node import EngineNode
+    from conduit_gateway.routing.node import EngineNode
 
 log = logging.getLogger(__name__)
-
-INITIAL_BACKOFF_S = 0.2
 
 
 class Backoff:
@@ -43,9 +43,9 @@ class Backoff:
 class HealthWatch:
     """Runs `node`'s Watch loop; `rewatch()` re-opens the stream to learn the current status now."""
 
-    def __init__(self, node: EngineNode, max_backoff_s: float) -> None:
+    def __init__(self, node: EngineNode, initial_backoff_s: float, max_backoff_s: float) -> None:
         self._node = node
-        self._backoff = Backoff(INITIAL_BACKOFF_S, max_backoff_s)
+        self._backoff = Backoff(initial_backoff_s, max_backoff_s)
         self._rewatch = asyncio.Event()
 
     def rewatch(self) -> None:
@@ -70,11 +70,9 @@ class HealthWatch:
         self._rewatch.clear()
         while True:
             read = asyncio.ensure_future(call.read())
-            rewatch = asyncio.ensure_future(self._rewatch.wait())
             try:
-                await asyncio.wait({read, rewatch}, return_when=asyncio.FIRST_COMPLETED)
+                await finished_first(read, self._rewatch.wait())
             finally:
-                rewatch.cancel()
                 if not read.done():
                     call.cancel()
                     await asyncio.gather(read, return_exceptions=True)

@@ -1,1 +1,0 @@
-"""The gateway's side of the engine contract: channels, health, model info and engine selection."""
