@@ -9,8 +9,12 @@ import math
 from dataclasses import dataclass
 
 from conduit_gateway.engine.selection import strategy_names
+from conduit_gateway.parsers.reasoning import reasoning_parser_names
+from conduit_gateway.parsers.tool_calls import tool_call_parser_names
 
 ROUTING_STRATEGIES = strategy_names()
+TOOL_CALL_PARSERS = tool_call_parser_names()
+REASONING_PARSERS = reasoning_parser_names()
 
 
 class ConfigError(ValueError):
@@ -63,6 +67,10 @@ class GatewayConfig:
     grpc_max_message_bytes: int = 64 * 1024 * 1024
     grpc_keepalive_s: float = 30.0
     log_level: str = "info"
+    # How `tool_choice: auto` finds tool calls in the model's text; None: auto is refused (400).
+    tool_call_parser: str | None = None
+    # How reasoning is split from the answer (reasoning_content); None: the text is all content.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.engines and self.engine_dns is None and not self.admin_keys:
@@ -102,6 +110,16 @@ class GatewayConfig:
         _positive("affinity_prefix_chars", self.affinity_prefix_chars)
         if not (self.affinity_load_factor >= 1 and math.isfinite(self.affinity_load_factor)):
             raise ConfigError(f"affinity_load_factor: must be >= 1, got {self.affinity_load_factor}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(
+                f"tool_call_parser: must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(
+                f"reasoning_parser: must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
+            )
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
 
