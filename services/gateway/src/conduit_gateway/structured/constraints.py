@@ -88,7 +88,7 @@ def _stated(body: StructuredRequest) -> Iterator[tuple[str, str, object]]:
             raise invalid_param("response_format.json_schema", "is required when type is 'json_schema'")
         if spec.json_schema is None:
             raise invalid_param("response_format.json_schema.schema", "is required")
-        yield "response_format", "json_schema", spec.json_schema
+        yield "response_format.json_schema.schema", "json_schema", spec.json_schema
     outputs = body.structured_outputs
     if outputs is not None:
         for name, kind, value in (
