@@ -256,24 +256,7 @@ class GenerationHandler(ABC):
                         ),
                     )
                 async for prompt_index, message in read_messages(streams):
-                    choice, is_new = self._choice(choices, prompt_index, message)
-                    events = ""
-                    opening = self.opening_choice(choice) if is_new else None
-                    if opening is not None:
-                        # Usage as it was before this message: the opening chunk precedes its tokens.
-                        events = encoder.chunk([opening], usage.as_dict)
-                    usage.update(prompt_index, message.usage)
-                    if message.text or message.logprobs:
-                        delta = self.delta_choice(choice, message.text, message.logprobs)
-                        if delta is not None:
-                            events += encoder.chunk([delta], usage.as_dict)
-                        choice.texts.append(message.text)
-                    if message.finished:
-                        self._finish(choice, message)
-                        flushed = self.flush_choice(choice)
-                        if flushed is not None:
-                            events += encoder.chunk([flushed], usage.as_dict)
-                        events += encoder.chunk([self.finish_choice(choice)], usage.as_dict)
+                    events = self._message_events(encoder, choices, usage, prompt_index, message)
                     if events:
                         yield events
                 if include_usage:
@@ -293,6 +276,34 @@ class GenerationHandler(ABC):
             yield DONE_EVENT
         finally:
             close_all(streams)
+
+    def _message_events(
+        self,
+        encoder: ChunkEncoder,
+        choices: ChoiceSet,
+        usage: UsageTotals,
+        prompt_index: int,
+        message: engine_pb2.GenerateResponse,
+    ) -> str:
+        """The SSE events one engine message makes (none while a parser holds its text back)."""
+        choice, is_new = self._choice(choices, prompt_index, message)
+        events = ""
+        opening = self.opening_choice(choice) if is_new else None
+        if opening is not None:
+            # Usage as it was before this message: the opening chunk precedes its tokens.
+            events = encoder.chunk([opening], usage.as_dict)
+        usage.update(prompt_index, message.usage)
+        if message.text or message.logprobs:
+            delta = self.delta_choice(choice, message.text, message.logprobs)
+            if delta is not None:
+                events += encoder.chunk([delta], usage.as_dict)
+            choice.texts.append(message.text)
+        if message.finished:
+            self._finish(choice, message)
+            for last in (self.flush_choice(choice), self.finish_choice(choice)):
+                if last is not None:
+                    events += encoder.chunk([last], usage.as_dict)
+        return events
 
     def _stream_error(self, error: OpenAIError) -> str:
         log.warning("request %s: stream ended by error %s: %s", self.request_id, error.status, error.message)
