@@ -14,7 +14,6 @@ from conduit.engine.v1 import engine_pb2
 from conduit_common.structured import MAX_STRUCTURED_SPEC_BYTES
 from tests.gateway.conftest import MODEL
 from tests.gateway.test_errors import error_of, post_json
-from tests.support.gateway_thread import GatewayThread
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -36,20 +35,6 @@ TIME = {"type": "function", "function": {"name": "get_time"}}
 
 def compact(value: object) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-@pytest.fixture(scope="module")
-def parsing_gateway(fake_engine_server):
-    with GatewayThread(
-        [fake_engine_server.address], tool_call_parser="mistral", reasoning_parser="qwen3"
-    ) as gw:
-        yield gw
-
-
-@pytest.fixture
-def parsing_http(parsing_gateway, fake):
-    with httpx.Client(base_url=parsing_gateway.url, timeout=30) as raw:
-        yield raw
 
 
 def sent(http: httpx.Client, fake, path: str, body: dict) -> engine_pb2.GenerateRequest:
@@ -192,13 +177,17 @@ def test_reasoning_parser_delays_the_constraint_until_the_reasoning_ends(parsing
     assert not sent(parsing_http, fake, "/v1/completions", completion).sampling.HasField("structured_after")
 
 
-def test_parsers_on_special_tokens_keep_them_in_the_text(parsing_http, fake):
+def test_parsers_on_special_tokens_keep_them_in_the_text(make_gateway, parsing_http, fake):
     body = {**CHAT, "tools": [WEATHER], "tool_choice": "auto"}
-    assert sent(parsing_http, fake, "/v1/chat/completions", body).sampling.skip_special_tokens is False
-    asked = {**body, "skip_special_tokens": True}
-    assert sent(parsing_http, fake, "/v1/chat/completions", asked).sampling.skip_special_tokens is True
-    plain = sent(parsing_http, fake, "/v1/chat/completions", CHAT).sampling
-    assert not plain.HasField("skip_special_tokens")
+    # hermes tags are plain text: the engine's default stays.
+    assert not sent(parsing_http, fake, "/v1/chat/completions", body).sampling.HasField("skip_special_tokens")
+    mistral = make_gateway([fake.address], tool_call_parser="mistral")
+    with httpx.Client(base_url=mistral.url, timeout=30) as http:
+        assert sent(http, fake, "/v1/chat/completions", body).sampling.skip_special_tokens is False
+        asked = {**body, "skip_special_tokens": True}
+        assert sent(http, fake, "/v1/chat/completions", asked).sampling.skip_special_tokens is True
+        plain = sent(http, fake, "/v1/chat/completions", CHAT).sampling
+        assert not plain.HasField("skip_special_tokens")
 
 
 def test_earlier_replies_go_back_unchanged(parsing_http, fake):

@@ -17,7 +17,6 @@ from tests.gateway.conftest import MODEL
 from tests.gateway.parsed_output import message_view, reassemble_chat_stream
 from tests.gateway.sse import post_stream
 from tests.support.fake_engine import Script
-from tests.support.gateway_thread import GatewayThread
 
 WEATHER_PARAMETERS = {
     "type": "object",
@@ -36,20 +35,6 @@ CHAT = {
     "messages": [{"role": "user", "content": "Weather in Paris and Oslo?"}],
     "tools": TOOLS,
 }
-
-
-@pytest.fixture(scope="module")
-def parsing_gateway(fake_engine_server):
-    with GatewayThread(
-        [fake_engine_server.address], tool_call_parser="hermes", reasoning_parser="qwen3"
-    ) as gw:
-        yield gw
-
-
-@pytest.fixture
-def parsing_http(parsing_gateway, fake):
-    with httpx.Client(base_url=parsing_gateway.url, timeout=30) as raw:
-        yield raw
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.errors import invalid_param
-from conduit_gateway.schemas.structured import StructuredRequest
+from conduit_gateway.schemas.structured import StructuredOutputs, StructuredRequest
 from conduit_gateway.structured import validation
 
 # SamplingParams fields (and the oneof) an engine error may name.
@@ -89,26 +89,20 @@ def _stated(body: StructuredRequest) -> Iterator[tuple[str, str, object]]:
         if spec.json_schema is None:
             raise invalid_param("response_format.json_schema.schema", "is required")
         yield "response_format.json_schema.schema", "json_schema", spec.json_schema
-    outputs = body.structured_outputs
-    if outputs is not None:
-        for name, kind, value in (
-            ("json", "json_schema", outputs.json_value),
-            ("regex", "regex", outputs.regex),
-            ("choice", "choice", outputs.choice),
-            ("grammar", "grammar", outputs.grammar),
-        ):
-            if value is not None:
-                yield f"structured_outputs.{name}", kind, value
-        if outputs.json_object:
-            yield "structured_outputs.json_object", "json_object", None
-    for name, kind, value in (
-        ("json", "json_schema", body.guided_json),
-        ("regex", "regex", body.guided_regex),
-        ("choice", "choice", body.guided_choice),
-        ("grammar", "grammar", body.guided_grammar),
+    outputs = body.structured_outputs or StructuredOutputs()
+    for param, kind, value in (
+        ("structured_outputs.json", "json_schema", outputs.json_value),
+        ("structured_outputs.regex", "regex", outputs.regex),
+        ("structured_outputs.choice", "choice", outputs.choice),
+        ("structured_outputs.grammar", "grammar", outputs.grammar),
+        ("structured_outputs.json_object", "json_object", outputs.json_object or None),
+        ("guided_json", "json_schema", body.guided_json),
+        ("guided_regex", "regex", body.guided_regex),
+        ("guided_choice", "choice", body.guided_choice),
+        ("guided_grammar", "grammar", body.guided_grammar),
     ):
         if value is not None:
-            yield f"guided_{name}", kind, value
+            yield param, kind, value
 
 
 def _checked(param: str, kind: str, value: object) -> str | list[str] | None:

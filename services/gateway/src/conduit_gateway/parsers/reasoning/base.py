@@ -10,8 +10,11 @@ from abc import ABC, abstractmethod
 from typing import ClassVar, NamedTuple
 
 from conduit_gateway.parsers.markers import partial_marker_start
+from conduit_gateway.parsers.registry import ParserRegistry
 
-_REGISTRY: dict[str, type[ReasoningParser]] = {}
+REGISTRY: ParserRegistry[type[ReasoningParser]] = ParserRegistry(
+    "conduit_gateway.parsers.reasoning", "reasoning_parser"
+)
 
 
 class ReasoningSplit(NamedTuple):
@@ -29,9 +32,7 @@ class ReasoningParser(ABC):
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if cls.name is not None:
-            if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-                raise TypeError(f"reasoning parser {cls.name!r} is defined twice")
-            _REGISTRY[cls.name] = cls
+            REGISTRY.add(cls.name, cls)
 
     @abstractmethod
     def feed(self, text: str) -> ReasoningSplit:
@@ -40,10 +41,6 @@ class ReasoningParser(ABC):
     @abstractmethod
     def finish(self) -> ReasoningSplit:
         """Release what is held back: the output ended."""
-
-
-def registered_reasoning_parsers() -> dict[str, type[ReasoningParser]]:
-    return dict(_REGISTRY)
 
 
 class ThinkTagParser(ReasoningParser):

@@ -12,7 +12,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-_REGISTRY: dict[str, type[ToolCallParser]] = {}
+from conduit_gateway.parsers.registry import ParserRegistry
+
+REGISTRY: ParserRegistry[type[ToolCallParser]] = ParserRegistry(
+    "conduit_gateway.parsers.tool_calls", "tool_call_parser"
+)
 
 
 @dataclass(slots=True)
@@ -41,9 +45,7 @@ class ToolCallParser(ABC):
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if cls.name is not None:
-            if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-                raise TypeError(f"tool-call parser {cls.name!r} is defined twice")
-            _REGISTRY[cls.name] = cls
+            REGISTRY.add(cls.name, cls)
 
     @abstractmethod
     def feed(self, text: str) -> ParsedText:
@@ -56,7 +58,3 @@ class ToolCallParser(ABC):
     def new_call_id(self) -> str:
         """The id of a new call, as OpenAI shapes them."""
         return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def registered_tool_call_parsers() -> dict[str, type[ToolCallParser]]:
-    return dict(_REGISTRY)
