@@ -209,3 +209,26 @@ def test_forced_output_is_read_from_the_first_character(text, calls):
         assert parsed == expected("", calls)
         for call in parsed["tool_calls"]:
             json.loads(call["arguments"])
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    arguments=st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=4),
+    ascii_only=st.booleans(),
+    cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=20),
+)
+def test_any_json_arguments_come_back_exactly(arguments, ascii_only, cuts):
+    written = json.dumps(arguments, ensure_ascii=ascii_only)
+    text = f'Calling.<tool_call>{{"name": "f", "arguments": {written}}}</tool_call>'
+    points = sorted({cut % (len(text) + 1) for cut in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+    parsed = parse("hermes", pieces)
+    assert parsed == expected("Calling.", [("f", written)])
+    assert json.loads(parsed["tool_calls"][0]["arguments"]) == arguments
