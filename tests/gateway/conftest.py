@@ -44,6 +44,21 @@ def http(gateway, fake):
         yield raw
 
 
+@pytest.fixture(scope="module")
+def parsing_gateway(fake_engine_server):
+    """A gateway with --tool-call-parser hermes and --reasoning-parser qwen3."""
+    with GatewayThread(
+        [fake_engine_server.address], tool_call_parser="hermes", reasoning_parser="qwen3"
+    ) as gw:
+        yield gw
+
+
+@pytest.fixture
+def parsing_http(parsing_gateway, fake):
+    with httpx.Client(base_url=parsing_gateway.url, timeout=30) as raw:
+        yield raw
+
+
 @pytest.fixture
 def make_gateway():
     """Start extra gateways with config overrides; all are stopped after the test."""

@@ -53,6 +53,33 @@ def test_environment_fills_flags_and_command_line_wins():
     assert config.port == 7001 and config.api_keys == ("secret",)
 
 
+def test_parser_flags_and_environment():
+    assert (
+        GatewayConfig(engines=("a:1",)).tool_call_parser,
+        GatewayConfig(engines=("a:1",)).reasoning_parser,
+    ) == (
+        None,
+        None,
+    )
+    config = config_from_args(
+        ["--engine", "a:1", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"], {}
+    )
+    assert (config.tool_call_parser, config.reasoning_parser) == ("hermes", "qwen3")
+    env = {
+        "CONDUIT_ENGINE": "a:1",
+        "CONDUIT_TOOL_CALL_PARSER": "mistral",
+        "CONDUIT_REASONING_PARSER": "deepseek_r1",
+    }
+    config = config_from_args([], env)
+    assert (config.tool_call_parser, config.reasoning_parser) == ("mistral", "deepseek_r1")
+
+
+def test_unknown_parser_is_a_usage_error_listing_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        config_from_args(["--engine", "a:1", "--tool-call-parser", "pythonic"], {})
+    assert "choose from 'hermes', 'llama3_json', 'mistral'" in capsys.readouterr().err
+
+
 def test_bad_environment_value_names_the_flag(capsys):
     with pytest.raises(SystemExit):
         config_from_args([], {"CONDUIT_ENGINE": "a:1", "CONDUIT_PORT": "eighty"})
@@ -81,6 +108,8 @@ def test_bad_environment_value_names_the_flag(capsys):
         ({"max_reconnect_backoff_s": 0.1}, "max_reconnect_backoff"),
         ({"shutdown_grace_s": 0}, "shutdown_grace"),
         ({"log_level": "loud"}, "log_level"),
+        ({"tool_call_parser": "pythonic"}, "tool_call_parser"),
+        ({"reasoning_parser": "o1"}, "reasoning_parser"),
     ],
 )
 def test_config_errors_name_the_field(kwargs, field):

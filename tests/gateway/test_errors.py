@@ -53,12 +53,13 @@ def test_non_object_body_is_400(http):
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        # tool_choice defaults to auto, which this gateway (no --tool-call-parser) refuses.
+        ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ({**CHAT, "tool_choice": "auto"}, "tool_choice"),
         ({**CHAT, "audio": {"voice": "x", "format": "wav"}}, "audio"),
         ({**CHAT, "modalities": ["text", "audio"]}, "modalities"),
         ({**CHAT, "functions": [{"name": "f"}]}, "functions"),
-        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
         ({**CHAT, "store": True}, "store"),
         ({**CHAT, "reasoning_effort": "high"}, "reasoning_effort"),
         ({**CHAT, "not_a_field": 1}, "not_a_field"),
@@ -125,9 +126,9 @@ def test_best_of_equal_to_n_is_accepted(client, fake):
 
 def test_sdk_raises_bad_request_naming_the_field(client):
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(**CHAT, tools=[{"type": "function", "function": {"name": "f"}}])
+        client.chat.completions.create(**CHAT, functions=[{"name": "f"}])
     assert caught.value.status_code == 400
-    assert caught.value.body["param"] == "tools"
+    assert caught.value.body["param"] == "functions"
     assert caught.value.body["type"] == "invalid_request_error"
 
 

@@ -305,3 +305,57 @@ def test_prompt_logprobs_cover_the_prompt(gateway):
     assert len(entries) == 5 and entries[0] is None
     for entry, token_id in zip(entries[1:], PROMPT_IDS[1:], strict=True):
         assert str(token_id) in entry
+
+
+@pytest.fixture(scope="module")
+def parsing_sdk(engine):
+    with start_gateway(
+        engine.address, "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"
+    ) as process:
+        with openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0) as client:
+            yield client
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_tools_and_parsers_leave_a_plain_story_unchanged(sdk, parsing_sdk):
+    """stories260K writes no tags: with tools (auto) and both parsers the answer is the plain one."""
+    plain = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0)
+    parsed = parsing_sdk.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, tools=[WEATHER_TOOL]
+    )
+    (choice,) = parsed.choices
+    assert choice.message.content == plain.choices[0].message.content
+    assert choice.message.tool_calls is None and choice.finish_reason == plain.choices[0].finish_reason
+    assert not hasattr(choice.message, "reasoning_content")
+    chunks = list(
+        parsing_sdk.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, tools=[WEATHER_TOOL], stream=True
+        )
+    )
+    streamed, finishes = stream_text(chunks)
+    assert streamed == {0: choice.message.content} and finishes == {0: choice.finish_reason}
+
+
+def test_tool_call_history_goes_through_the_template(parsing_sdk):
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    result = parsing_sdk.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, tools=[WEATHER_TOOL], tool_choice="none"
+    )
+    assert result.choices[0].finish_reason == "length" and result.usage.completion_tokens == 8

@@ -12,7 +12,13 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from conduit_common.env_flags import apply_env_defaults, describe_env
-from conduit_gateway.config import ROUTING_STRATEGIES, ConfigError, GatewayConfig
+from conduit_gateway.config import (
+    REASONING_PARSERS,
+    ROUTING_STRATEGIES,
+    TOOL_CALL_PARSERS,
+    ConfigError,
+    GatewayConfig,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="on SIGTERM, seconds open connections (streams included) may finish (default 10)",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_CALL_PARSERS,
+        help="format of the model's tool calls, for tool_choice auto (default none: auto is refused)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="split the model's reasoning into reasoning_content (default none)",
+    )
     parser.add_argument("--log-level", default="info", help="critical|error|warning|info|debug|trace")
     describe_env(parser)
     return parser
@@ -177,6 +195,8 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> Gateway
         model_info_timeout_s=args.model_info_timeout,
         shutdown_grace_s=args.shutdown_grace,
         log_level=args.log_level.lower(),
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -8,9 +8,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from conduit_gateway.parsers.reasoning import reasoning_parser_names
+from conduit_gateway.parsers.tool_calls import tool_call_parser_names
 from conduit_gateway.routing.selection import strategy_names
 
 ROUTING_STRATEGIES = strategy_names()
+TOOL_CALL_PARSERS = tool_call_parser_names()
+REASONING_PARSERS = reasoning_parser_names()
 
 
 class ConfigError(ValueError):
@@ -78,12 +82,17 @@ class GatewayConfig:
     # On SIGTERM, how long open HTTP connections (streams included) may finish before they are closed.
     shutdown_grace_s: float = 10.0
     log_level: str = "info"
+    # How `tool_choice: auto` finds tool calls in the model's text; None: auto is refused (400).
+    tool_call_parser: str | None = None
+    # How reasoning is split from the answer (reasoning_content); None: the text is all content.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         self._check_engine_sources()
         self._check_http()
         self._check_routing()
         self._check_engine_calls()
+        self._check_parsers()
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
 
@@ -145,6 +154,18 @@ class GatewayConfig:
             raise ConfigError(
                 f"max_reconnect_backoff: must be >= reconnect_backoff ({self.reconnect_backoff_s}), "
                 f"got {self.max_reconnect_backoff_s}"
+            )
+
+    def _check_parsers(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(
+                f"tool_call_parser: must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(
+                f"reasoning_parser: must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
             )
 
 

@@ -27,6 +27,7 @@ from conduit_gateway.handlers.choices import (
 from conduit_gateway.handlers.streams import PromptStream, close_all, open_streams, read_messages
 from conduit_gateway.http.sse import DONE_EVENT, ChunkEncoder, EventStreamResponse, error_event
 from conduit_gateway.schemas.common import SamplingRequest, Usage
+from conduit_gateway.structured.constraints import Constraint
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class GenerationHandler(ABC):
         self._started = time.perf_counter()
         # Prompt index → the prompt's logprobs (vLLM's prompt_logprobs extra), from its first message.
         self.prompt_logprobs: dict[int, list[engine_pb2.PositionLogprobs]] = {}
+        # The structured-output constraint build_sampling set, if any (engine errors about it name it).
+        self.constraint: Constraint | None = None
 
     # -- hooks -------------------------------------------------------------------------------------
 
@@ -76,8 +79,13 @@ class GenerationHandler(ABC):
     @abstractmethod
     def delta_choice(
         self, choice: ChoiceState, text: str, logprobs: Sequence[engine_pb2.PositionLogprobs]
-    ) -> dict[str, Any]:
-        """The streamed choice for new text of `choice` (called before the text is added to it)."""
+    ) -> dict[str, Any] | None:
+        """The streamed choice for new text of `choice` (called before the text is added to it), or None
+        when nothing is to be sent yet (a parser holds the text back)."""
+
+    def flush_choice(self, choice: ChoiceState) -> dict[str, Any] | None:
+        """A streamed choice with what was held back until the choice's end, sent before its finish."""
+        return None
 
     @abstractmethod
     def finish_choice(self, choice: ChoiceState) -> dict[str, Any]:
@@ -165,7 +173,10 @@ class GenerationHandler(ABC):
             raise self._rpc_error(exc) from None
 
     def _rpc_error(self, exc: grpc.aio.AioRpcError) -> OpenAIError:
-        return from_rpc_error(exc, self.ctx.config.retry_after_s, self.param_aliases())
+        aliases = self.param_aliases()
+        if self.constraint is not None:
+            aliases = self.constraint.aliases() | aliases
+        return from_rpc_error(exc, self.ctx.config.retry_after_s, aliases)
 
     def _choice(
         self, choices: ChoiceSet, prompt_index: int, message: engine_pb2.GenerateResponse
@@ -254,21 +265,7 @@ class GenerationHandler(ABC):
                         ),
                     )
                 async for prompt_index, message in read_messages(streams):
-                    choice, is_new = self._choice(choices, prompt_index, message)
-                    events = ""
-                    opening = self.opening_choice(choice) if is_new else None
-                    if opening is not None:
-                        # Usage as it was before this message: the opening chunk precedes its tokens.
-                        events = encoder.chunk([opening], usage.as_dict)
-                    usage.update(prompt_index, message.usage)
-                    if message.text or message.logprobs:
-                        events += encoder.chunk(
-                            [self.delta_choice(choice, message.text, message.logprobs)], usage.as_dict
-                        )
-                        choice.texts.append(message.text)
-                    if message.finished:
-                        self._finish(choice, message)
-                        events += encoder.chunk([self.finish_choice(choice)], usage.as_dict)
+                    events = self._message_events(encoder, choices, usage, prompt_index, message)
                     if events:
                         yield events
                 if include_usage:
@@ -288,6 +285,34 @@ class GenerationHandler(ABC):
             yield DONE_EVENT
         finally:
             close_all(streams)
+
+    def _message_events(
+        self,
+        encoder: ChunkEncoder,
+        choices: ChoiceSet,
+        usage: UsageTotals,
+        prompt_index: int,
+        message: engine_pb2.GenerateResponse,
+    ) -> str:
+        """The SSE events one engine message makes (none while a parser holds its text back)."""
+        choice, is_new = self._choice(choices, prompt_index, message)
+        events = ""
+        opening = self.opening_choice(choice) if is_new else None
+        if opening is not None:
+            # Usage as it was before this message: the opening chunk precedes its tokens.
+            events = encoder.chunk([opening], usage.as_dict)
+        usage.update(prompt_index, message.usage)
+        if message.text or message.logprobs:
+            delta = self.delta_choice(choice, message.text, message.logprobs)
+            if delta is not None:
+                events += encoder.chunk([delta], usage.as_dict)
+            choice.texts.append(message.text)
+        if message.finished:
+            self._finish(choice, message)
+            for last in (self.flush_choice(choice), self.finish_choice(choice)):
+                if last is not None:
+                    events += encoder.chunk([last], usage.as_dict)
+        return events
 
     def _stream_error(self, error: OpenAIError) -> str:
         log.warning("request %s: stream ended by error %s: %s", self.request_id, error.status, error.message)

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages → GenerateRequest.chat, choices shaped as chat deltas and messages."""
+"""POST /v1/chat/completions: messages and tools → GenerateRequest.chat, choices shaped as chat deltas and
+messages after the configured reasoning and tool-call parsers split them."""
 
 from __future__ import annotations
 
@@ -9,23 +10,26 @@ from conduit.engine.v1 import engine_pb2
 from conduit_gateway.errors import invalid_param
 from conduit_gateway.handlers import fields
 from conduit_gateway.handlers.base import GenerationHandler
+from conduit_gateway.handlers.chat_output import ChatChoiceState, delta_fields, message
 from conduit_gateway.handlers.choices import ChoiceState, UsageTotals, safe_logprob
 from conduit_gateway.handlers.sampling import sampling_params
+from conduit_gateway.parsers.chat_output import ChatOutputParser
+from conduit_gateway.parsers.reasoning import reasoning_parser_class
+from conduit_gateway.parsers.tool_calls import ToolCallParser, tool_call_parser_class
+from conduit_gateway.parsers.tool_calls.forced import ForcedToolCallParser
 from conduit_gateway.schemas.chat import (
     ChatChoice,
     ChatCompletion,
     ChatCompletionRequest,
-    ChatMessage,
     ChatMessageParam,
     ChoiceLogprobs,
 )
+from conduit_gateway.structured.constraints import Constraint, request_constraint
+from conduit_gateway.structured.tools import ToolPlan, plan_tools
 
 # Request fields naming OpenAI features this server does not have: any value but null (or the listed
 # harmless one) is refused, so a client never silently gets less than it asked for.
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "tools": (),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (),
     "functions": (),
     "function_call": ("none",),
     "audio": (),
@@ -44,6 +48,7 @@ class ChatHandler(GenerationHandler):
     id_prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
     body: ChatCompletionRequest
+    tools: ToolPlan  # set by build_inputs
     absent_prompt_logprobs = {"prompt_logprobs": True}
 
     def build_inputs(self) -> list[engine_pb2.GenerateRequest]:
@@ -58,15 +63,16 @@ class ChatHandler(GenerationHandler):
             raise invalid_param("metadata", "only used with store, which is not supported by this server")
         if body.service_tier is not None and body.service_tier not in _SERVICE_TIERS:
             raise invalid_param("service_tier", f"must be one of {', '.join(_SERVICE_TIERS)}")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise invalid_param(
-                "response_format", f"type {body.response_format.type!r} is not supported; use 'text'"
-            )
         if not body.messages:
             raise invalid_param("messages", "must not be empty")
         chat = engine_pb2.ChatInput(messages=[_message(i, m) for i, m in enumerate(body.messages)])
         if body.add_generation_prompt is not None:
             chat.add_generation_prompt = body.add_generation_prompt
+        self.tools = plan_tools(
+            body.tools, body.tool_choice, body.parallel_tool_calls, self.ctx.config.tool_call_parser
+        )
+        if self.tools.tools_json is not None:
+            chat.tools_json = self.tools.tools_json
         return [engine_pb2.GenerateRequest(chat=chat)]
 
     def build_sampling(self) -> engine_pb2.SamplingParams:
@@ -74,11 +80,34 @@ class ChatHandler(GenerationHandler):
         if body.top_logprobs is not None and not body.logprobs:
             raise invalid_param("top_logprobs", "requires logprobs to be true")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return sampling_params(
-            body,
-            max_tokens=self._max_tokens(),
-            logprobs=("top_logprobs", logprobs),
-        )
+        params = sampling_params(body, max_tokens=self._max_tokens(), logprobs=("top_logprobs", logprobs))
+        self.constraint = self._constraint()
+        if self.constraint is not None:
+            # With a reasoning parser the structure applies to the answer, after the reasoning ends.
+            reasoning = self.ctx.config.reasoning_parser
+            after = reasoning_parser_class(reasoning).end_tag if reasoning else None
+            self.constraint.apply(params, after=after)
+        parser = self._tool_parser_class()
+        if parser is not None and parser.needs_special_tokens and body.skip_special_tokens is None:
+            params.skip_special_tokens = False
+        return params
+
+    def _constraint(self) -> Constraint | None:
+        requested = request_constraint(self.body)
+        forced = self.tools.constraint
+        if forced is None:
+            return requested
+        if requested is not None:
+            raise invalid_param(
+                requested.param, "cannot be combined with tool_choice 'required' or a named function"
+            )
+        return forced
+
+    def _tool_parser_class(self) -> type[ToolCallParser] | None:
+        if self.tools.mode == "forced":
+            return ForcedToolCallParser
+        name = self.ctx.config.tool_call_parser
+        return tool_call_parser_class(name) if self.tools.mode == "auto" and name else None
 
     def _max_tokens(self) -> tuple[str, int | None]:
         body = self.body
@@ -92,9 +121,21 @@ class ChatHandler(GenerationHandler):
         return {
             "chat": "messages",
             "input": "messages",
+            "tools_json": "tools",
+            "chat.tools_json": "tools",
             "max_tokens": self._max_tokens()[0],
             "logprobs": "top_logprobs",
         }
+
+    def new_choice(self, index: int, prompt_index: int) -> ChatChoiceState:
+        reasoning = self.ctx.config.reasoning_parser
+        tools = self._tool_parser_class()
+        output = ChatOutputParser(
+            reasoning_parser_class(reasoning)() if reasoning else None,
+            tools() if tools else None,
+            max_calls=None if self.tools.parallel else 1,
+        )
+        return ChatChoiceState(index, output=output)
 
     def opening_choice(self, choice: ChoiceState) -> dict[str, Any] | None:
         # OpenAI sends the role alone in each choice's first delta.
@@ -106,30 +147,46 @@ class ChatHandler(GenerationHandler):
         }
 
     def delta_choice(
-        self, choice: ChoiceState, text: str, logprobs: Sequence[engine_pb2.PositionLogprobs]
-    ) -> dict[str, Any]:
+        self, choice: ChatChoiceState, text: str, logprobs: Sequence[engine_pb2.PositionLogprobs]
+    ) -> dict[str, Any] | None:
+        delta = delta_fields(choice.output.feed(text))
+        if not delta:
+            if not logprobs:
+                return None  # held back by a parser
+            delta["content"] = ""
         return {
             "index": choice.index,
-            "delta": {"content": text},
+            "delta": delta,
             "logprobs": {"content": _logprob_entries(logprobs), "refusal": None} if logprobs else None,
             "finish_reason": None,
         }
 
-    def finish_choice(self, choice: ChoiceState) -> dict[str, Any]:
-        return {"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": choice.finish_reason}
+    def flush_choice(self, choice: ChatChoiceState) -> dict[str, Any] | None:
+        delta = delta_fields(choice.output.finish())
+        if not delta:
+            return None
+        return {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None}
 
-    def response(self, choices: list[ChoiceState], usage: UsageTotals) -> ChatCompletion:
+    def finish_choice(self, choice: ChatChoiceState) -> dict[str, Any]:
+        reason = choice.final_finish_reason()
+        return {"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": reason}
+
+    def response(self, choices: list[ChatChoiceState], usage: UsageTotals) -> ChatCompletion:
         wants_logprobs = bool(self.body.logprobs)
+        for choice in choices:
+            # The whole text parsed in one piece: the same split the streamed deltas add up to.
+            choice.output.feed(choice.text())
+            choice.output.finish()
         return ChatCompletion(
             **self.response_fields(usage),
             choices=[
                 ChatChoice(
                     index=choice.index,
-                    message=ChatMessage(content=choice.text()),
+                    message=message(choice.output),
                     logprobs=ChoiceLogprobs.model_validate({"content": _logprob_entries(choice.logprobs)})
                     if wants_logprobs
                     else None,
-                    finish_reason=choice.finish_reason,
+                    finish_reason=choice.final_finish_reason(),
                 )
                 for choice in choices
             ],

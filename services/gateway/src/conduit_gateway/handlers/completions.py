@@ -23,6 +23,7 @@ from conduit_gateway.schemas.completions import (
     CompletionLogprobs,
     CompletionRequest,
 )
+from conduit_gateway.structured.constraints import request_constraint
 
 # OpenAI's own bound on prompts in one request; each becomes its own engine stream.
 MAX_PROMPTS = 2048
@@ -69,11 +70,15 @@ class CompletionsHandler(GenerationHandler):
         return list(prompt)  # type: ignore[arg-type]
 
     def build_sampling(self) -> engine_pb2.SamplingParams:
-        return sampling_params(
+        params = sampling_params(
             self.body,
             max_tokens=("max_tokens", self.body.max_tokens),
             logprobs=("logprobs", self.body.logprobs),
         )
+        self.constraint = request_constraint(self.body)
+        if self.constraint is not None:
+            self.constraint.apply(params)
+        return params
 
     def param_aliases(self) -> dict[str, str]:
         return {"text": "prompt", "token_ids": "prompt", "input": "prompt"}

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from conduit_gateway.schemas.common import PromptLogprobs, SamplingRequest, StrictModel, Usage
+from conduit_gateway.schemas.structured import NamedToolChoice, StructuredRequest, ToolDefinition
 
 
 class ContentPart(BaseModel):
@@ -42,20 +43,16 @@ class ChatMessageParam(StrictModel):
     annotations: list[Any] | None = None
     audio: Any | None = None
     function_call: Any | None = None
+    # Reasoning of an earlier reply, sent back as received; not given to the template.
     reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
-class ResponseFormat(StrictModel):
-    type: str = Field(description='Only "text" is supported.')
-    json_schema: Any | None = None
-
-
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, StructuredRequest):
     messages: list[ChatMessageParam]
     max_completion_tokens: int | None = Field(None, description="Same as max_tokens (its newer name).")
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool | None = Field(None, description="Append the assistant turn opener.")
     # Accepted hints with no effect on a single-tenant server without storage.
     prompt_cache_key: str | None = None
@@ -63,10 +60,14 @@ class ChatCompletionRequest(SamplingRequest):
     service_tier: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
+    tools: list[ToolDefinition] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='Default "auto" with tools (needs --tool-call-parser), else "none".'
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="Allow several calls in one reply (default true)."
+    )
     # OpenAI features this server does not have: any non-null value is refused with 400.
-    tools: Any | None = None
-    tool_choice: Any | None = None
-    parallel_tool_calls: Any | None = None
     functions: Any | None = None
     function_call: Any | None = None
     audio: Any | None = None
@@ -92,10 +93,33 @@ class ChoiceLogprobs(BaseModel):
     refusal: list[TokenLogprobEntry] | None = None
 
 
+def _absent_when_none(value: object) -> bool:
+    return value is None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text, exactly as the model wrote them.")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    # Absent (not null) unless there is something to say, as OpenAI shapes its messages.
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_absent_when_none)
+    reasoning_content: str | None = Field(
+        None, exclude_if=_absent_when_none, description="With --reasoning-parser: the reasoning text."
+    )
+    reasoning: str | None = Field(
+        None, exclude_if=_absent_when_none, description="Same as reasoning_content."
+    )
 
 
 class ChatChoice(BaseModel):
@@ -116,9 +140,24 @@ class ChatCompletion(BaseModel):
     prompt_logprobs: PromptLogprobs | None = Field(None, description="Only with the prompt_logprobs extra.")
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(None, description="In the call's first delta only.")
+    arguments: str | None = Field(None, description="The next fragment of the arguments text.")
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = Field(None, description="In the call's first delta only.")
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

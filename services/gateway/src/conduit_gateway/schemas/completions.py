@@ -7,9 +7,10 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from conduit_gateway.schemas.common import PromptLogprobs, SamplingRequest, Usage
+from conduit_gateway.schemas.structured import StructuredRequest
 
 
-class CompletionRequest(SamplingRequest):
+class CompletionRequest(SamplingRequest, StructuredRequest):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="A string, a list of strings, token ids, or a list of token-id lists."
     )
