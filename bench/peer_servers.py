@@ -25,8 +25,8 @@ PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "conduit-p
 LLAMA_SERVER = PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-server"
 VLLM_PYTHON = PEERS_DIR / "vllm-venv" / "bin" / "python"
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
-# vLLM 0.32's CPU attention kernels are built for these head sizes only; it refuses a model with another.
-VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+# vLLM 0.32 CPU attention (vllm/v1/attention/backends/cpu_attn.py) supports these head sizes only.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 sys.path.insert(0, str(REPO))  # for tests.support.processes
 from tests.support.processes import ManagedProcess, free_port  # noqa: E402
