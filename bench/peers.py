@@ -37,6 +37,7 @@ from bench.loadgen.runner import LoadPlan  # noqa: E402
 from bench.loadgen.workload import LengthDist  # noqa: E402
 from bench.peer_servers import PeerServer, ServeJob, ensure_built, vllm_refusal  # noqa: E402
 from bench.serving import SweepConfig, run_sweep  # noqa: E402
+from tests.support.processes import ProcessStartError  # noqa: E402
 
 PEERS = ("conduit", "llama.cpp", "vllm")
 CONTEXT_MARGIN = 16
@@ -87,6 +88,23 @@ def bench_server(
     return results
 
 
+def run_peer(
+    peer: str, job: ServeJob, plans: list[tuple[LoadPlan, int]], args: argparse.Namespace
+) -> list[RunResult] | None:
+    """bench_server, started again (--start-retries) when the server dies before it is ready; None when
+    it fails, so that one peer failing does not lose the others' figures."""
+    for attempt in range(1 + args.start_retries):
+        print(f"-- {peer} on {job.name} ({args.dtype}) ...", flush=True)
+        try:
+            return bench_server(peer, job, plans, args)
+        except ProcessStartError as exc:
+            print(f"-- {peer} on {job.name} did not start (attempt {attempt + 1}): {exc}", flush=True)
+        except Exception as exc:
+            print(f"-- {peer} on {job.name} failed: {exc}", flush=True)
+            return None
+    return None
+
+
 def bench_model(key: str, args: argparse.Namespace, out: Path) -> list[TableRow]:
     spec = MODELS[key]
     folder = spec.folder()
@@ -106,11 +124,8 @@ def bench_model(key: str, args: argparse.Namespace, out: Path) -> list[TableRow]
         if refusal:
             print(f"-- {peer} on {job.name}: skipped, {refusal}", flush=True)
             continue
-        print(f"-- {peer} on {job.name} ({args.dtype}) ...", flush=True)
-        try:
-            results = bench_server(peer, job, plans, args)
-        except Exception as exc:  # one peer failing must not lose the others' figures
-            print(f"-- {peer} on {job.name} failed: {exc}", flush=True)
+        results = run_peer(peer, job, plans, args)
+        if results is None:
             continue
         for (plan, _), result in zip(plans, results, strict=True):
             append_result(out, result)
@@ -138,6 +153,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="JSON Lines of every run (default: a temporary file)")
     parser.add_argument("--plot", type=Path, help="draw every run into this PNG")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--start-retries", type=int, default=1, help="starts again of a server that died")
     args = parser.parse_args()
     if "conduit" not in args.peers:
         parser.error("--peers: conduit must be one of them (the table divides by it)")
