@@ -62,7 +62,8 @@ def _throughput(ax, results: Sequence[RunResult], mode: str) -> bool:
     else:
         note = f"; 'inf' drawn at {inf_at:g}" if len(finite) < len(xs) else ""
         ax.set_xlabel(f"request rate (req/s{note})")
-    ax.set_ylabel("output tok/s")
+    ax.set_yscale("log")  # runs of models of very different sizes share the panel
+    ax.set_ylabel("output tok/s (log scale)")
     ax.set_title(f"throughput against {'request rate' if mode == 'rate' else 'concurrency'}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
