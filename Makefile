@@ -13,7 +13,7 @@ ENGINE_PORT ?= 50051
 GATEWAY_PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: venv proto test test-fast lint format run run-engine demo-model bench compose-up clean
+.PHONY: venv proto test test-fast lint format run run-engine demo-model bench bench-setup bench-peers compose-up clean
 
 venv: $(STAMP) $(GEN_STAMP)
 
@@ -68,6 +68,15 @@ run-engine: venv
 
 bench: venv
 	$(PY) bench/engine_throughput.py
+
+# The benchmark-only tools (matplotlib, tqdm, py-spy) for bench/serving.py, bench/plot.py, bench/peers.py.
+bench-setup: venv
+	$(PY) -m pip install -q -r bench/requirements.txt
+
+# Conduit beside llama.cpp's llama-server and vLLM CPU on the same weights (builds the peers once, ~15 min).
+PEERS_ARGS ?=
+bench-peers: bench-setup
+	$(PY) bench/peers.py $(PEERS_ARGS)
 
 # Engine profile of docker-compose.yml: cpu (default) or gpu. Needs a machine with Docker.
 COMPOSE_PROFILE ?= cpu

@@ -21,15 +21,23 @@ def stories_path() -> Path:
     return path
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def random_llama_110m(cache_dir: Path = REPO / ".models" / "random-llama-110m") -> Path:
-    """A random Llama with hidden 768 and 12 layers (~110M parameters with a 32k vocabulary)."""
+    """A random Llama with hidden 768 and 12 layers and a 32k vocabulary: 110M parameters with a tied
+    head, 134M as made here (transformers' LlamaConfig unties it). It carries the Llama 2 tokenizer,
+    tokenizer.model included (llama.cpp's GGUF converter reads SentencePiece vocabularies from it)."""
+    tok_src = SHARED / "tokenizers" / "llama2"
     if (cache_dir / "model.safetensors").is_file():
+        for name in TOKENIZER_FILES:  # folders made before tokenizer.model was copied
+            if not (cache_dir / name).is_file():
+                (cache_dir / name).write_bytes((tok_src / name).read_bytes())
         return cache_dir
     import transformers
 
     from conduit_engine.demo_model import CHAT_TEMPLATE
 
-    tok_src = SHARED / "tokenizers" / "llama2"
     config = transformers.LlamaConfig(
         vocab_size=32000,
         hidden_size=768,
@@ -45,7 +53,7 @@ def random_llama_110m(cache_dir: Path = REPO / ".models" / "random-llama-110m") 
     model = transformers.LlamaForCausalLM(config)
     cache_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(cache_dir, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in TOKENIZER_FILES:
         (cache_dir / name).write_bytes((tok_src / name).read_bytes())
     (cache_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return cache_dir

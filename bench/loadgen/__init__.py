@@ -1,0 +1,1 @@
+"""The load generator behind bench/serving.py: workloads, the streaming client, the load, the metrics."""
