@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conduit_engine.models.config import ArchConfig
 from conduit_engine.models.loader import load_model
+from conduit_engine.models.registry import read_arch_config
 from conduit_engine.ops.base import AttentionMetadata
 from conduit_engine.ops.cuda_ops import CudaOps
 from conduit_engine.ops.torch_ops import TorchOps
@@ -42,7 +42,7 @@ class TinyRunner:
     """Just enough of a model runner for the test: fixed block tables, one step's metadata per call."""
 
     def __init__(self, folder: Path, ops, num_seqs: int) -> None:
-        config = ArchConfig.from_folder(folder)
+        config = read_arch_config(folder)
         self.model = load_model(folder, config, ops, torch.float32, "cpu", 512)
         shape = (num_seqs * 512 // BLOCK + 1, BLOCK, config.num_kv_heads, config.head_dim)
         self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]

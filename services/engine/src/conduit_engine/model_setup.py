@@ -13,9 +13,10 @@ import torch
 
 from conduit_engine.config import EngineConfig
 from conduit_engine.errors import ModelLoadError
+from conduit_engine.models.base import CausalLM
 from conduit_engine.models.config import ArchConfig
-from conduit_engine.models.llama import LlamaForCausalLM
 from conduit_engine.models.loader import load_model, resolve_dtype
+from conduit_engine.models.registry import read_arch_config
 from conduit_engine.ops import get_ops
 from conduit_engine.tokenizer import ModelTokenizer
 
@@ -37,7 +38,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     dtype: torch.dtype
-    model: LlamaForCausalLM
+    model: CausalLM
     num_blocks: int  # KV cache blocks
     block_size: int
 
@@ -47,7 +48,7 @@ def load(config: EngineConfig) -> LoadedModel:
     folder = Path(config.model.path)
     if not folder.is_dir():
         raise ModelLoadError(f"model folder {folder} does not exist")
-    arch = ArchConfig.from_folder(folder)
+    arch = read_arch_config(folder)
     tokenizer = ModelTokenizer(folder)
     max_len = max_model_len(config, arch)
     dtype = resolve_dtype(config.model.dtype, arch, config.model.device)
@@ -82,9 +83,7 @@ def eos_token_ids(folder: Path, arch: ArchConfig) -> tuple[int, ...]:
 
 def max_model_len(config: EngineConfig, arch: ArchConfig) -> int:
     """The longest prompt + completion: --max-model-len, which may not exceed the model's own limit."""
-    limit = arch.max_position_embeddings
-    if arch.sliding_window is not None:
-        limit = min(limit, arch.sliding_window)  # full attention is exact only inside the window
+    limit = arch.context_limit
     requested = config.model.max_model_len
     if requested is None:
         return limit
