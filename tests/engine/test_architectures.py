@@ -169,7 +169,10 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
         ({"rope_type": "xpos", "factor": 2.0}, "unsupported rope_scaling type 'xpos'"),
         ({"rope_type": "linear"}, r"rope_scaling \(linear\) has a missing or bad field"),
         ({"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}, "need head_dim / 2 = 8 entries"),
-        ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+        (
+            {"rope_type": "default", "partial_rotary_factor": 0.5},
+            "partial_rotary_factor 0.5 is not supported",
+        ),
     ],
 )
 def test_bad_rope_scaling_is_a_clear_error(tmp_path, rope_scaling, message):
