@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from conduit_engine.errors import ModelLoadError
-from conduit_engine.models.registry import ARCHITECTURES
+from conduit_engine.models.registry import ARCHITECTURES, read_arch_config
+from conduit_engine.request import GenerationRequest
 from tests.engine.harness import generate, greedy, make_engine, run_to_completion
 from tests.engine.model_factory import load_hf, make_tiny_model
 from tests.engine.test_prefix_preemption_parity import submit
@@ -139,8 +140,10 @@ def test_greedy_and_logprobs_match_transformers(arch):
 def test_prefix_caching_chunked_prefill_and_preemption_match_transformers(arch):
     name, folder = arch
     hf = load_hf(folder)
-    # 14 blocks of 4 tokens: the four requests (up to 17 blocks each without a window) cannot all run.
-    engine = make_engine(folder, block_size=4, num_blocks=14, max_num_batched_tokens=7)
+    # The four requests (up to 14 blocks of 4 each, or 5 with a window on every layer, whose blocks behind
+    # it are freed) cannot all run in 14 blocks (8 with the window).
+    windowed = read_arch_config(folder).uniform_window is not None
+    engine = make_engine(folder, block_size=4, num_blocks=8 if windowed else 14, max_num_batched_tokens=7)
     rng = random.Random(3)
     shared = [1] + [rng.randrange(3, 259) for _ in range(12)]
     prompts = {f"r{i}": shared + [rng.randrange(3, 259) for _ in range(3 + 4 * i)] for i in range(4)}
@@ -183,3 +186,32 @@ def test_bad_rope_scaling_is_a_clear_error(tmp_path, rope_scaling, message):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=message):
         make_engine(folder)
+
+
+def test_a_sliding_window_frees_blocks_so_a_context_outgrows_the_cache(tmp_path):
+    folder = make_tiny_model(tmp_path / "mistral", **ARCHS["mistral-sliding"])
+    # 8 blocks of 4 tokens hold 32 tokens; the request needs 80. Every layer has the 8-token window, so
+    # blocks behind it go back to the cache: between steps the sequence holds the 3 blocks that cover
+    # the next query's window (positions N - 7 .. N).
+    engine = make_engine(folder, block_size=4, num_blocks=8, max_num_batched_tokens=8)
+    assert engine.max_model_len == 512  # the context is the model's, not the window
+    assert engine.block_manager.sliding_window == 8
+    prompt = prompts_for(11)["p30"][:20]
+    engine.add_request(GenerationRequest("long", greedy(60, ignore_eos=True), token_ids=prompt))
+    (seq,) = engine.scheduler.waiting
+    tokens, most_used = [], 0
+    while engine.has_work():
+        tokens += [t for out in engine.step() for t in out.token_ids]
+        most_used = max(most_used, engine.block_manager.stats().used)
+        engine.check_integrity()
+    assert tokens == hf_greedy_logprobs(load_hf(folder), prompt, 60)[0]
+    assert most_used == 3 and seq.num_preemptions == 0
+    assert engine.block_manager.stats().used == 0
+
+
+@pytest.mark.parametrize(("name", "window"), [("gemma2", None), ("qwen2-sliding", None), ("phi3-sliding", 8)])
+def test_only_a_window_on_every_layer_frees_blocks(tmp_path, name, window):
+    folder = make_tiny_model(tmp_path / name, **ARCHS[name])
+    engine = make_engine(folder)
+    assert None in engine.arch.layer_windows or window is not None
+    assert engine.block_manager.sliding_window == window

@@ -41,11 +41,6 @@ class Limits:
     num_blocks: int
     block_size: int
 
-    @property
-    def max_total_tokens(self) -> int:
-        """The most tokens one sequence can ever hold: the context, or the whole cache if smaller."""
-        return min(self.max_model_len, self.num_blocks * self.block_size)
-
 
 class Admission:
     def __init__(
@@ -55,6 +50,20 @@ class Admission:
         self.limits = limits
         self.scheduler = scheduler
         self.config = config
+        self.max_total_tokens = self._max_total_tokens()
+
+    def _blocks_for(self, total_tokens: int) -> int:
+        """KV blocks a sequence of `total_tokens` holds at its peak (fewer with a sliding window)."""
+        return self.scheduler.block_manager.blocks_for_sequence(
+            total_tokens, self.config.max_num_batched_tokens
+        )
+
+    def _max_total_tokens(self) -> int:
+        """The most tokens one sequence can ever hold: the context, or what the cache holds if less."""
+        limits = self.limits
+        if self._blocks_for(limits.max_model_len) <= limits.num_blocks:
+            return limits.max_model_len
+        return min(limits.max_model_len, limits.num_blocks * limits.block_size)
 
     def admit(self, req: GenerationRequest, live_request_ids: Container[str]) -> AdmittedRequest:
         """Validate `req`; raises InvalidRequestError, DuplicateRequestError or QueueFullError."""
@@ -65,7 +74,7 @@ class Admission:
         max_tokens = req.params.max_tokens
         if max_tokens is None:
             max_tokens = (
-                max(1, self.limits.max_total_tokens - len(prompt))
+                max(1, self.max_total_tokens - len(prompt))
                 if req.messages is not None
                 else DEFAULT_MAX_TOKENS
             )
@@ -112,7 +121,7 @@ class Admission:
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
                 f"model's context of {limits.max_model_len} tokens",
             )
-        blocks = (total + limits.block_size - 1) // limits.block_size
+        blocks = self._blocks_for(total)
         if blocks > limits.num_blocks:
             raise InvalidRequestError(
                 "max_tokens",

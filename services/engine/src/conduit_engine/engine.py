@@ -60,7 +60,10 @@ class LLMEngine:
             use_cuda_graphs=not config.enforce_eager,
         )
         self.block_manager = BlockManager(
-            self.num_blocks, self.block_size, config.cache.enable_prefix_caching
+            self.num_blocks,
+            self.block_size,
+            config.cache.enable_prefix_caching,
+            sliding_window=self.arch.uniform_window,  # blocks behind it are freed as sequences grow
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         limits = Limits(self.arch.vocab_size, self.max_model_len, self.num_blocks, self.block_size)
