@@ -3,6 +3,10 @@
 After admission nothing a request carries can fail a step: the prompt and every token id the request
 names lie inside the model's vocabulary, max_tokens has its resolved value, and prompt + max_tokens fit
 the context and the cache. Each failure raises an EngineError subclass whose message names the field.
+
+Defaults are decided here and nowhere else, on a copy of the request's parameters: the fields the
+request left unset take the model's generation defaults (generation_defaults.py), and max_tokens its
+default by the kind of input.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 
 from conduit_engine.config import SchedulerConfig
 from conduit_engine.errors import DuplicateRequestError, InvalidRequestError, QueueFullError
+from conduit_engine.generation_defaults import GenerationDefaults
 from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.scheduler import Scheduler
@@ -44,9 +49,15 @@ class Limits:
 
 class Admission:
     def __init__(
-        self, tokenizer: ModelTokenizer, limits: Limits, scheduler: Scheduler, config: SchedulerConfig
+        self,
+        tokenizer: ModelTokenizer,
+        limits: Limits,
+        scheduler: Scheduler,
+        config: SchedulerConfig,
+        defaults: GenerationDefaults | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.defaults = defaults or GenerationDefaults()
         self.limits = limits
         self.scheduler = scheduler
         self.config = config
@@ -71,17 +82,22 @@ class Admission:
             raise DuplicateRequestError("request_id", f"request {req.request_id!r} is already running")
         req.params.validate(vocab_size=self.limits.vocab_size)
         prompt = self.prompt_token_ids(req)
-        max_tokens = req.params.max_tokens
+        params = req.params.with_defaults(self.defaults.sampling)
+        max_tokens = params.max_tokens
         if max_tokens is None:
-            max_tokens = (
-                max(1, self.max_total_tokens - len(prompt))
-                if req.messages is not None
-                else DEFAULT_MAX_TOKENS
-            )
+            max_tokens = self._default_max_tokens(req.messages is not None, len(prompt))
         self._check_fits(len(prompt), max_tokens)
-        self._check_queue(req.params.n)
-        params = dataclasses.replace(req.params, max_tokens=max_tokens)
+        self._check_queue(params.n)
+        params = dataclasses.replace(params, max_tokens=max_tokens)
         return AdmittedRequest(req.request_id, prompt, params, req.priority)
+
+    def _default_max_tokens(self, is_chat: bool, prompt_len: int) -> int:
+        """The model's max_new_tokens, else OpenAI's 16 for completions and the rest of the context for
+        chat; never more than the context has left."""
+        left = max(1, self.max_total_tokens - prompt_len)
+        if self.defaults.max_tokens is not None:
+            return min(self.defaults.max_tokens, left)
+        return left if is_chat else DEFAULT_MAX_TOKENS
 
     def prompt_token_ids(self, req: GenerationRequest) -> list[int]:
         """Tokenize the one input of `req` and check every id against the model's vocabulary."""

@@ -67,7 +67,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         limits = Limits(self.arch.vocab_size, self.max_model_len, self.num_blocks, self.block_size)
-        self.admission = Admission(self.tokenizer, limits, self.scheduler, config.scheduler)
+        self.admission = Admission(
+            self.tokenizer, limits, self.scheduler, config.scheduler, loaded.generation_defaults
+        )
         self._requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self._finished_requests = 0

@@ -46,7 +46,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     kwargs["logit_bias"] = dict(msg.logit_bias)
-    return SamplingParams(**kwargs)  # type: ignore[arg-type]
+    return SamplingParams.from_request(**kwargs)
 
 
 def messages_from_pb(chat: pb.ChatInput) -> list[ChatMessage]:
