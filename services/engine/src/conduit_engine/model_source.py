@@ -122,7 +122,9 @@ def _not_cached(repo_id: str, revision: str | None, cache: str, exc: Exception) 
         why = "the Hub is offline (HF_HUB_OFFLINE=1)"
         fix = "fetch it once with network access (or unset HF_HUB_OFFLINE)"
     else:
-        why = f"the Hugging Face Hub at {constants.ENDPOINT} cannot be reached ({_first_line(exc.__cause__ or exc)})"
+        cause = exc.__cause__ or exc
+        failed = "answered with an error" if isinstance(cause, HfHubHTTPError) else "cannot be reached"
+        why = f"the Hugging Face Hub at {constants.ENDPOINT} {failed} ({_first_line(cause)})"
         fix = "check the network, or fetch it where the Hub is reachable and copy the cache"
     return f"{what} is not in the cache {cache} and {why}: {fix}, or pass --model a local folder"
 

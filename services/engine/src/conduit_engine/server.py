@@ -269,7 +269,12 @@ class EngineServer:
             self.port,
         )
         loop = asyncio.get_running_loop()
-        core = await loop.run_in_executor(None, LLMEngine, self.config)
+        try:
+            core = await loop.run_in_executor(None, LLMEngine, self.config)
+        except BaseException:
+            # A model that cannot load ends the process with a message: stop gRPC cleanly first.
+            await self.server.stop(grace=None)
+            raise
         self.async_engine = AsyncEngine(core)
         self.servicer.attach(self.async_engine)
         await warm_up(self.async_engine)
