@@ -61,7 +61,9 @@ def test_a_bf16_checkpoint_runs_in_bf16_on_the_cpu_like_transformers(tmp_path, s
 
 def test_float16_compute_is_refused_on_the_cpu():
     args = build_parser().parse_args(["--model", "m", "--dtype", "float16"])
-    with pytest.raises(ValueError, match="--dtype float16 needs --device cuda: on the CPU use float32 or bfloat16"):
+    with pytest.raises(
+        ValueError, match="--dtype float16 needs --device cuda: on the CPU use float32 or bfloat16"
+    ):
         config_from_args(args)
 
 
@@ -91,7 +93,9 @@ def test_weights_in_the_checkpoint_dtype_are_the_memory_mapped_file(stories_path
 
 
 def test_a_sharded_bf16_checkpoint_loads_and_matches(tmp_path):
-    folder = make_tiny_model(tmp_path / "tiny", family="qwen3", num_layers=3, dtype=torch.bfloat16, norm_noise=0.2)
+    folder = make_tiny_model(
+        tmp_path / "tiny", family="qwen3", num_layers=3, dtype=torch.bfloat16, norm_noise=0.2
+    )
     model = load_hf(folder, torch.bfloat16)
     sharded = tmp_path / "sharded"
     model.save_pretrained(sharded, safe_serialization=True, max_shard_size="30KB")

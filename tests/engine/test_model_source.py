@@ -109,7 +109,11 @@ def test_local_folders_and_paths(hub, tmp_path, stories_path):
         (401, "RepoNotFound", "is neither a local folder nor a repository on the Hugging Face Hub"),
         (403, "GatedRepo", "is gated: accept its terms at {url}/conduit-test/private and set HF_TOKEN"),
         (404, "RevisionNotFound", "has no revision 'main' on the Hub"),
-        (500, None, "is not in the cache {cache} and the Hugging Face Hub at {url} answered with an error (Server error '500"),
+        (
+            500,
+            None,
+            "is not in the cache {cache} and the Hugging Face Hub at {url} answered with an error (Server error '500",
+        ),
     ],
 )
 def test_hub_answers_become_clear_errors(hub, tmp_path, status, code, message):

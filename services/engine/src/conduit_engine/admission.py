@@ -109,7 +109,9 @@ class Admission:
             ids = self.tokenizer.encode(req.text) if req.text else []
         elif req.messages is not None:
             field = "messages"
-            ids = self.tokenizer.encode_chat(req.messages, req.add_generation_prompt)
+            ids = self.tokenizer.encode_chat(
+                req.messages, req.add_generation_prompt, req.tools, req.documents
+            )
         else:
             field = "token_ids"
             ids = list(req.token_ids or [])
