@@ -1,16 +1,92 @@
-"""`make run`'s launcher: the demo model is made offline, engine + gateway serve it, SIGTERM stops both."""
+"""`make run`'s launcher: without a model it serves HuggingFaceTB/SmolLM2-135M-Instruct from the Hub cache,
+or offline with nothing cached the demo model, saying why; engine + gateway serve it; SIGTERM stops both.
+
+No network reaches the Hub here: the default model's cache entry holds stories260K (tests/support/hub.py),
+which huggingface_hub finds offline exactly as it would find the real download.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
 
 import openai
+import pytest
 
 from conduit_engine.demo_model import write_demo_model
+from conduit_engine.run_stack import DEFAULT_MODEL, choose_model
+from tests.engine.test_parity import KNOWN_STORY
+from tests.support.hub import lay_out_hub_cache
 from tests.support.processes import free_port
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch) -> dict[str, str]:
+    """An offline Hub with an empty cache, in this process's environment (children inherit it)."""
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path / "home")}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env
+
+
+def launch(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "conduit_engine.run_stack", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ),
+    )
+
+
+def read_banner(proc: subprocess.Popen[str]) -> str:
+    lines = []
+    for line in proc.stdout:  # type: ignore[union-attr]
+        lines.append(line)
+        if "Ctrl-C stops both" in line:
+            break
+    return "".join(lines)
+
+
+def test_the_default_model_is_served_from_the_cache(offline_hub, tmp_path, stories_path):
+    lay_out_hub_cache(tmp_path / "hub", DEFAULT_MODEL, stories_path)
+    assert choose_model(str(tmp_path / "demo")) == (DEFAULT_MODEL, None)
+    assert not (tmp_path / "demo").exists()
+
+
+def test_offline_with_nothing_cached_falls_back_to_the_demo_model(offline_hub, tmp_path):
+    model, reason = choose_model(str(tmp_path / "demo"))
+    assert model == str(tmp_path / "demo") and (tmp_path / "demo" / "model.safetensors").is_file()
+    assert reason is not None
+    assert reason.startswith(f"model '{DEFAULT_MODEL}' is not in the cache {tmp_path / 'hub'}")
+    assert "the Hub is offline (HF_HUB_OFFLINE=1)" in reason
+
+
+def test_run_stack_serves_the_cached_default_model(offline_hub, tmp_path, stories_path):
+    lay_out_hub_cache(tmp_path / "hub", DEFAULT_MODEL, stories_path)
+    engine_port, gateway_port = free_port(), free_port()
+    proc = launch(
+        "--demo-dir",
+        str(tmp_path / "demo"),
+        "--engine-port",
+        str(engine_port),
+        "--gateway-port",
+        str(gateway_port),
+    )
+    try:
+        text = read_banner(proc)
+        assert f"Conduit is serving {DEFAULT_MODEL!r}" in text and "demo" not in text
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway_port}/v1", api_key="none")
+        reply = client.completions.create(model=DEFAULT_MODEL, prompt=[1], max_tokens=62, temperature=0)
+        assert reply.choices[0].text.strip() == KNOWN_STORY
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def live_pids(pattern: str) -> list[str]:
@@ -27,33 +103,17 @@ def live_pids(pattern: str) -> list[str]:
     return live
 
 
-def test_run_stack_serves_the_demo_model_and_stops_cleanly(tmp_path):
-    model = write_demo_model(tmp_path / "demo-llama")
-    assert write_demo_model(model) == model  # idempotent: a second run keeps the folder
+def test_run_stack_offline_serves_the_demo_model_says_why_and_stops_cleanly(offline_hub, tmp_path):
+    model = tmp_path / "demo-llama"
     engine_port, gateway_port = free_port(), free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "conduit_engine.run_stack",
-            "--model",
-            str(model),
-            "--engine-port",
-            str(engine_port),
-            "--gateway-port",
-            str(gateway_port),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc = launch(
+        "--demo-dir", str(model), "--engine-port", str(engine_port), "--gateway-port", str(gateway_port)
     )
     try:
-        banner = []
-        for line in proc.stdout:
-            banner.append(line)
-            if "Ctrl-C stops both" in line:
-                break
-        text = "".join(banner)
+        text = read_banner(proc)
+        assert f"{DEFAULT_MODEL} is not available: model '{DEFAULT_MODEL}' is not in the cache" in text
+        assert f"Serving the random demo model from {model} instead: its text is meaningless." in text
+        assert write_demo_model(model) == model  # idempotent: a second run keeps the folder
         assert f"http://127.0.0.1:{gateway_port}/v1" in text and "curl" in text
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway_port}/v1", api_key="none")
         reply = client.completions.create(model="demo-llama", prompt="Once upon a time", max_tokens=5)

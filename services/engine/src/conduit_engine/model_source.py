@@ -136,3 +136,25 @@ def _token_note() -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m conduit_engine.model_source MODEL`: fetch MODEL (progress on stderr), print its folder.
+
+    On failure it prints the reason as the one line of stdout and exits with status 2 (no traceback):
+    a launcher runs it in a child process to learn whether a model is available.
+    """
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: python -m conduit_engine.model_source MODEL")
+    try:
+        print(resolve(args[0]).folder, flush=True)
+    except ModelLoadError as exc:
+        print(exc, flush=True)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
