@@ -30,7 +30,8 @@ RICH_TEMPLATE = """{{ bos_token }}{% if tools %}Tools: {{ tools | tojson }}
 {% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}\
 {% if m['content'] == 'forbidden' %}{{ raise_exception('the word forbidden is not allowed') }}{% endif %}\
 {{ m['role'] }}: {% generation %}{{ m['content'] }}{% endgeneration %}{{ eos_token }}
-{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}{{ {'é': [1, 2]} | tojson(indent=1, sort_keys=True) }}"""
+{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}\
+{{ {'é': [1, 2]} | tojson(indent=1, sort_keys=True) }}"""
 
 TOOLS = [
     {

@@ -16,6 +16,7 @@ import sys
 import grpc
 import pytest
 from huggingface_hub import constants
+from huggingface_hub.utils import filter_repo_objects
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc
@@ -56,17 +57,26 @@ def test_a_cached_hub_id_resolves_offline_to_its_snapshot(hub, cache):
 
 
 def test_only_the_files_serving_needs_are_fetched():
-    assert SERVING_FILES == (
+    repo = [
         "config.json",
         "generation_config.json",
-        "model*.safetensors",
+        "model.safetensors",
+        "model-00001-of-00002.safetensors",
         "model.safetensors.index.json",
         "tokenizer.json",
         "tokenizer_config.json",
         "special_tokens_map.json",
         "chat_template.jinja",
-        "chat_template.json",
-    )
+        "consolidated.safetensors",  # Mistral's own layout of the same weights
+        "pytorch_model.bin",
+        "tokenizer.model",
+        "onnx/model.onnx",
+        "README.md",
+    ]
+    fetched = list(
+        filter_repo_objects(repo, allow_patterns=list(SERVING_FILES))
+    )  # what snapshot_download keeps
+    assert fetched == repo[:9]
 
 
 def test_offline_with_nothing_cached_says_so(hub, tmp_path):
@@ -112,7 +122,8 @@ def test_local_folders_and_paths(hub, tmp_path, stories_path):
         (
             500,
             None,
-            "is not in the cache {cache} and the Hugging Face Hub at {url} answered with an error (Server error '500",
+            "is not in the cache {cache} and the Hugging Face Hub at {url} answered with an error "
+            "(Server error '500",
         ),
     ],
 )

@@ -10,44 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DTYPES
-from test_ops_emulated import DTYPE_IDS, REF, TOL, PagedBatch, _ops, _rand, step
+from test_ops_emulated import DTYPE_IDS, REF, TOL, PagedBatch, _check_attention, _ops, _rand, step
 
 from conduit_engine.ops.base import AttentionMetadata
-
-
-def _poison_outside_windows(batch: PagedBatch, window: int | None) -> None:
-    """Point every table entry of a block below all of its sequence's windows at one NaN block."""
-    if window is None:
-        return
-    meta = batch.meta
-    bs = meta.block_size
-    used = {
-        int(b) for i, n in enumerate(meta.seq_lens_cpu) for b in meta.block_tables[i, : -(-n // bs)].tolist()
-    }
-    poison = min(set(range(batch.k_cache.shape[0])) - used)  # a spare block no table uses
-    batch.k_cache[poison] = float("nan")
-    batch.v_cache[poison] = float("nan")
-    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
-        lowest_visible = max(0, seq_len - q_len - window + 1)
-        for block in range(lowest_visible // bs):  # blocks ending before the lowest visible key
-            meta.block_tables[i, block] = poison
-
-
-def _check(
-    launcher, dtype, seq_lens, query_lens, block_size, heads, kv_heads, head_dim, window, softcap, **kw
-):
-    gen = torch.Generator().manual_seed(sum(seq_lens) + block_size + head_dim)
-    batch = PagedBatch(gen, seq_lens, query_lens, block_size, kv_heads, head_dim, dtype)
-    _poison_outside_windows(batch, window)
-    q = _rand(gen, sum(query_lens), heads, head_dim, dtype=dtype, scale=2.0)
-    ops = _ops(launcher, **kw)
-    args = dict(sliding_window=window, logit_softcap=softcap)
-    got = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, batch.meta), head_dim**-0.5, **args)
-    want = REF.attention(q, batch.k_cache, batch.v_cache, step(REF, batch.meta), head_dim**-0.5, **args)
-    assert not want.isnan().any() and not got.isnan().any()
-    torch.testing.assert_close(got, want, **TOL[dtype])
-    return [k.name.split("<")[0] for k in launcher.launches]
-
 
 DECODE_CASES = [
     # seq_lens, block_size, heads, kv_heads, head_dim, partition, threads, window, softcap
@@ -63,7 +28,7 @@ DECODE_CASES = [
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[f"decode{i}" for i in range(len(DECODE_CASES))])
 def test_windowed_soft_capped_decode_matches_reference(launcher, dtype, case):
     seq_lens, block_size, heads, kv_heads, head_dim, partition, threads, window, softcap = case
-    names = _check(
+    _check_attention(
         launcher,
         dtype,
         seq_lens,
@@ -72,11 +37,13 @@ def test_windowed_soft_capped_decode_matches_reference(launcher, dtype, case):
         heads,
         kv_heads,
         head_dim,
-        window,
-        softcap,
+        seed=sum(seq_lens) + block_size,
+        sliding_window=window,
+        logit_softcap=softcap,
         decode_partition_size=partition,
         decode_threads=threads,
     )
+    names = [k.name.split("<")[0] for k in launcher.launches]
     visible = min(max(seq_lens), window or max(seq_lens))
     assert names.count("paged_decode_reduce_kernel") == (1 if visible > partition else 0)
 
@@ -95,17 +62,27 @@ PREFILL_CASES = [
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=[f"prefill{i}" for i in range(len(PREFILL_CASES))])
 def test_windowed_soft_capped_prefill_matches_reference(launcher, dtype, case):
     seq_lens, query_lens, block_size, heads, kv_heads, head_dim, window, softcap = case
-    names = _check(
-        launcher, dtype, seq_lens, query_lens, block_size, heads, kv_heads, head_dim, window, softcap
+    _check_attention(
+        launcher,
+        dtype,
+        seq_lens,
+        query_lens,
+        block_size,
+        heads,
+        kv_heads,
+        head_dim,
+        seed=sum(seq_lens) + head_dim,
+        sliding_window=window,
+        logit_softcap=softcap,
     )
-    assert names == ["paged_prefill_attention_kernel"]
+    assert [k.name.split("<")[0] for k in launcher.launches] == ["paged_prefill_attention_kernel"]
 
 
 def test_windowed_decode_grid_sized_for_longer_contexts_gives_same_result(launcher):
     """Under CUDA graphs the host lengths say max_model_len: the grid covers the window, not the context."""
     gen = torch.Generator().manual_seed(9)
     batch = PagedBatch(gen, (140, 9), (1, 1), 8, 2, 16, torch.float32)
-    _poison_outside_windows(batch, 40)
+    batch.poison_outside_window(40)
     q = _rand(gen, 2, 4, 16)
     ops = _ops(launcher, decode_partition_size=32, decode_threads=32)
     want = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, batch.meta), 0.25, sliding_window=40)

@@ -170,17 +170,50 @@ class PagedBatch:
             block_size=block_size,
         )
 
+    def poison_outside_window(self, window: int | None) -> None:
+        """Point every table entry of a block wholly below its sequence's windows (as the block manager
+        frees them) at one spare block full of NaN: whoever reads one, even to mask it, returns NaN."""
+        if window is None:
+            return
+        meta, bs = self.meta, self.meta.block_size
+        used = {
+            int(b)
+            for i, n in enumerate(meta.seq_lens_cpu)
+            for b in meta.block_tables[i, : -(-n // bs)].tolist()
+        }
+        poison = min(set(range(self.k_cache.shape[0])) - used)
+        self.k_cache[poison] = float("nan")
+        self.v_cache[poison] = float("nan")
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+            lowest_visible = max(0, seq_len - q_len - window + 1)
+            for block in range(lowest_visible // bs):  # blocks ending before the lowest visible key
+                meta.block_tables[i, block] = poison
+
 
 def _check_attention(
-    launcher, dtype, seq_lens, query_lens, block_size, heads, kv_heads, head_dim, seed, **ops_kw
+    launcher,
+    dtype,
+    seq_lens,
+    query_lens,
+    block_size,
+    heads,
+    kv_heads,
+    head_dim,
+    seed,
+    sliding_window=None,
+    logit_softcap=None,
+    **ops_kw,
 ):
     gen = torch.Generator().manual_seed(seed)
     batch = PagedBatch(gen, seq_lens, query_lens, block_size, kv_heads, head_dim, dtype)
-    q = _rand(gen, sum(query_lens), heads, head_dim, dtype=dtype)
+    batch.poison_outside_window(sliding_window)
+    q = _rand(gen, sum(query_lens), heads, head_dim, dtype=dtype, scale=2.0 if logit_softcap else 1.0)
     scale = head_dim**-0.5
     ops = _ops(launcher, **ops_kw)
-    got = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, batch.meta), scale)
-    want = REF.attention(q, batch.k_cache, batch.v_cache, step(REF, batch.meta), scale)
+    args = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
+    got = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, batch.meta), scale, **args)
+    want = REF.attention(q, batch.k_cache, batch.v_cache, step(REF, batch.meta), scale, **args)
+    assert not want.isnan().any() and not got.isnan().any()
     torch.testing.assert_close(got, want, **TOL[dtype])
     return got
 

@@ -60,7 +60,7 @@ class FaultyHub:
 
             do_GET = do_HEAD = do_POST = _answer
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: object) -> None:
                 pass
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -46,7 +46,7 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
         "--generation-config",
         str,
         "auto",
-        "auto: generation_config.json's EOS ids and sampling defaults; vllm: its EOS ids only; none: ignore it",
+        "auto: generation_config.json's EOS ids and sampling defaults; vllm: its EOS ids; none: ignore it",
     ),
     ("--max-model-len", int, None, "longest prompt + completion (default: the model's limit)"),
     ("--max-num-seqs", int, 64, "most sequences in one batch"),
