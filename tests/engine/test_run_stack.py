@@ -65,6 +65,17 @@ def test_offline_with_nothing_cached_falls_back_to_the_demo_model(offline_hub, t
     assert "the Hub is offline (HF_HUB_OFFLINE=1)" in reason
 
 
+def test_a_hub_id_that_cannot_be_fetched_stops_the_launcher_with_the_reason(offline_hub):
+    proc = launch("--model", "conduit-test/absent")
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert output.strip() == (
+        "cannot serve conduit-test/absent: model 'conduit-test/absent' is not in the cache "
+        f"{offline_hub['HF_HUB_CACHE']} and the Hub is offline (HF_HUB_OFFLINE=1): fetch it once with "
+        "network access (or unset HF_HUB_OFFLINE), or pass --model a local folder"
+    )
+
+
 def test_run_stack_serves_the_cached_default_model(offline_hub, tmp_path, stories_path):
     lay_out_hub_cache(tmp_path / "hub", DEFAULT_MODEL, stories_path)
     engine_port, gateway_port = free_port(), free_port()

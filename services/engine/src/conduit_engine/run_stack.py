@@ -68,13 +68,21 @@ def _python_module(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", *args], stdout=subprocess.PIPE, text=True, check=False)
 
 
-def choose_model(demo_dir: str) -> tuple[str, str | None]:
-    """(model to serve, why it is not DEFAULT_MODEL or None). Fetching runs in a child process: this one
-    must not start threads before it forks the engine and the gateway."""
-    fetched = _python_module("conduit_engine.model_source", DEFAULT_MODEL)
+def fetch(model: str) -> str | None:
+    """Download a Hub id before the engine starts (its progress shows here, and the engine's load
+    timeout does not run during it); None when it is available, else why not. It runs in a child
+    process: this one must not start threads before it forks the engine and the gateway."""
+    fetched = _python_module("conduit_engine.model_source", model)
     if fetched.returncode == 0:
+        return None
+    return fetched.stdout.strip() or f"fetching it failed with status {fetched.returncode}"
+
+
+def choose_model(demo_dir: str) -> tuple[str, str | None]:
+    """(model to serve, why it is not DEFAULT_MODEL or None)."""
+    reason = fetch(DEFAULT_MODEL)
+    if reason is None:
         return DEFAULT_MODEL, None
-    reason = fetched.stdout.strip() or f"fetching it failed with status {fetched.returncode}"
     made = _python_module("conduit_engine.demo_model", demo_dir)
     if made.returncode != 0:
         raise SystemExit(f"cannot serve {DEFAULT_MODEL} ({reason}) nor write the demo model to {demo_dir}")
@@ -136,6 +144,8 @@ def main() -> None:
                 f"Serving the random demo model from {args.model} instead: its text is meaningless.",
                 flush=True,
             )
+    elif not Path(args.model).is_dir() and (reason := fetch(args.model)) is not None:
+        raise SystemExit(f"cannot serve {args.model}: {reason}")
     # SIGTERM (e.g. from a supervisor) must stop the children too, as Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
     engine_address = f"127.0.0.1:{args.engine_port}"
