@@ -16,12 +16,13 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP) $(GEN_STAMP)
 
-$(STAMP): requirements.txt services/common/pyproject.toml services/engine/pyproject.toml services/gateway/pyproject.toml protos/python/pyproject.toml
+$(STAMP): requirements.txt requirements-nodeps.txt services/common/pyproject.toml services/engine/pyproject.toml services/gateway/pyproject.toml protos/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: the pinned CPU wheel, so that nothing later resolves a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(MAKE) --no-print-directory proto PY=$(PY)
 	$(PY) -m pip install -q --no-deps -e protos/python -e services/common -e services/engine -e services/gateway
 	touch $@

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,15 +10,15 @@ from test_ops_emulated import _meta_for_tokens
 
 from conduit_engine.ops.cuda_ops import CudaOps, decode_shared_bytes, prefill_shared_bytes
 from conduit_engine.ops.kernel_loader import all_specializations, ctype, kernels_dir, read_source
+from tests.support.imports import assert_not_loaded
 
 
 def test_importing_the_cuda_backend_does_not_import_cupy():
-    code = (
-        "import sys; import conduit_engine.ops.cuda_ops, conduit_engine.cuda_graphs; "
-        "from conduit_engine.ops import get_ops; get_ops('cpu'); "
-        "assert 'cupy' not in sys.modules, 'cupy imported'"
+    assert_not_loaded(
+        "import conduit_engine.ops.cuda_ops, conduit_engine.cuda_graphs\n"
+        "from conduit_engine.ops import get_ops; get_ops('cpu')",
+        "cupy",
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_every_specialisation_names_an_existing_kernel():
@@ -87,6 +85,24 @@ def test_wrappers_name_the_bad_field(ops):
         ops.begin_step(torch.zeros(3, dtype=torch.int64), bad, torch.zeros(10, 16))
     with pytest.raises(ValueError, match="decode_partition_size"):
         CudaOps(ops._launcher, decode_partition_size=100)
+    with pytest.raises(ValueError, match="bitmask_threads"):
+        CudaOps(ops._launcher, bitmask_threads=100)
+
+
+def test_bitmask_wrapper_names_the_bad_field(ops):
+    logits, rows = torch.zeros(2, 40), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"bitmask: expected \[R, 2\] for a vocabulary of 40, got \(1, 1\)"):
+        ops.apply_token_bitmask(logits, torch.zeros(1, 1, dtype=torch.int32), rows)
+    with pytest.raises(ValueError, match="bitmask: expected dtype torch.int32"):
+        ops.apply_token_bitmask(logits, torch.zeros(1, 2, dtype=torch.int64), rows)
+    with pytest.raises(ValueError, match=r"rows: expected shape \(1,\), got \(2,\)"):
+        ops.apply_token_bitmask(
+            logits, torch.zeros(1, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+        )
+    with pytest.raises(ValueError, match="rows: expected dtype torch.int64"):
+        ops.apply_token_bitmask(logits, torch.zeros(1, 2, dtype=torch.int32), rows.int())
+    with pytest.raises(ValueError, match="logits: expected dtype torch.float32"):
+        ops.apply_token_bitmask(logits.half(), torch.zeros(1, 2, dtype=torch.int32), rows)
 
 
 def test_empty_batches_launch_nothing(launcher):
@@ -99,5 +115,8 @@ def test_empty_batches_launch_nothing(launcher):
         torch.zeros(2, 4, 2, 8),
         torch.zeros(2, 4, 2, 8),
         torch.zeros(0, dtype=torch.int64),
+    )
+    ops.apply_token_bitmask(
+        torch.zeros(3, 40), torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
     )
     assert launcher.launches == []

@@ -346,3 +346,49 @@ def test_kernels_are_race_free_under_other_schedules(emu_build, schedule):
         )
     for first, second in zip(*results, strict=True):
         assert torch.equal(first, second)
+
+
+# ---- grammar bitmask -----------------------------------------------------------------------------------
+
+
+def _bitmask_case(gen, batch, vocab, rows):
+    logits = _rand(gen, batch, vocab, scale=3.0)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31, (len(rows), words), generator=gen, dtype=torch.int64).to(
+        torch.int32
+    )
+    bitmask[0, 0] = -1  # a word with every bit set (all allowed) and one with none
+    if words > 1:
+        bitmask[-1, 1] = 0
+    return logits, bitmask, torch.tensor(rows, dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    "batch,vocab,rows,threads",
+    [(5, 37, [3, 0, 4], 32), (8, 512, [7, 2, 5, 0], 128), (3, 1000, [1], 64), (6, 2049, [5, 1, 2, 4], 256)],
+)
+def test_apply_token_bitmask_matches_reference(launcher, batch, vocab, rows, threads):
+    """Vocabularies that are not multiples of 32 (bits past the end ignored) and rows out of order."""
+    gen = torch.Generator().manual_seed(batch * vocab)
+    logits, bitmask, row_ids = _bitmask_case(gen, batch, vocab, rows)
+    want = logits.clone()
+    REF.apply_token_bitmask(want, bitmask, row_ids)
+    got = logits.clone()
+    _ops(launcher, bitmask_threads=threads).apply_token_bitmask(got, bitmask, row_ids)
+    assert torch.equal(got, want)
+    for row in set(range(batch)) - set(rows):
+        assert torch.equal(got[row], logits[row])  # unlisted rows untouched
+
+
+def test_apply_token_bitmask_on_strided_logits_skips_rows_outside(launcher):
+    gen = torch.Generator().manual_seed(4)
+    wide = _rand(gen, 4, 300)
+    logits, bitmask, rows = wide[:, :100], *_bitmask_case(gen, 4, 100, [2, 0])[1:]
+    want = logits.clone()
+    REF.apply_token_bitmask(want, bitmask, rows)
+    before = wide.clone()
+    ops = _ops(launcher, bitmask_threads=32)
+    ops.apply_token_bitmask(logits, bitmask, rows)  # rows 300 apart: written in place through the view
+    assert torch.equal(logits, want) and torch.equal(wide[:, 100:], before[:, 100:])
+    ops.apply_token_bitmask(logits, bitmask, torch.tensor([-1, 4]))  # outside [0, 4): never written
+    assert torch.equal(logits, want)

@@ -23,6 +23,8 @@ if HAS_GPU:
     from test_cuda_graphs import test_padded_decode_attention_matches_unpadded_rows  # noqa: F401
     from test_ops_emulated import (  # noqa: F401
         test_add_rms_norm_matches_reference,
+        test_apply_token_bitmask_matches_reference,
+        test_apply_token_bitmask_on_strided_logits_skips_rows_outside,
         test_decode_attention_matches_reference,
         test_decode_grid_sized_for_longer_contexts_gives_same_result,
         test_prefill_attention_matches_reference,

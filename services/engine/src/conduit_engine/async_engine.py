@@ -77,12 +77,16 @@ class AsyncEngine:
         def add() -> None:
             try:
                 with self._lock:
-                    self.core.add_request(req)
+                    self.core.add_request(req, structure)
                     self._streams[req.request_id] = stream
                 loop.call_soon_threadsafe(_set_result, admitted, None)
             except BaseException as exc:
                 loop.call_soon_threadsafe(_set_exception, admitted, exc)
 
+        # A constrained request waits for its grammar here, off the step loop, holding no blocks.
+        structure = None
+        if req.params.structured is not None:
+            structure = await self.core.structured.compile(req.params.structured)
         self._submit(add)
         finished = False
         try:
@@ -133,6 +137,7 @@ class AsyncEngine:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        self.core.structured.shutdown()
 
     # ----- loop thread -------------------------------------------------------------------------------
     def _submit(self, command: Callable[[], None]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from conduit_engine import model_setup
 from conduit_engine.admission import Admission, Limits
@@ -22,6 +23,10 @@ from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.scheduler import Scheduler, SchedulerOutput
 from conduit_engine.sequence import FinishReason, Sequence
 from conduit_engine.stop_rules import StopRules
+from conduit_engine.structured.requests import StructuredOutputs
+
+if TYPE_CHECKING:
+    from conduit_engine.structured.compiler import CompiledStructure
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +75,7 @@ class LLMEngine:
         self.admission = Admission(
             self.tokenizer, limits, self.scheduler, config.scheduler, loaded.generation_defaults
         )
+        self.structured = StructuredOutputs(self.tokenizer.hf, self.arch.vocab_size, self.eos_token_ids)
         self._requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self._finished_requests = 0
@@ -86,10 +92,17 @@ class LLMEngine:
         )
 
     # ----- requests --------------------------------------------------------------------------------
-    def add_request(self, req: GenerationRequest) -> list[int]:
-        """Admit and queue a request; returns its prompt token ids. Raises EngineError subclasses."""
+    def add_request(self, req: GenerationRequest, structure: CompiledStructure | None = None) -> list[int]:
+        """Admit and queue a request; returns its prompt token ids. Raises EngineError subclasses.
+
+        `structure`: the request's compiled output structure, when the caller compiled it off the step
+        loop (AsyncEngine does); otherwise it is compiled here, synchronously.
+        """
         admitted = self.admission.admit(req, self._requests)
         params, prompt = admitted.params, admitted.prompt_token_ids
+        spec = params.structured
+        if spec is not None and structure is None:
+            structure = self.structured.compile_now(spec)
         arrival = next(self._arrivals)
         seqs: list[Sequence] = []
         for index in range(params.n):
@@ -105,6 +118,11 @@ class LLMEngine:
                     parent=seqs[0] if seqs else None,
                 )
             )
+        if spec is not None and structure is not None:
+            for seq, grammar in zip(
+                seqs, self.structured.states(spec, structure, prompt, len(seqs)), strict=True
+            ):
+                seq.grammar = grammar
         self._requests[req.request_id] = RequestState(
             req.request_id, prompt, seqs, [self._stop_rules(prompt, params) for _ in seqs]
         )

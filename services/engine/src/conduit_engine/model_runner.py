@@ -20,6 +20,7 @@ from conduit_engine.sampling import (
     build_sampling_metadata,
     compute_prompt_logprobs,
 )
+from conduit_engine.sampling.grammar_mask import apply_grammar_mask
 from conduit_engine.scheduler import SchedulerOutput
 from conduit_engine.sequence import Sequence
 from conduit_engine.stop_rules import blocked_token_ids
@@ -69,6 +70,7 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:
             model.ops.check_kv_cache(k_cache, v_cache)
         self.sampler = Sampler()
+        self._bitmasks = None  # BitmaskBuilder, made on the first step with a constrained row
         self.graphs = None
         if use_cuda_graphs and self.device.type == "cuda":
             self._capture_cuda_graphs(max_num_seqs, max_model_len)
@@ -154,6 +156,7 @@ class ModelRunner:
                 )
                 for seq in inputs.sampling_seqs
             ]
+            self._mask_grammars(logits, inputs.sampling_seqs)
             meta = build_sampling_metadata(rows, logits.shape[-1], logits.device)
             sampled = self.sampler(logits, meta)
             for seq, token_id, logprobs in zip(
@@ -163,6 +166,17 @@ class ModelRunner:
                 result.token_id = token_id
                 result.logprobs = logprobs
         return list(results.values())
+
+    def _mask_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Mask the logits rows of sequences with an output structure (one batched op); others untouched."""
+        rows = [(i, seq.grammar) for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if not rows:
+            return
+        if self._bitmasks is None:
+            from conduit_engine.structured.batch_mask import BitmaskBuilder
+
+            self._bitmasks = BitmaskBuilder(logits.shape[-1], logits.device)
+        apply_grammar_mask(logits, self._bitmasks.build(rows), self.model.ops)
 
     def _prompt_logprobs(
         self, out: SchedulerOutput, hidden: torch.Tensor, results: dict[int, SeqStepResult]

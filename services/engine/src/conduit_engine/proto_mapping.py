@@ -13,6 +13,7 @@ from conduit_engine.request import GenerationRequest, RequestOutput
 from conduit_engine.sampling import TokenLogprobs
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.sequence import FinishReason
+from conduit_engine.structured.spec import StructuredKind, StructuredSpec
 from conduit_engine.tokenizer import ChatMessage
 
 _FINISH = {
@@ -48,7 +49,26 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     kwargs["logit_bias"] = dict(msg.logit_bias)
+    kwargs["structured"] = structured_from_pb(msg)
     return SamplingParams.from_request(**kwargs)
+
+
+def structured_from_pb(msg: pb.SamplingParams) -> StructuredSpec | None:
+    """The `structured` oneof and its two modifiers as a validated spec (None when the oneof is unset)."""
+    kind = msg.WhichOneof("structured")
+    if kind is None:
+        for name in ("structured_any_whitespace", "structured_after"):
+            if msg.HasField(name):
+                raise InvalidRequestError(f"sampling.{name}", "applies only with a structured constraint")
+        return None
+    structured = StructuredKind(kind)
+    return StructuredSpec(
+        kind=structured,
+        text=getattr(msg, kind) if kind in ("json_schema", "regex", "grammar") else "",
+        choices=tuple(msg.choice.choices) if structured is StructuredKind.CHOICE else (),
+        any_whitespace=msg.structured_any_whitespace,
+        after=msg.structured_after if msg.HasField("structured_after") else None,
+    )
 
 
 def messages_from_pb(chat: pb.ChatInput) -> list[ChatMessage]:
@@ -89,12 +109,11 @@ def _json_array(chat: pb.ChatInput, name: str) -> list[Any] | None:
 
 
 def request_from_pb(msg: pb.GenerateRequest) -> GenerationRequest:
+    params = sampling_from_pb(msg.sampling)  # a bad structured spec is refused here, naming its field
+
     # Contract fields whose engine side is not built yet: refused, never silently ignored.
-    if msg.sampling.WhichOneof("structured") is not None:
-        raise InvalidRequestError("sampling.structured", "structured outputs are not supported yet")
     if msg.HasField("kv_transfer"):
         raise InvalidRequestError("kv_transfer", "KV transfer is not supported yet")
-    params = sampling_from_pb(msg.sampling)
     req = GenerationRequest(
         request_id=msg.request_id or f"req-{uuid.uuid4().hex}",
         params=params,

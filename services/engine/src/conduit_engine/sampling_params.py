@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from conduit_engine.errors import InvalidRequestError
+from conduit_engine.structured.spec import StructuredSpec
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -42,6 +43,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    structured: StructuredSpec | None = None  # output constraint, validated when built
     # Which MODEL_DEFAULTABLE fields the request left unset; built directly, every field counts as set.
     unset: frozenset[str] = frozenset()
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from conduit_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the core stays free of torch and of the grammar backend
+    from conduit_engine.structured.state import GrammarState
 
 _seq_counter = itertools.count()
 
@@ -55,6 +59,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_string: str | None = None
     stop_token_id: int | None = None
+    grammar: GrammarState | None = None  # the output structure's matcher, when the request has one
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

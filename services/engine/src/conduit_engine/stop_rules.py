@@ -46,6 +46,10 @@ class StopRules:
         seq.append_token(token_id)
         params = seq.params
         detok = self.detokenizer
+        if seq.grammar is not None and not seq.grammar.accept(token_id):
+            # Only possible if the row went unmasked: a bug, reported as an error, never silent output.
+            seq.finish(FinishReason.ERROR)
+            return detok.finish()
         can_stop = may_stop(params, seq.num_output_tokens)
         if can_stop and (
             token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids)
@@ -61,6 +65,12 @@ class StopRules:
             seq.finish(FinishReason.STOP)
             return text
         if seq.is_finished:
+            return text + detok.finish()
+        if seq.grammar is not None and seq.grammar.is_finished:
+            # The structure is complete and only EOS could follow: stop here, whatever ignore_eos and
+            # min_tokens say (the structure cannot continue); before max_tokens, so a structure that
+            # completes on the last allowed token is a stop, not a length.
+            seq.finish(FinishReason.STOP)
             return text + detok.finish()
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             text += detok.finish()

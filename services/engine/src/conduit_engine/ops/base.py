@@ -132,3 +132,10 @@ class Ops(ABC):
         sliding_window w: the query at position p sees keys p - w + 1 .. p only (and never reads the
         cache below that, whose blocks may have been freed). logit_softcap c: scores (q·k * scale)
         become c * tanh(scores / c) before the softmax."""
+
+    @abstractmethod
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+        """Grammar masking, in place: for each i, token t of logits row rows[i] becomes -inf unless bit
+        t % 32 of bitmask[i, t // 32] is set (bit 0 is the least significant). logits [B, V] float32
+        with unit stride along V; bitmask [R, ceil(V/32)] int32 (bits past V are ignored); rows [R]
+        int64, distinct, in [0, B), in any order. Rows not listed are neither read nor written."""

@@ -174,3 +174,23 @@ def check_window(sliding_window: int | None, logit_softcap: float | None) -> Non
     check(
         logit_softcap is None or logit_softcap > 0, f"logit_softcap: must be None or > 0, got {logit_softcap}"
     )
+
+
+def check_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    check(logits.dim() == 2, f"logits: expected [B, V], got {tuple(logits.shape)}")
+    check_dtype("logits", logits, torch.float32)
+    check(logits.stride(1) == 1, "logits: rows must be contiguous")
+    vocab = logits.shape[1]
+    words = (vocab + 31) // 32
+    check(vocab <= 2**30, f"logits: vocabulary of {vocab} exceeds 2^30")
+    check(
+        bitmask.dim() == 2 and bitmask.shape[1] == words,
+        f"bitmask: expected [R, {words}] for a vocabulary of {vocab}, got {tuple(bitmask.shape)}",
+    )
+    check_dtype("bitmask", bitmask, torch.int32)
+    check(bitmask.is_contiguous(), "bitmask: must be contiguous")
+    num_rows = bitmask.shape[0]
+    check(rows.shape == (num_rows,), f"rows: expected shape ({num_rows},), got {tuple(rows.shape)}")
+    check_dtype("rows", rows, torch.int64)
+    check(rows.is_contiguous(), "rows: must be contiguous")
+    check(num_rows <= 65535, f"bitmask: at most 65535 rows per launch (grid.y), got {num_rows}")

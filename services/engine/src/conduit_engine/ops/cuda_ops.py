@@ -28,6 +28,8 @@ from conduit_engine.ops.kernel_loader import KernelArg, KernelLauncher, KernelRe
 _DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 _PREFILL_ROWS = 16  # query rows per prefill block (prefill_attention.cu)
 _PREFILL_THREADS = 128
+# Blocks per masked row: enough to fill the GPU at small batches; larger vocabularies loop in the kernel.
+_BITMASK_MAX_BLOCKS_PER_ROW = 64
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -106,6 +108,7 @@ class CudaOps(Ops):
     decode_threads); contexts longer than one partition are split across thread blocks and reduced.
     check_calls: check every call's arguments (see cuda_checks); step inputs and caches are checked
     regardless, in begin_step and check_kv_cache.
+    bitmask_threads: threads per block of the grammar-masking kernel (bitmask.cu).
     """
 
     name = "cuda"
@@ -117,6 +120,7 @@ class CudaOps(Ops):
         decode_partition_size: int = 512,
         decode_threads: int = 128,
         check_calls: bool = True,
+        bitmask_threads: int = 256,
     ) -> None:
         check(
             decode_threads % 32 == 0 and 32 <= decode_threads <= 1024,
@@ -127,10 +131,15 @@ class CudaOps(Ops):
             f"decode_partition_size: must be a positive multiple of decode_threads ({decode_threads}), "
             f"got {decode_partition_size}",
         )
+        check(
+            bitmask_threads % 32 == 0 and 32 <= bitmask_threads <= 1024,
+            f"bitmask_threads: must be a multiple of 32 in [32, 1024], got {bitmask_threads}",
+        )
         self._launcher = launcher if launcher is not None else CupyLauncher()
         self.decode_partition_size = decode_partition_size
         self.decode_threads = decode_threads
         self.check_calls = check_calls
+        self.bitmask_threads = bitmask_threads
 
     def _launch(
         self,
@@ -456,6 +465,31 @@ class CudaOps(Ops):
                 np.float32(1.0 / softcap if softcap else 0.0),
             ],
             prefill_shared_bytes(head_dim),
+        )
+
+    # ---- grammar masking (once per step) ---------------------------------------------------------------
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+        # Checked on every call, like begin_step: one call per step, and a wrong shape would write
+        # outside the logits.
+        checks.check_token_bitmask(logits, bitmask, rows)
+        num_rows, vocab = bitmask.shape[0], logits.shape[1]
+        if num_rows == 0 or vocab == 0:
+            return
+        threads = self.bitmask_threads
+        self._launch(
+            kl.APPLY_TOKEN_BITMASK_KERNEL,
+            (min(math.ceil(vocab / threads), _BITMASK_MAX_BLOCKS_PER_ROW), num_rows, 1),
+            (threads, 1, 1),
+            [
+                logits,
+                np.int64(logits.stride(0)),
+                np.int32(vocab),
+                bitmask,
+                np.int32(bitmask.shape[1]),
+                rows,
+                np.int32(logits.shape[0]),
+            ],
         )
 
 

@@ -28,6 +28,7 @@ KERNEL_SOURCES = (
     "cache.cu",
     "decode_attention.cu",
     "prefill_attention.cu",
+    "bitmask.cu",
 )
 
 _CTYPES = {torch.float32: "float", torch.float16: "conduit::f16", torch.bfloat16: "conduit::bf16"}
@@ -127,6 +128,9 @@ def prefill_attention_kernel(dtype: torch.dtype, head_dim: int) -> KernelRef:
     return KernelRef("prefill_attention.cu", f"paged_prefill_attention_kernel<{ctype(dtype)}, {head_dim}>")
 
 
+APPLY_TOKEN_BITMASK_KERNEL = KernelRef("bitmask.cu", "apply_token_bitmask_kernel")
+
+
 def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int]) -> list[KernelRef]:
     """Every specialisation the CUDA ops may launch for these model dtypes and head sizes."""
     refs: list[KernelRef] = []
@@ -142,4 +146,5 @@ def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int])
             decode_reduce_kernel(dtype),
         ]
         refs += [prefill_attention_kernel(dtype, head_dim) for head_dim in head_dims]
+    refs.append(APPLY_TOKEN_BITMASK_KERNEL)
     return refs

@@ -132,6 +132,16 @@ class TorchOps(Ops):
         )
         return out.squeeze(2)
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+        if rows.numel() == 0:
+            return
+        # Unpack every word into its 32 bits at once: [R, W] -> [R, W, 32] -> [R, W * 32], cut to V.
+        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
+        selected = logits.index_select(0, rows)
+        selected.masked_fill_(~allowed, float("-inf"))
+        logits.index_copy_(0, rows, selected)
+
 
 def _decode_gather(
     meta: AttentionMetadata, device: torch.device, window: int | None
