@@ -56,10 +56,10 @@ format: venv
 demo-model: venv
 	$(PY) -m conduit_engine.demo_model .models/demo-llama
 
-# Serve MODEL (default: a deterministic tiny random Llama made on first run) with the engine and the gateway.
+# Serve MODEL (a folder or a Hub id org/name) with the engine and the gateway. Without MODEL:
+# HuggingFaceTB/SmolLM2-135M-Instruct from the Hub, or offline the random demo model (it says why).
 run: venv
-	@if [ -z "$(MODEL)" ]; then $(MAKE) --no-print-directory demo-model; fi
-	$(PY) -m conduit_engine.run_stack --model "$(if $(MODEL),$(MODEL),.models/demo-llama)" \
+	$(PY) -m conduit_engine.run_stack $(if $(MODEL),--model "$(MODEL)") --demo-dir .models/demo-llama \
 		--engine-port $(ENGINE_PORT) --gateway-port $(GATEWAY_PORT)
 
 run-engine: venv

@@ -1,8 +1,9 @@
-// SwiGLU activation: out = silu(gate) * up for x = [gate | up].
+// Gated activations: out = act(gate) * up for x = [gate | up], with act = silu (SwiGLU) or the tanh
+// approximation of GELU (GeGLU, gelu_tanh_and_mul_kernel).
 //
 // Layout: x [num_tokens, 2 * inter] (row stride `x_row_stride`, unit stride inside), out
-// [num_tokens, inter] (row stride `out_row_stride`). Matches the torch reference's rounding: silu is
-// computed in float32 and rounded to T, then multiplied by up and rounded again.
+// [num_tokens, inter] (row stride `out_row_stride`). Matches the torch reference's rounding: the activation
+// is computed in float32 and rounded to T, then multiplied by up and rounded again.
 // Grid: (num_tokens, ceil(inter / (blockDim.x * elements per thread))). Block: any size, 256 by default.
 // Vector path (`vectorized` != 0): inter and both row strides are multiples of 16 / sizeof(T) and base
 // pointers are 16-byte aligned (checked by the wrapper).
@@ -10,13 +11,19 @@
 #include "common.cuh"
 
 namespace conduit {
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
-}  // namespace conduit
+struct Silu {
+  static __device__ __forceinline__ float apply(float g) { return g / (1.0f + expf(-g)); }
+};
+struct GeluTanh {
+  static __device__ __forceinline__ float apply(float g) {
+    const float kSqrt2OverPi = 0.7978845608028654f;
+    return 0.5f * g * (1.0f + tanhf(kSqrt2OverPi * (g + 0.044715f * g * g * g)));
+  }
+};
 
-template <typename T>
-__global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int inter,
-                                    long long x_row_stride, long long out_row_stride, int vectorized) {
-  using namespace conduit;
+template <typename Act, typename T>
+__device__ __forceinline__ void gated_and_mul(T* __restrict__ out, const T* __restrict__ x, int inter,
+                                              long long x_row_stride, long long out_row_stride, int vectorized) {
   const T* gate = x + blockIdx.x * x_row_stride;
   const T* up = gate + inter;
   T* dst = out + blockIdx.x * out_row_stride;
@@ -28,11 +35,24 @@ __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x
       Pack<T> u = load_pack(up + i);
       Pack<T> y;
 #pragma unroll
-      for (int j = 0; j < V; ++j) y.v[j] = from_float<T>(round_to<T>(silu(to_float(g.v[j]))) * to_float(u.v[j]));
+      for (int j = 0; j < V; ++j) y.v[j] = from_float<T>(round_to<T>(Act::apply(to_float(g.v[j]))) * to_float(u.v[j]));
       store_pack(dst + i, y);
     }
   } else {
     const int i = blockIdx.y * blockDim.x + threadIdx.x;
-    if (i < inter) dst[i] = from_float<T>(round_to<T>(silu(to_float(gate[i]))) * to_float(up[i]));
+    if (i < inter) dst[i] = from_float<T>(round_to<T>(Act::apply(to_float(gate[i]))) * to_float(up[i]));
   }
+}
+}  // namespace conduit
+
+template <typename T>
+__global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int inter,
+                                    long long x_row_stride, long long out_row_stride, int vectorized) {
+  conduit::gated_and_mul<conduit::Silu>(out, x, inter, x_row_stride, out_row_stride, vectorized);
+}
+
+template <typename T>
+__global__ void gelu_tanh_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int inter,
+                                         long long x_row_stride, long long out_row_stride, int vectorized) {
+  conduit::gated_and_mul<conduit::GeluTanh>(out, x, inter, x_row_stride, out_row_stride, vectorized);
 }

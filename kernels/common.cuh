@@ -111,6 +111,18 @@ __device__ __forceinline__ double block_sum_double(double v, double* scratch) {
   return warp_sum_double(v);
 }
 
+// Attention: the first context token a query at the end of `seq_len` tokens sees (0: no window).
+__device__ __forceinline__ int visible_start(int seq_len, int sliding_window) {
+  return sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
+}
+// Attention logit soft-capping: cap * tanh(s / cap), or s itself when cap <= 0. Kernels take 1 / cap from
+// the host: a float division compiles to a call to a slow path, which costs registers (and spills).
+// tanh as 1 - 2 / (exp(2x) + 1) with the fast intrinsics: tanhf's accurate path spills registers in the
+// attention kernels; this is within a few float32 ulps of it (exact at the +-1 limits).
+__device__ __forceinline__ float soft_cap(float s, float cap, float inv_cap) {
+  return cap > 0.0f ? cap * (1.0f - __fdividef(2.0f, __expf(2.0f * s * inv_cap) + 1.0f)) : s;
+}
+
 }  // namespace conduit
 
 // Dynamic shared memory, sized by the launch: `CONDUIT_DYNAMIC_SMEM(float, buf);` declares `buf`.

@@ -6,11 +6,15 @@
 // [num_seqs, block_table_stride] int32; seq_lens [num_seqs] int32 (context length including the new
 // token, whose K/V are already in the cache); out [num_seqs, num_heads, head_dim] (`out_token_stride`).
 // Query head h reads KV head h / group_size.
+// Sliding window (`sliding_window` > 0): the query sees only the last `sliding_window` tokens of its context,
+// [seq_len - sliding_window, seq_len); tokens before that are never read (their cache blocks may have been
+// freed). Partitions tile that visible span. Soft-capping (`logit_softcap` > 0): each score s (q.k * scale)
+// becomes logit_softcap * tanh(s * inv_softcap) before the softmax (inv_softcap = 1 / logit_softcap).
 //
 // Grid of paged_decode_attention_kernel: (num_seqs, num_kv_heads, num_partitions); block: a multiple of 32
 // threads, which is also the tile of tokens processed per step. Each block serves all `group_size` query
-// heads of one KV head (K/V are read once per group) over tokens [p * partition_size, (p + 1) *
-// partition_size) of its sequence. With num_partitions == 1 it writes `out` directly; otherwise it writes
+// heads of one KV head (K/V are read once per group) over tokens [first + p * partition_size, first + (p + 1) *
+// partition_size) of its sequence, where `first` is the first visible token (0 without a window). With num_partitions == 1 it writes `out` directly; otherwise it writes
 // the normalised partial output, its running max and its sum to the float32 partial_* buffers
 // ([num_seqs, num_heads, num_partitions(, head_dim)]) and paged_decode_reduce_kernel (grid (num_seqs,
 // num_heads), any block size) combines them. Partitions past a sequence's end exit at once, so the grid
@@ -32,7 +36,8 @@ __global__ void paged_decode_attention_kernel(T* __restrict__ out, long long out
                                               const T* __restrict__ v_cache, const int* __restrict__ block_tables,
                                               int block_table_stride, const int* __restrict__ seq_lens,
                                               int num_kv_heads, int head_dim, int group_size, int log2_block_size,
-                                              float scale, int partition_size) {
+                                              float scale, int partition_size, int sliding_window,
+                                              float logit_softcap, float inv_softcap) {
   using namespace conduit;
   const int seq = blockIdx.x;
   const int kv_head = blockIdx.y;
@@ -44,7 +49,8 @@ __global__ void paged_decode_attention_kernel(T* __restrict__ out, long long out
   const int G = group_size;
   const int D = head_dim;
   const int seq_len = seq_lens[seq];
-  const int start = part * partition_size;
+  const int first = visible_start(seq_len, sliding_window);
+  const int start = first + part * partition_size;
   if (start >= seq_len) {
     // Nothing to attend to: leave an empty partial (weight 0) for the reduction. Uniform per block.
     if (num_parts > 1) {
@@ -109,7 +115,7 @@ __global__ void paged_decode_attention_kernel(T* __restrict__ out, long long out
         }
 #pragma unroll
         for (int j = 0; j < kDecodeMaxGroupChunk; ++j)
-          if (g0 + j < G) scores[(g0 + j) * tile + tid] = s[j];
+          if (g0 + j < G) scores[(g0 + j) * tile + tid] = soft_cap(s[j], logit_softcap, inv_softcap);
       }
     } else {
       for (int g = 0; g < G; ++g) scores[g * tile + tid] = neg_inf();
@@ -181,12 +187,14 @@ __global__ void paged_decode_reduce_kernel(T* __restrict__ out, long long out_to
                                            const float* __restrict__ partial_out,
                                            const float* __restrict__ partial_max,
                                            const float* __restrict__ partial_sum, const int* __restrict__ seq_lens,
-                                           int head_dim, int num_partitions, int partition_size) {
+                                           int head_dim, int num_partitions, int partition_size,
+                                           int sliding_window) {
   using namespace conduit;
   const int seq = blockIdx.x;
   const int head = blockIdx.y;
   const int num_heads = gridDim.y;
-  const int used = min(num_partitions, (seq_lens[seq] + partition_size - 1) / partition_size);
+  const int visible = seq_lens[seq] - visible_start(seq_lens[seq], sliding_window);
+  const int used = min(num_partitions, (visible + partition_size - 1) / partition_size);
   const long long base = (static_cast<long long>(seq) * num_heads + head) * num_partitions;
   float global_max = neg_inf();
   for (int p = 0; p < used; ++p) global_max = fmaxf(global_max, partial_max[base + p]);

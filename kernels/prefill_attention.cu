@@ -5,7 +5,10 @@
 // query_start_loc [num_seqs + 1] int32; seq_lens [num_seqs] int32 = cached + new tokens, whose K/V are
 // already written to the cache; k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim];
 // block_tables [num_seqs, block_table_stride] int32; out like q (`out_token_stride`). Query i of a
-// sequence sits at position seq_len - query_len + i and sees keys 0..that position.
+// sequence sits at position seq_len - query_len + i and sees keys 0..that position, or with a sliding window
+// (`sliding_window` > 0) only the last `sliding_window` of them; keys below the lowest window of a block's
+// rows are never read (their cache blocks may have been freed). Soft-capping (`logit_softcap` > 0): each
+// score s (q.k * scale) becomes logit_softcap * tanh(s * inv_softcap) before the softmax (inv_softcap = 1 / cap).
 // Grid: (ceil(max_query_len / 16), num_seqs, num_heads). Block: 128 threads = 16 query rows x 8 lanes;
 // a lane owns head_dim / 8 output dimensions. Keys are processed in tiles of prefill_tile_keys(HEAD_DIM)
 // staged in shared memory as float32. Dynamic shared memory: prefill_shared_bytes() in ops/cuda_ops.py.
@@ -34,7 +37,8 @@ __global__ void __launch_bounds__(128)
                                    const T* __restrict__ v_cache, const int* __restrict__ block_tables,
                                    int block_table_stride, const int* __restrict__ seq_lens,
                                    const int* __restrict__ query_start_loc, int num_kv_heads, int group_size,
-                                   int log2_block_size, float scale) {
+                                   int log2_block_size, float scale, int sliding_window, float logit_softcap,
+                                   float inv_softcap) {
   using namespace conduit;
   static_assert(HEAD_DIM % kPrefillLanes == 0, "HEAD_DIM must be a multiple of 8");
   constexpr int BN = PrefillTile<HEAD_DIM>::kKeys;
@@ -60,6 +64,9 @@ __global__ void __launch_bounds__(128)
   // Rows past the chunk's end shadow its last row so that every row has a finite softmax.
   const int q_pos = context + min(qi, q_len - 1);
   const int kv_end = context + min(row0 + kPrefillRows, q_len);
+  // The lowest key any row of this block sees: row0's window start.
+  const int kv_begin = sliding_window > 0 ? max(0, context + row0 - sliding_window + 1) : 0;
+  const int window_lo = sliding_window > 0 ? q_pos - sliding_window : -1;  // keys must be > this
 
   CONDUIT_DYNAMIC_SMEM(float, smem);
   float* q_s = smem;                     // [16][QS], pre-scaled
@@ -81,7 +88,7 @@ __global__ void __launch_bounds__(128)
   const int* table = block_tables + static_cast<long long>(seq) * block_table_stride;
   const long long row_stride = static_cast<long long>(num_kv_heads) * HEAD_DIM;
 
-  for (int kv0 = 0; kv0 < kv_end; kv0 += BN) {
+  for (int kv0 = kv_begin; kv0 < kv_end; kv0 += BN) {
     const int n = min(BN, kv_end - kv0);
     for (int e = tid; e < n * HEAD_DIM; e += kPrefillThreads) {
       const int j = e / HEAD_DIM;
@@ -95,8 +102,8 @@ __global__ void __launch_bounds__(128)
     __syncthreads();
 
     // Scores of this row against the lane's keys j = lane, lane + 8, ...: all of them at once, so each
-    // q element is read once per tile; keys past the tile or the causal limit become -inf (a select, so
-    // stale shared memory in unused rows never leaks in).
+    // q element is read once per tile; keys past the tile, the causal limit or the window become -inf (a
+    // select, so stale shared memory in unused rows never leaks in).
     float s[KPL];
 #pragma unroll
     for (int jj = 0; jj < KPL; ++jj) s[jj] = 0.0f;
@@ -106,17 +113,22 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
       for (int jj = 0; jj < KPL; ++jj) s[jj] += qd * k_s[(lane + jj * kPrefillLanes) * KS + d];
     }
+    if (logit_softcap > 0.0f) {  // uniform per launch
+#pragma unroll
+      for (int jj = 0; jj < KPL; ++jj) s[jj] = soft_cap(s[jj], logit_softcap, inv_softcap);
+    }
     float tile_max = neg_inf();
 #pragma unroll
     for (int jj = 0; jj < KPL; ++jj) {
       const int j = lane + jj * kPrefillLanes;
-      s[jj] = (j < n && kv0 + j <= q_pos) ? s[jj] : neg_inf();
+      s[jj] = (j < n && kv0 + j <= q_pos && kv0 + j > window_lo) ? s[jj] : neg_inf();
       tile_max = fmaxf(tile_max, s[jj]);
     }
 #pragma unroll
     for (int offset = kPrefillLanes / 2; offset > 0; offset >>= 1)
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset, kPrefillLanes));
-    // The first tile always holds key 0, visible to every row, so new_max is finite from then on.
+    // The first tile holds a key every row sees (key 0, or with a window key kv_begin + row, within the
+    // first kPrefillRows <= BN keys), so new_max is finite from then on.
     const float new_max = fmaxf(run_max, tile_max);
     float sum = 0.0f;
 #pragma unroll

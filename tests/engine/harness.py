@@ -32,10 +32,14 @@ def make_engine(
     enable_prefix_caching: bool = True,
     max_queued_requests: int = 1024,
     dtype: str = "float32",
+    generation_config: str = "auto",
+    max_model_len: int | None = None,
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=ModelConfig(path=str(model), dtype=dtype),
+            model=ModelConfig(
+                path=str(model), dtype=dtype, generation_config=generation_config, max_model_len=max_model_len
+            ),
             cache=CacheConfig(
                 block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching
             ),

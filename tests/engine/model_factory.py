@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face checkpoints (Llama, Mistral, Qwen2) written to disk for parity tests."""
+"""Tiny random Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2) written to disk
+for parity tests."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
 }
 
 
@@ -30,9 +34,14 @@ def make_tiny_model(
     rope_scaling: dict | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    norm_noise: float = 0.0,
+    max_position_embeddings: int = 512,
     **extra: object,
 ) -> Path:
-    """Save a random model with the byte-level demo tokenizer; logits are peaked enough for stable argmax."""
+    """Save a random model with the byte-level demo tokenizer; logits are peaked enough for stable argmax.
+
+    norm_noise: add N(0, norm_noise) to every norm weight, so that norms initialised to a constant (all
+    of them, in transformers) still test that the right weight reaches the right place."""
     tok = byte_tokenizer()
     config_cls, model_cls = FAMILIES[family]
     kwargs: dict[str, object] = dict(
@@ -42,7 +51,7 @@ def make_tiny_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=1,
@@ -56,7 +65,13 @@ def make_tiny_model(
         kwargs["rope_scaling"] = rope_scaling
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
-    model = model_cls(config).to(dtype)
+    model = model_cls(config)
+    if norm_noise:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.add_(torch.randn_like(param) * norm_noise)
+    model = model.to(dtype)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save(str(folder / "tokenizer.json"))

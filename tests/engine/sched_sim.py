@@ -6,7 +6,9 @@ token prefix, and the "KV cache" is a dict from slot to the fingerprint of the p
 token was written there. Every step checks what a real paged-attention model would rely on:
 
 - a sequence only writes into blocks it owns alone (a shared, cached block is never overwritten);
-- every slot a sequence reads (positions 0..end) holds exactly that sequence's prefix;
+- every slot a sequence reads (positions 0..end, or with a sliding window w the positions from
+  start - w + 1 on, which its chunk's first query sees) holds exactly that sequence's prefix;
+- with a window, a sequence never holds more blocks than `blocks_for_sequence` promises admission;
 - no slot is written twice in one step; the block manager's integrity holds after the step.
 
 So a scheduling or caching bug that would make a real model read wrong KV fails here as an
@@ -81,8 +83,12 @@ class SimEngine:
         enable_chunked_prefill: bool = True,
         kv_lease_seconds: float = 30.0,
         clock: Callable[[], float] = time.time,
+        sliding_window: int | None = None,
     ) -> None:
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching, sliding_window)
+        self.sliding_window = sliding_window
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_blocks_held = 0  # the most blocks one sequence held at once, over the run
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -215,11 +221,13 @@ class SimEngine:
             record.advanced[seq.request_id] = item.num_new_tokens
             if item.samples:
                 samplers.append(seq)
-        # Attention reads every earlier position: all of it must be this sequence's own prefix.
+        # Attention reads every earlier position (in the window): all of it must be this sequence's prefix.
         for item in out.scheduled:
             seq = item.seq
-            end = seq.num_computed_tokens + item.num_new_tokens
-            for pos in range(end):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
+            self._check_blocks_held(seq)
+            first = 0 if self.sliding_window is None else max(0, start - self.sliding_window + 1)
+            for pos in range(first, end):
                 slot = seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
                 assert self.kv.get(slot) == prefix_fingerprint(seq.token_ids[: pos + 1]), (
                     f"{seq.request_id} would read wrong KV at position {pos}"
@@ -267,6 +275,15 @@ class SimEngine:
         for transfer_id in self.registry.transfer_ids():
             for slot, content in self.pinned_kv[transfer_id].items():
                 assert self.kv.get(slot) == content, f"pinned slot {slot} of {transfer_id} was overwritten"
+
+    def _check_blocks_held(self, seq: Sequence) -> None:
+        held = len(seq.block_table) - seq.num_released_blocks
+        self.max_blocks_held = max(self.max_blocks_held, held)
+        promised = self.block_manager.blocks_for_sequence(
+            seq.num_prompt_tokens + seq.params.max_tokens,
+            self.max_num_batched_tokens,  # type: ignore[operator]
+        )
+        assert held <= promised, f"{seq.request_id} holds {held} blocks, admission planned for {promised}"
 
     def run(self, max_steps: int = 10_000) -> list[StepRecord]:
         start = len(self.steps)

@@ -14,7 +14,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from conduit_engine.block_manager import BlockManager, chain_hash, prefix_block_hashes
 from conduit_engine.sampling_params import SamplingParams
-from conduit_engine.sequence import Sequence
+from conduit_engine.sequence import RELEASED_BLOCK, Sequence
 
 pytestmark = pytest.mark.unit
 
@@ -59,8 +59,8 @@ def live():
     return Tracker()
 
 
-def manager(live: Tracker, num_blocks: int, block_size: int, **kw: bool) -> BlockManager:
-    bm = BlockManager(num_blocks, block_size, **kw)
+def manager(live: Tracker, num_blocks: int, block_size: int, **kw: object) -> BlockManager:
+    bm = BlockManager(num_blocks, block_size, **kw)  # type: ignore[arg-type]
     live.managers.append(bm)
     return bm
 
@@ -408,6 +408,49 @@ def test_prefix_block_hashes_are_what_commit_registers(live):
     assert len(hashes) == 2
     assert [bm.blocks[b].hash for b in seq.block_table[:2]] == hashes
     assert prefix_block_hashes([1, 2, 3], 4) == []
+
+
+# ----- sliding window ------------------------------------------------------------------------------
+def test_blocks_before_the_window_are_released_oldest_first(live):
+    bm = manager(live, 8, 4, sliding_window=8)
+    seq = live(make_seq(list(range(10, 30))))  # 20 tokens
+    compute(bm, seq, 12)
+    # The next query (position 12) sees 5..12: block 0 (tokens 0-3) is out, block 1 (4-7) is not.
+    bm.release_outside_window(seq)
+    assert seq.block_table == [RELEASED_BLOCK, 1, 2] and seq.num_released_blocks == 1
+    assert bm.free_block_ids() == [3, 4, 5, 6, 7, 0]
+    compute(bm, seq)
+    bm.release_outside_window(seq)  # next query at 20 sees 13..20: blocks 0-2 are out
+    assert seq.block_table == [RELEASED_BLOCK] * 3 + [3, 4]
+    assert bm.free_block_ids() == [5, 6, 7, 0, 1, 2]
+    assert bm.stats().used == 2
+    # A released block keeps its prefix-cache hash: the same prompt finds all five blocks.
+    other = live(make_seq(list(range(10, 30)) + [99]))
+    assert bm.allocate_prefix(other) == 20
+    assert other.block_table == [RELEASED_BLOCK] * 3 + [3, 4]  # and releases the first three at once
+    bm.free(seq)
+    assert seq.block_table == [] and seq.num_released_blocks == 0
+
+
+def test_blocks_for_sequence_is_bounded_by_the_window_and_the_chunk():
+    plain, windowed = BlockManager(64, 4), BlockManager(64, 4, sliding_window=8)
+    assert plain.blocks_for_sequence(100, 16) == 25
+    # A 16-token chunk whose first query looks 7 tokens back: 23 tokens over at most 7 blocks.
+    assert windowed.blocks_for_sequence(100, 16) == 7
+    assert windowed.blocks_for_sequence(10, 16) == 3
+
+
+def test_check_integrity_catches_a_block_kept_outside_the_window(live):
+    bm = BlockManager(8, 4, sliding_window=4)
+    seq = make_seq(list(range(12)))
+    compute(bm, seq)
+    with pytest.raises(AssertionError, match="holds 2 blocks outside its window"):
+        bm.check_integrity([seq])
+    bm.release_outside_window(seq)
+    bm.check_integrity([seq])
+    seq.block_table[1] = 7
+    with pytest.raises(AssertionError, match="released count wrong"):
+        bm.check_integrity([seq])
 
 
 @pytest.mark.parametrize(("num_blocks", "block_size"), [(0, 4), (4, 0)])

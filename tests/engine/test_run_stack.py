@@ -1,4 +1,9 @@
-"""`make run`'s launcher: the demo model is made offline, engine + gateway serve it, SIGTERM stops both."""
+"""`make run`'s launcher: without a model it serves HuggingFaceTB/SmolLM2-135M-Instruct from the Hub cache,
+or offline with nothing cached the demo model, saying why; engine + gateway serve it; SIGTERM stops both.
+
+No network reaches the Hub here: the default model's cache entry holds stories260K (tests/support/hub.py),
+which huggingface_hub finds offline exactly as it would find the real download.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +16,21 @@ import openai
 import pytest
 
 from conduit_engine.demo_model import write_demo_model
+from conduit_engine.run_stack import DEFAULT_MODEL, choose_model
+from tests.engine.test_parity import KNOWN_STORY
+from tests.support.hub import lay_out_hub_cache
 from tests.support.processes import free_port
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch) -> dict[str, str]:
+    """An offline Hub with an empty cache, in this process's environment (children inherit it)."""
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path / "home")}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env
 
 
 def live_pids(pattern: str) -> list[str]:
@@ -30,8 +47,10 @@ def live_pids(pattern: str) -> list[str]:
     return live
 
 
-def _start_launcher(model, engine_port: int, gateway_port: int) -> subprocess.Popen[str]:
-    args = ["--model", str(model), "--engine-port", str(engine_port), "--gateway-port", str(gateway_port)]
+def _start_launcher(model, engine_port: int, gateway_port: int, *extra: str) -> subprocess.Popen[str]:
+    """The launcher serving `model` (None: its own choice)."""
+    args = [*(["--model", str(model)] if model is not None else []), *extra]
+    args += ["--engine-port", str(engine_port), "--gateway-port", str(gateway_port)]
     return subprocess.Popen(
         [sys.executable, "-m", "conduit_engine.run_stack", *args],
         stdout=subprocess.PIPE,
@@ -58,10 +77,11 @@ def _wait_gone(pattern: str) -> None:
     assert not live_pids(pattern), "engine or gateway outlived the launcher"
 
 
-def _serve_and_stop(model, completion_tokens: int = 5) -> None:
-    """One full cycle: start, serve one completion, SIGTERM, everything gone, exit code 0."""
+def _serve_and_stop(model, completion_tokens: int = 5, *extra: str) -> str:
+    """One full cycle: start, serve one completion, SIGTERM, everything gone, exit code 0. Returns the
+    launcher's output up to its banner."""
     engine_port, gateway_port = free_port(), free_port()
-    proc = _start_launcher(model, engine_port, gateway_port)
+    proc = _start_launcher(model, engine_port, gateway_port, *extra)
     pattern = f"[-]-port {engine_port}|[-]-port {gateway_port}"
     try:
         text = _read_banner(proc)
@@ -78,12 +98,62 @@ def _serve_and_stop(model, completion_tokens: int = 5) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()  # the children get SIGTERM from the kernel when their parent dies
+    return text
 
 
 def test_run_stack_serves_the_demo_model_and_stops_cleanly(tmp_path):
     model = write_demo_model(tmp_path / "demo-llama")
     assert write_demo_model(model) == model  # idempotent: a second run keeps the folder
     _serve_and_stop(model)
+
+
+def test_offline_with_nothing_cached_the_launcher_serves_the_demo_model_and_says_why(offline_hub, tmp_path):
+    model = tmp_path / "demo-llama"
+    text = _serve_and_stop(None, 5, "--demo-dir", str(model))
+    assert f"{DEFAULT_MODEL} is not available: model '{DEFAULT_MODEL}' is not in the cache" in text
+    assert f"Serving the random demo model from {model} instead: its text is meaningless." in text
+
+
+def test_the_default_model_is_chosen_from_the_cache(offline_hub, tmp_path, stories_path):
+    lay_out_hub_cache(tmp_path / "hub", DEFAULT_MODEL, stories_path)
+    assert choose_model(str(tmp_path / "demo")) == (DEFAULT_MODEL, None)
+    assert not (tmp_path / "demo").exists()
+
+
+def test_offline_with_nothing_cached_the_choice_is_the_demo_model(offline_hub, tmp_path):
+    model, reason = choose_model(str(tmp_path / "demo"))
+    assert model == str(tmp_path / "demo") and (tmp_path / "demo" / "model.safetensors").is_file()
+    assert reason is not None
+    assert reason.startswith(f"model '{DEFAULT_MODEL}' is not in the cache {tmp_path / 'hub'}")
+    assert "the Hub is offline (HF_HUB_OFFLINE=1)" in reason
+
+
+def test_a_hub_id_that_cannot_be_fetched_stops_the_launcher_with_the_reason(offline_hub):
+    proc = _start_launcher("conduit-test/absent", free_port(), free_port())
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert output.strip() == (
+        "cannot serve conduit-test/absent: model 'conduit-test/absent' is not in the cache "
+        f"{offline_hub['HF_HUB_CACHE']} and the Hub is offline (HF_HUB_OFFLINE=1): fetch it once with "
+        "network access (or unset HF_HUB_OFFLINE), or pass --model a local folder"
+    )
+
+
+def test_the_launcher_serves_the_cached_default_model(offline_hub, tmp_path, stories_path):
+    lay_out_hub_cache(tmp_path / "hub", DEFAULT_MODEL, stories_path)
+    engine_port, gateway_port = free_port(), free_port()
+    proc = _start_launcher(None, engine_port, gateway_port, "--demo-dir", str(tmp_path / "demo"))
+    try:
+        text = _read_banner(proc)
+        assert f"Conduit is serving {DEFAULT_MODEL!r}" in text and "demo" not in text
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway_port}/v1", api_key="none")
+        reply = client.completions.create(model=DEFAULT_MODEL, prompt=[1], max_tokens=62, temperature=0)
+        assert reply.choices[0].text.strip() == KNOWN_STORY
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_the_stack_starts_and_stops_twenty_times_in_a_row(tmp_path):

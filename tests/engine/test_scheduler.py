@@ -287,10 +287,11 @@ arrivals = st.builds(
     budget=st.integers(1, 24),
     prefix_caching=st.booleans(),
     chunked_prefill=st.booleans(),
+    sliding_window=st.none() | st.integers(1, 12),
     requests=st.lists(arrivals, min_size=1, max_size=7),
 )
 def test_random_workloads_finish_with_uninterrupted_outputs(
-    block_size, num_blocks, max_num_seqs, budget, prefix_caching, chunked_prefill, requests
+    block_size, num_blocks, max_num_seqs, budget, prefix_caching, chunked_prefill, sliding_window, requests
 ):
     engine = SimEngine(
         num_blocks=num_blocks,
@@ -299,10 +300,12 @@ def test_random_workloads_finish_with_uninterrupted_outputs(
         max_num_batched_tokens=budget,
         enable_prefix_caching=prefix_caching,
         enable_chunked_prefill=chunked_prefill,
+        sliding_window=sliding_window,
     )
     # The engine refuses what can never fit the cache (INVALID_ARGUMENT); so does this workload.
+    bm = engine.block_manager
     requests = [
-        r for r in requests if engine.block_manager.blocks_needed(len(r.prompt) + r.max_tokens) <= num_blocks
+        r for r in requests if bm.blocks_for_sequence(len(r.prompt) + r.max_tokens, budget) <= num_blocks
     ]
     for step in range(2000):
         for i, r in enumerate(requests):
@@ -322,6 +325,45 @@ def test_random_workloads_finish_with_uninterrupted_outputs(
         expected = reference_output(seq.prompt_token_ids, seq.params.max_tokens)
         got = engine.streams[name]
         assert got == (expected[: len(got)] if seq.finish_reason is FinishReason.ABORT else expected), name
+
+
+# ----- sliding window --------------------------------------------------------------------------------
+def test_a_windowed_sequence_longer_than_the_cache_runs_in_a_bounded_number_of_blocks():
+    # 70 tokens need 18 blocks of 4; the cache has 6. With an 8-token window and 8-token chunks a
+    # sequence holds at most blocks_for_sequence = ceil((7 + 8) / 4) + 1 = 5 of them (the simulator
+    # checks it every step); chunks starting on block edges, as here, need 4.
+    engine = SimEngine(num_blocks=6, block_size=4, max_num_batched_tokens=8, sliding_window=8)
+    assert engine.block_manager.blocks_for_sequence(70, 8) == 5
+    engine.add("long", list(range(30)), 40)
+    engine.run()
+    assert_streams_match_uninterrupted_runs(engine)
+    assert engine.max_blocks_held == 4
+    assert not any(record.preempted for record in engine.steps)
+
+
+def test_windowed_prefix_hits_reuse_released_blocks_and_release_them_again():
+    engine = SimEngine(num_blocks=16, block_size=4, max_num_batched_tokens=64, sliding_window=6)
+    prompt = list(range(40, 70))
+    engine.add("first", prompt, 3)
+    engine.run()
+    (second,) = engine.add("second", prompt + [1, 2], 3)
+    engine.step()
+    # 28 tokens came from the cache, 4 were computed; the next query (position 32) sees 27.. so blocks
+    # 0-5 (tokens 0-23) went back.
+    assert second.num_cached_tokens == 28
+    assert second.num_computed_tokens == 32 and second.num_released_blocks == 6
+    engine.run()
+    assert_streams_match_uninterrupted_runs(engine)
+
+
+def test_windowed_siblings_and_preemption_keep_every_read_in_the_window():
+    engine = SimEngine(num_blocks=9, block_size=2, max_num_batched_tokens=6, sliding_window=5)
+    engine.add("a", list(range(1, 12)), 20, n=2)
+    engine.add("b", list(range(30, 44)), 18, priority=1)
+    engine.add("c", list(range(1, 9)), 16)
+    engine.run()
+    assert_streams_match_uninterrupted_runs(engine)
+    assert any(record.preempted for record in engine.steps)
 
 
 # ----- the same story on a real model --------------------------------------------------------------

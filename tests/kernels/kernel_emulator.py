@@ -131,6 +131,7 @@ class EmulatedLauncher:
         self.schedule = schedule
         self.seed = seed
         self.launches: list[KernelRef] = []
+        self.grids: list[tuple[int, int, int]] = []  # the grid of each launch, in order
         regions = _static_shared_regions(library, self._lib)
         addresses = (ctypes.c_void_p * max(1, len(regions)))(*[a for a, _ in regions])
         sizes = (ctypes.c_ulonglong * max(1, len(regions)))(*[s for _, s in regions])
@@ -168,6 +169,7 @@ class EmulatedLauncher:
             (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem, self.schedule, self.seed
         )
         self.launches.append(kernel)
+        self.grids.append(tuple(grid))  # type: ignore[arg-type]
         rc = getattr(self._lib, self._symbols[kernel])(ctypes.byref(cfg), pointers)
         if rc != 0:
             raise EmulationError(f"{kernel.name}: {self._lib.conduit_emu_last_error().decode()}")

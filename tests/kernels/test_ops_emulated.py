@@ -92,12 +92,14 @@ def test_rms_norm_on_strided_rows_and_3d_input(launcher):
     torch.testing.assert_close(_ops(launcher).rms_norm(heads, w16, 1e-5), REF.rms_norm(heads, w16, 1e-5))
 
 
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("tokens,inter", [(1, 172), (5, 64), (3, 1001)])
-def test_silu_and_mul_matches_reference(launcher, dtype, tokens, inter):
+def test_gated_activations_match_reference(launcher, op, dtype, tokens, inter):
     gen = torch.Generator().manual_seed(tokens * 7 + inter)
     x = _rand(gen, tokens, 2 * inter, dtype=dtype, scale=3.0)
-    torch.testing.assert_close(_ops(launcher).silu_and_mul(x), REF.silu_and_mul(x), **TOL[dtype])
+    torch.testing.assert_close(getattr(_ops(launcher), op)(x), getattr(REF, op)(x), **TOL[dtype])
+    assert [k.name.split("<")[0] for k in launcher.launches] == [f"{op}_kernel"]
 
 
 def _cos_sin_cache(max_positions: int, head_dim: int) -> torch.Tensor:
@@ -172,37 +174,76 @@ class PagedBatch:
             block_size=block_size,
         )
 
+    def poison_outside_window(self, window: int | None) -> None:
+        """Point every table entry of a block wholly below its sequence's windows (as the block manager
+        frees them) at one spare block full of NaN: whoever reads one, even to mask it, returns NaN."""
+        if window is None:
+            return
+        meta, bs = self.meta, self.meta.block_size
+        used = {
+            int(b)
+            for i, n in enumerate(meta.seq_lens_cpu)
+            for b in meta.block_tables[i, : -(-n // bs)].tolist()
+        }
+        poison = min(set(range(self.k_cache.shape[0])) - used)
+        self.k_cache[poison] = float("nan")
+        self.v_cache[poison] = float("nan")
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+            lowest_visible = max(0, seq_len - q_len - window + 1)
+            for block in range(lowest_visible // bs):  # blocks ending before the lowest visible key
+                meta.block_tables[i, block] = poison
+
 
 def _check_attention(
-    launcher, dtype, seq_lens, query_lens, block_size, heads, kv_heads, head_dim, seed, **ops_kw
+    launcher,
+    dtype,
+    seq_lens,
+    query_lens,
+    block_size,
+    heads,
+    kv_heads,
+    head_dim,
+    seed,
+    sliding_window=None,
+    logit_softcap=None,
+    **ops_kw,
 ):
     gen = torch.Generator().manual_seed(seed)
     batch = PagedBatch(gen, seq_lens, query_lens, block_size, kv_heads, head_dim, dtype)
-    q = _rand(gen, sum(query_lens), heads, head_dim, dtype=dtype)
+    batch.poison_outside_window(sliding_window)
+    q = _rand(gen, sum(query_lens), heads, head_dim, dtype=dtype, scale=2.0 if logit_softcap else 1.0)
     scale = head_dim**-0.5
     ops = _ops(launcher, **ops_kw)
-    got = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, batch.meta), scale)
-    want = REF.attention(q, batch.k_cache, batch.v_cache, step(REF, batch.meta), scale)
+    args = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
+    got = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, batch.meta), scale, **args)
+    want = REF.attention(q, batch.k_cache, batch.v_cache, step(REF, batch.meta), scale, **args)
+    assert not want.isnan().any() and not got.isnan().any()
     torch.testing.assert_close(got, want, **TOL[dtype])
     return got
 
 
 DECODE_CASES = [
-    # seq_lens, block_size, heads, kv_heads, head_dim, partition, threads (split-K off when partition > len)
-    ((1, 17, 5), 16, 8, 8, 8, 512, 128),  # GQA 1, one-token context, short contexts
-    ((33, 64, 127), 1, 8, 2, 64, 512, 128),  # GQA 4, block size 1
-    ((130, 65, 257), 32, 16, 2, 64, 64, 64),  # GQA 8, split-K with 64-token partitions
-    ((200, 1, 96), 64, 4, 1, 128, 64, 64),  # GQA 4 (MQA), split-K, one sequence inside one partition
-    ((48, 16), 16, 8, 4, 8, 32, 32),  # stories260K shape, contexts exactly on block edges, split-K
-    ((300, 64, 97), 8, 8, 1, 64, 128, 32),  # GQA 8, split-K with 4 tiles per partition (online rescale)
-    ((77, 500), 2, 4, 4, 16, 512, 64),  # GQA 1, no split, 8 tiles in one partition
+    # seq_lens, block_size, heads, kv_heads, head_dim, partition, threads (split-K off when partition > len),
+    # sliding window, logit soft-cap (blocks below a window are poisoned: PagedBatch.poison_outside_window)
+    ((1, 17, 5), 16, 8, 8, 8, 512, 128, None, None),  # GQA 1, one-token context, short contexts
+    ((33, 64, 127), 1, 8, 2, 64, 512, 128, None, None),  # GQA 4, block size 1
+    ((130, 65, 257), 32, 16, 2, 64, 64, 64, None, None),  # GQA 8, split-K with 64-token partitions
+    ((200, 1, 96), 64, 4, 1, 128, 64, 64, None, None),  # GQA 4 (MQA), split-K, one sequence in one partition
+    ((48, 16), 16, 8, 4, 8, 32, 32, None, None),  # stories260K shape, contexts on block edges, split-K
+    ((300, 64, 97), 8, 8, 1, 64, 128, 32, None, None),  # GQA 8, split-K, 4 tiles per partition (rescale)
+    ((77, 500), 2, 4, 4, 16, 512, 64, None, None),  # GQA 1, no split, 8 tiles in one partition
+    ((40, 9, 100), 4, 8, 2, 16, 512, 64, 8, None),  # windows inside long contexts, one shorter than it
+    ((300, 70), 8, 8, 1, 64, 64, 32, 130, None),  # split-K over the window only: 3 partitions, not 5
+    ((50, 3), 16, 4, 4, 32, 32, 32, None, 5.0),  # soft-capping alone, split-K
+    ((77, 20, 1), 2, 4, 2, 16, 32, 32, 33, 2.5),  # both, split-K, a one-token context
+    ((64, 65), 16, 4, 4, 8, 512, 32, 1, None),  # window 1: each query sees only itself
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[f"decode{i}" for i in range(len(DECODE_CASES))])
 def test_decode_attention_matches_reference(launcher, dtype, case):
-    seq_lens, block_size, heads, kv_heads, head_dim, partition, threads = case
+    seq_lens, block_size, heads, kv_heads, head_dim, partition, threads, window, softcap = case
     _check_attention(
         launcher,
         dtype,
@@ -213,52 +254,75 @@ def test_decode_attention_matches_reference(launcher, dtype, case):
         kv_heads,
         head_dim,
         seed=sum(seq_lens) + block_size,
+        sliding_window=window,
+        logit_softcap=softcap,
         decode_partition_size=partition,
         decode_threads=threads,
     )
-    split = max(seq_lens) > partition
+    split = min(max(seq_lens), window or max(seq_lens)) > partition
     names = [k.name.split("<")[0] for k in launcher.launches]
     assert names.count("paged_decode_reduce_kernel") == (1 if split else 0)
 
 
 PREFILL_CASES = [
-    # seq_lens, query_lens, block_size, heads, kv_heads, head_dim
-    ((7,), (7,), 4, 8, 8, 8),  # one fresh prompt, odd length, GQA 1
-    ((19, 40, 5), (19, 9, 1), 16, 8, 2, 64),  # fresh prompt + chunk after 31 cached tokens + a decode row
-    ((70, 33), (37, 33), 8, 8, 1, 64),  # GQA 8, 33 cached tokens (prefix cache hit), multi-tile keys
-    ((50,), (17,), 32, 4, 1, 128),  # chunked prefill across a 32-token block edge
-    ((16, 3), (16, 2), 16, 8, 4, 8),  # stories260K shape, exactly one block
+    # seq_lens, query_lens, block_size, heads, kv_heads, head_dim, sliding window, logit soft-cap
+    ((7,), (7,), 4, 8, 8, 8, None, None),  # one fresh prompt, odd length, GQA 1
+    ((19, 40, 5), (19, 9, 1), 16, 8, 2, 64, None, None),  # fresh prompt + chunk after 31 cached + a decode
+    ((70, 33), (37, 33), 8, 8, 1, 64, None, None),  # GQA 8, 33 cached tokens (prefix hit), multi-tile keys
+    ((50,), (17,), 32, 4, 1, 128, None, None),  # chunked prefill across a 32-token block edge
+    ((16, 3), (16, 2), 16, 8, 4, 8, None, None),  # stories260K shape, exactly one block
+    ((30,), (30,), 4, 8, 2, 8, 8, None),  # a fresh prompt longer than the window
+    ((70, 33), (37, 33), 8, 8, 1, 64, 20, 3.0),  # a chunk after 33 cached tokens, window and soft-capping
+    ((50, 5), (17, 1), 16, 4, 1, 128, 16, None),  # a chunk whose window starts mid-block, a decode row
+    ((40,), (40,), 4, 4, 4, 8, 1, None),  # window 1
+    ((90, 18), (70, 18), 4, 8, 2, 64, None, 1.5),  # soft-capping alone, several key tiles
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=[f"prefill{i}" for i in range(len(PREFILL_CASES))])
 def test_prefill_attention_matches_reference(launcher, dtype, case):
-    seq_lens, query_lens, block_size, heads, kv_heads, head_dim = case
+    seq_lens, query_lens, block_size, heads, kv_heads, head_dim, window, softcap = case
     _check_attention(
-        launcher, dtype, seq_lens, query_lens, block_size, heads, kv_heads, head_dim, seed=sum(seq_lens)
+        launcher,
+        dtype,
+        seq_lens,
+        query_lens,
+        block_size,
+        heads,
+        kv_heads,
+        head_dim,
+        seed=sum(seq_lens),
+        sliding_window=window,
+        logit_softcap=softcap,
     )
     assert [k.name.split("<")[0] for k in launcher.launches] == ["paged_prefill_attention_kernel"]
 
 
-def test_decode_grid_sized_for_longer_contexts_gives_same_result(launcher):
-    """Under CUDA graphs the grid is sized for max_model_len; extra partitions must exit cleanly."""
+@pytest.mark.parametrize(("window", "partitions"), [(None, 8), (40, 2)], ids=["full", "window40"])
+def test_decode_grid_sized_for_longer_contexts_gives_same_result(launcher, window, partitions):
+    """Under CUDA graphs the grid is sized for max_model_len (256 here): extra partitions must exit
+    cleanly; with a window the grid covers only the window (ceil(40 / 32) partitions)."""
     gen = torch.Generator().manual_seed(5)
-    batch = PagedBatch(gen, (40, 9), (1, 1), 8, 2, 16, torch.float32)
+    batch = PagedBatch(gen, (140, 9), (1, 1), 8, 2, 16, torch.float32)
+    batch.poison_outside_window(window)
     q = _rand(gen, 2, 4, 16)
     ops = _ops(launcher, decode_partition_size=32, decode_threads=32)
-    want = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, batch.meta), 0.25)
+    want = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, batch.meta), 0.25, sliding_window=window)
     padded_meta = AttentionMetadata(
         slot_mapping=batch.meta.slot_mapping,
         query_start_loc=batch.meta.query_start_loc,
         seq_lens=batch.meta.seq_lens,
         block_tables=batch.meta.block_tables,
         query_lens_cpu=(1, 1),
-        seq_lens_cpu=(256, 256),  # host copy says "up to 256": 8 partitions, most of them empty
+        seq_lens_cpu=(256, 256),  # host copy says "up to 256"
         block_size=8,
     )
-    got = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, padded_meta), 0.25)
+    first = len(launcher.launches)
+    got = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, padded_meta), 0.25, sliding_window=window)
     assert torch.equal(got, want)
+    assert launcher.launches[first].name.startswith("paged_decode_attention_kernel")
+    assert launcher.grids[first] == (2, 2, partitions)  # (sequences, KV heads, partitions)
 
 
 @pytest.mark.parametrize("schedule", [REVERSE, SHUFFLED], ids=["reverse", "shuffled"])

@@ -3,6 +3,10 @@
 After admission nothing a request carries can fail a step: the prompt and every token id the request
 names lie inside the model's vocabulary, max_tokens has its resolved value, and prompt + max_tokens fit
 the context and the cache. Each failure raises an EngineError subclass whose message names the field.
+
+Defaults are decided here and nowhere else, on a copy of the request's parameters: the fields the
+request left unset take the model's generation defaults (generation_defaults.py), and max_tokens its
+default by the kind of input.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 
 from conduit_engine.config import SchedulerConfig
 from conduit_engine.errors import DuplicateRequestError, InvalidRequestError, QueueFullError
+from conduit_engine.generation_defaults import GenerationDefaults
 from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.scheduler import Scheduler
@@ -41,20 +46,35 @@ class Limits:
     num_blocks: int
     block_size: int
 
-    @property
-    def max_total_tokens(self) -> int:
-        """The most tokens one sequence can ever hold: the context, or the whole cache if smaller."""
-        return min(self.max_model_len, self.num_blocks * self.block_size)
-
 
 class Admission:
     def __init__(
-        self, tokenizer: ModelTokenizer, limits: Limits, scheduler: Scheduler, config: SchedulerConfig
+        self,
+        tokenizer: ModelTokenizer,
+        limits: Limits,
+        scheduler: Scheduler,
+        config: SchedulerConfig,
+        defaults: GenerationDefaults | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.defaults = defaults or GenerationDefaults()
         self.limits = limits
         self.scheduler = scheduler
         self.config = config
+        self.max_total_tokens = self._max_total_tokens()
+
+    def _blocks_for(self, total_tokens: int) -> int:
+        """KV blocks a sequence of `total_tokens` holds at its peak (fewer with a sliding window)."""
+        return self.scheduler.block_manager.blocks_for_sequence(
+            total_tokens, self.config.max_num_batched_tokens
+        )
+
+    def _max_total_tokens(self) -> int:
+        """The most tokens one sequence can ever hold: the context, or what the cache holds if less."""
+        limits = self.limits
+        if self._blocks_for(limits.max_model_len) <= limits.num_blocks:
+            return limits.max_model_len
+        return min(limits.max_model_len, limits.num_blocks * limits.block_size)
 
     def admit(self, req: GenerationRequest, live_request_ids: Container[str]) -> AdmittedRequest:
         """Validate `req`; raises InvalidRequestError, DuplicateRequestError or QueueFullError."""
@@ -62,17 +82,22 @@ class Admission:
             raise DuplicateRequestError("request_id", f"request {req.request_id!r} is already running")
         req.params.validate(vocab_size=self.limits.vocab_size)
         prompt = self.prompt_token_ids(req)
-        max_tokens = req.params.max_tokens
+        params = req.params.with_defaults(self.defaults.sampling)
+        max_tokens = params.max_tokens
         if max_tokens is None:
-            max_tokens = (
-                max(1, self.limits.max_total_tokens - len(prompt))
-                if req.messages is not None
-                else DEFAULT_MAX_TOKENS
-            )
+            max_tokens = self._default_max_tokens(req.messages is not None, len(prompt))
         self._check_fits(len(prompt), max_tokens)
-        self._check_queue(req.params.n)
-        params = dataclasses.replace(req.params, max_tokens=max_tokens)
+        self._check_queue(params.n)
+        params = dataclasses.replace(params, max_tokens=max_tokens)
         return AdmittedRequest(req.request_id, prompt, params, req.priority)
+
+    def _default_max_tokens(self, is_chat: bool, prompt_len: int) -> int:
+        """The model's max_new_tokens, else OpenAI's 16 for completions and the rest of the context for
+        chat; never more than the context has left."""
+        left = max(1, self.max_total_tokens - prompt_len)
+        if self.defaults.max_tokens is not None:
+            return min(self.defaults.max_tokens, left)
+        return left if is_chat else DEFAULT_MAX_TOKENS
 
     def prompt_token_ids(self, req: GenerationRequest) -> list[int]:
         """Tokenize the one input of `req` and check every id against the model's vocabulary."""
@@ -84,7 +109,9 @@ class Admission:
             ids = self.tokenizer.encode(req.text) if req.text else []
         elif req.messages is not None:
             field = "messages"
-            ids = self.tokenizer.encode_chat(req.messages, req.add_generation_prompt)
+            ids = self.tokenizer.encode_chat(
+                req.messages, req.add_generation_prompt, req.tools, req.documents
+            )
         else:
             field = "token_ids"
             ids = list(req.token_ids or [])
@@ -112,7 +139,7 @@ class Admission:
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
                 f"model's context of {limits.max_model_len} tokens",
             )
-        blocks = (total + limits.block_size - 1) // limits.block_size
+        blocks = self._blocks_for(total)
         if blocks > limits.num_blocks:
             raise InvalidRequestError(
                 "max_tokens",

@@ -7,6 +7,11 @@ for new content in least-recently-freed order, which evicts its cached content.
 
 A block can also be pinned (`pin`/`unpin`): a reference that belongs to no sequence, taken by a KV
 transfer so a finished prefill's blocks outlive it until a decode engine has pulled them.
+
+With a sliding window (every layer of the model attending only to its last `sliding_window` tokens), a
+block whose tokens all lie before the window of the sequence's next query is never read again: it is
+released at once (its entry becomes RELEASED_BLOCK), so a sequence holds a bounded number of blocks
+however long it grows. A released block keeps its prefix-cache hash like any freed block.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from conduit_engine.sequence import Sequence
+from conduit_engine.sequence import RELEASED_BLOCK, Sequence
 
 BlockHash = bytes
 
@@ -67,11 +72,20 @@ def prefix_block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks, least recently freed first; allocation pops from the front.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -97,6 +111,15 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
+
+    def blocks_for_sequence(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a sequence of `num_tokens` tokens ever holds at once when each step advances
+        it by at most `max_chunk` tokens: all of them, or with a window those from the first the chunk's
+        first query sees (window - 1 tokens back) to the chunk's end."""
+        blocks = self.blocks_needed(num_tokens)
+        if self.sliding_window is None:
+            return blocks
+        return min(blocks, self.blocks_needed(self.sliding_window - 1 + max_chunk) + 1)
 
     def stats(self) -> BlockStats:
         free = len(self._free)
@@ -140,6 +163,7 @@ class BlockManager:
             parent = h
         reused = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = reused
+        self.release_outside_window(seq)
         return reused
 
     def record_prefix_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
@@ -177,11 +201,27 @@ class BlockManager:
                 block.hash = h
                 self._cached[h] = block.block_id
 
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Give back the blocks before the window of `seq`'s next query (at num_computed_tokens, which
+        sees keys from num_computed_tokens - window + 1 on); oldest first, as they left the window."""
+        if self.sliding_window is None:
+            return
+        first_visible = seq.num_computed_tokens - self.sliding_window + 1
+        table = seq.block_table
+        while (
+            seq.num_released_blocks < len(table)
+            and (seq.num_released_blocks + 1) * self.block_size <= first_visible
+        ):
+            self._drop(table[seq.num_released_blocks])
+            table[seq.num_released_blocks] = RELEASED_BLOCK
+            seq.num_released_blocks += 1
+
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, last block first so a prefix's tail is evicted before its head."""
-        for block_id in reversed(seq.block_table):
-            self._release(block_id)
+        for block_id in reversed(seq.block_table[seq.num_released_blocks :]):
+            self._drop(block_id)
         seq.block_table.clear()
+        seq.num_released_blocks = 0
         seq.num_computed_tokens = 0
         self._seq_hashes.pop(seq.seq_id, None)
 
@@ -212,7 +252,7 @@ class BlockManager:
             self._pins[block_id] -= 1
             if self._pins[block_id] == 0:
                 del self._pins[block_id]
-            self._release(block_id)
+            self._drop(block_id)
 
     def pinned_references(self) -> dict[int, int]:
         """Block id → references held by pins (a copy)."""
@@ -241,17 +281,33 @@ class BlockManager:
         if live is not None:
             counts = [self._pins.get(block_id, 0) for block_id in range(self.num_blocks)]
             for seq in live:
-                assert len(set(seq.block_table)) == len(seq.block_table), (
-                    f"seq {seq.seq_id} owns a block twice"
-                )
-                for block_id in seq.block_table:
+                self._check_window(seq)
+                held = seq.block_table[seq.num_released_blocks :]
+                assert len(set(held)) == len(held), f"seq {seq.seq_id} owns a block twice"
+                for block_id in held:
                     counts[block_id] += 1
             for block in self.blocks:
                 assert counts[block.block_id] == block.ref_count, f"block {block.block_id} ref count wrong"
 
+    def _check_window(self, seq: Sequence) -> None:
+        """Released entries are exactly the leading blocks before the window of the next query."""
+        table, released = seq.block_table, seq.num_released_blocks
+        assert all(b == RELEASED_BLOCK for b in table[:released]), f"seq {seq.seq_id}: released count wrong"
+        assert RELEASED_BLOCK not in table[released:], f"seq {seq.seq_id} reads a released block"
+        if self.sliding_window is None:
+            assert released == 0, f"seq {seq.seq_id} released blocks without a window"
+            return
+        first_visible = seq.num_computed_tokens - self.sliding_window + 1
+        outside = min(len(table), max(0, first_visible // self.block_size))
+        assert released == outside, (
+            f"seq {seq.seq_id} holds {outside - released} blocks outside its window"
+            if released < outside
+            else f"seq {seq.seq_id} released {released - outside} blocks inside its window"
+        )
+
     # ----- internals -----------------------------------------------------------------------------
-    def _release(self, block_id: int) -> None:
-        """Drop one reference; the last one returns the block to the back of the free queue."""
+    def _drop(self, block_id: int) -> None:
+        """Remove one reference; a block nobody holds joins the free queue (keeping its content)."""
         block = self.blocks[block_id]
         block.ref_count -= 1
         assert block.ref_count >= 0, f"block {block_id} freed more often than taken"

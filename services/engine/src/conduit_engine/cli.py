@@ -29,12 +29,25 @@ def _bool(value: str) -> bool:
 
 # (flag, type, default, help). None as default means "not set".
 FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
-    ("--model", str, None, "Hugging Face model folder (config.json, safetensors, tokenizer.json)"),
-    ("--served-model-name", str, None, "name reported to clients (default: the folder name)"),
+    ("--model", str, None, "a Hugging Face model folder, or a Hub id org/name (downloaded into the cache)"),
+    ("--revision", str, None, "Hub ids: the branch, tag or commit to serve (default: main)"),
+    ("--download-dir", str, None, "Hub ids: download into this cache folder (default: huggingface_hub's)"),
+    ("--served-model-name", str, None, "name reported to clients (default: the Hub id or folder name)"),
     ("--host", str, "0.0.0.0", "address to listen on"),
     ("--port", int, 50051, "gRPC port"),
     ("--device", str, "cpu", "cpu (torch ops) or cuda (CuPy kernels)"),
-    ("--dtype", str, "auto", "auto, float32, bfloat16 or float16"),
+    (
+        "--dtype",
+        str,
+        "auto",
+        "auto (the checkpoint's; float16 runs in float32 on cpu), float32, bfloat16, float16",
+    ),
+    (
+        "--generation-config",
+        str,
+        "auto",
+        "auto: generation_config.json's EOS ids and sampling defaults; vllm: its EOS ids; none: ignore it",
+    ),
     ("--max-model-len", int, None, "longest prompt + completion (default: the model's limit)"),
     ("--max-num-seqs", int, 64, "most sequences in one batch"),
     ("--max-num-batched-tokens", int, 2048, "token budget of one step (chunked prefill)"),
@@ -84,6 +97,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len,
             seed=args.seed,
             num_threads=args.num_threads,
+            revision=args.revision,
+            download_dir=args.download_dir,
+            generation_config=args.generation_config,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

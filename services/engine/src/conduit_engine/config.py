@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+GENERATION_CONFIG_MODES = ("auto", "vllm", "none")
+
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
@@ -17,13 +19,16 @@ def _require(ok: bool, message: str) -> None:
 class ModelConfig:
     """What to load and how to run it."""
 
-    path: str
-    served_name: str | None = None
+    path: str  # a local model folder, or a Hugging Face Hub id (org/name)
+    served_name: str | None = None  # None → the Hub id, or the folder's name
     device: str = "cpu"
-    dtype: str = "auto"  # auto → the checkpoint's torch_dtype for float32/bfloat16, float32 otherwise on CPU
-    max_model_len: int | None = None  # None → the model's max_position_embeddings
+    dtype: str = "auto"  # auto → the checkpoint's torch_dtype; on the CPU float16 checkpoints run in float32
+    max_model_len: int | None = None  # None → the model's context (max_position_embeddings, RoPE-scaled)
     seed: int = 0
     num_threads: int = 0  # torch intra-op threads on CPU; 0 → auto (1 for tiny models, else torch's default)
+    revision: str | None = None  # Hub ids: branch, tag or commit (None → main)
+    download_dir: str | None = None  # Hub ids: the cache to download into (None → huggingface_hub's)
+    generation_config: str = "auto"  # auto | vllm | none: what generation_config.json contributes
 
     def __post_init__(self) -> None:
         _require(self.num_threads >= 0, f"--num-threads must be >= 0, got {self.num_threads}")
@@ -33,8 +38,16 @@ class ModelConfig:
             f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}",
         )
         _require(
+            not (self.dtype == "float16" and self.device == "cpu"),
+            "--dtype float16 needs --device cuda: on the CPU use float32 or bfloat16",
+        )
+        _require(
             self.max_model_len is None or self.max_model_len >= 1,
             f"--max-model-len must be >= 1, got {self.max_model_len}",
+        )
+        _require(
+            self.generation_config in GENERATION_CONFIG_MODES,
+            f"--generation-config must be auto, vllm or none, got {self.generation_config!r}",
         )
 
 

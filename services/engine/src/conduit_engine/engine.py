@@ -65,11 +65,16 @@ class LLMEngine:
             use_cuda_graphs=not config.enforce_eager,
         )
         self.block_manager = BlockManager(
-            self.num_blocks, self.block_size, config.cache.enable_prefix_caching
+            self.num_blocks,
+            self.block_size,
+            config.cache.enable_prefix_caching,
+            sliding_window=self.arch.uniform_window,  # blocks behind it are freed as sequences grow
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         limits = Limits(self.arch.vocab_size, self.max_model_len, self.num_blocks, self.block_size)
-        self.admission = Admission(self.tokenizer, limits, self.scheduler, config.scheduler)
+        self.admission = Admission(
+            self.tokenizer, limits, self.scheduler, config.scheduler, loaded.generation_defaults
+        )
         self.structured = StructuredOutputs(self.tokenizer.hf, self.arch.vocab_size, self.eos_token_ids)
         self._requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()

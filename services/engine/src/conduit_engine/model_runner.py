@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from conduit_engine.layers.decoder import KVCache
+from conduit_engine.models.base import CausalLM
 from conduit_engine.models.config import ArchConfig
-from conduit_engine.models.llama import KVCache, LlamaForCausalLM
 from conduit_engine.ops import AttentionMetadata
 from conduit_engine.sampling import (
     Sampler,
@@ -45,7 +46,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         config: ArchConfig,
         num_blocks: int,
         block_size: int,

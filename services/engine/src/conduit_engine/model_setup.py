@@ -1,21 +1,25 @@
-"""Model and KV-cache setup: read a checkpoint folder, load the model onto its device, set the CPU thread
-policy, and size the paged KV cache from the memory budget. Runs once, when the engine starts."""
+"""Model and KV-cache setup: find the model (local folder or Hub id), load it onto its device, set the CPU
+thread policy, and size the paged KV cache from the memory budget. Runs once, when the engine starts."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import resource
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from conduit_engine import model_source
 from conduit_engine.config import EngineConfig
 from conduit_engine.errors import ModelLoadError
+from conduit_engine.generation_defaults import GenerationDefaults, read_generation_defaults
+from conduit_engine.models.base import CausalLM
 from conduit_engine.models.config import ArchConfig
-from conduit_engine.models.llama import LlamaForCausalLM
 from conduit_engine.models.loader import load_model, resolve_dtype
+from conduit_engine.models.registry import read_arch_config
 from conduit_engine.ops import get_ops
 from conduit_engine.tokenizer import ModelTokenizer
 
@@ -35,30 +39,39 @@ class LoadedModel:
     arch: ArchConfig
     tokenizer: ModelTokenizer
     eos_token_ids: tuple[int, ...]
+    generation_defaults: GenerationDefaults
     max_model_len: int
     dtype: torch.dtype
-    model: LlamaForCausalLM
+    model: CausalLM
     num_blocks: int  # KV cache blocks
     block_size: int
 
 
 def load(config: EngineConfig) -> LoadedModel:
     """Load the model of `config` and size its KV cache; raises ModelLoadError with a clear message."""
-    folder = Path(config.model.path)
-    if not folder.is_dir():
-        raise ModelLoadError(f"model folder {folder} does not exist")
-    arch = ArchConfig.from_folder(folder)
+    mc = config.model
+    source = model_source.resolve(mc.path, mc.revision, mc.download_dir)
+    folder = source.folder
+    arch = read_arch_config(folder)
     tokenizer = ModelTokenizer(folder)
+    defaults = read_generation_defaults(folder, mc.generation_config)
     max_len = max_model_len(config, arch)
-    dtype = resolve_dtype(config.model.dtype, arch, config.model.device)
-    torch.manual_seed(config.model.seed)
-    model = load_model(folder, arch, get_ops(config.model.device), dtype, config.model.device, max_len)
-    set_cpu_threads(config.model.num_threads, model)
+    dtype = resolve_dtype(mc.dtype, arch, mc.device)
+    torch.manual_seed(mc.seed)
+    model = _timed_load(folder, arch, dtype, mc.device, max_len)
+    set_cpu_threads(mc.num_threads, model)
+    log.info(
+        "generation defaults from %s (--generation-config %s): %s",
+        folder.name,
+        mc.generation_config,
+        defaults.described,
+    )
     return LoadedModel(
-        name=config.model.served_name or folder.resolve().name,
+        name=mc.served_name or source.name,
         arch=arch,
         tokenizer=tokenizer,
-        eos_token_ids=eos_token_ids(folder, arch),
+        eos_token_ids=eos_token_ids(arch, defaults),
+        generation_defaults=defaults,
         max_model_len=max_len,
         dtype=dtype,
         model=model,
@@ -67,24 +80,40 @@ def load(config: EngineConfig) -> LoadedModel:
     )
 
 
-def eos_token_ids(folder: Path, arch: ArchConfig) -> tuple[int, ...]:
+def _timed_load(folder: Path, arch: ArchConfig, dtype: torch.dtype, device: str, max_len: int) -> CausalLM:
+    """load_model, then one line: the time it took and the peak memory (device memory on CUDA, the
+    process's peak resident memory on the CPU)."""
+    started = time.monotonic()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    model = load_model(folder, arch, get_ops(device), dtype, device, max_len)
+    seconds = time.monotonic() - started
+    params = sum(p.numel() for p in model.parameters())
+    if device == "cuda":
+        peak = f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB"
+    else:  # ru_maxrss is in KiB on Linux
+        peak = f"peak process memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
+    log.info(
+        "loaded %s (%.1fM parameters, %s) in %.1f s; %s",
+        arch.architecture,
+        params / 1e6,
+        str(dtype).removeprefix("torch."),
+        seconds,
+        peak,
+    )
+    return model
+
+
+def eos_token_ids(arch: ArchConfig, defaults: GenerationDefaults) -> tuple[int, ...]:
     """The EOS ids of config.json and generation_config.json that lie within the vocabulary."""
-    ids = list(arch.eos_token_ids)
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        for e in eos if isinstance(eos, list) else [eos]:
-            if e is not None and e not in ids:
-                ids.append(int(e))
+    ids = list(dict.fromkeys((*arch.eos_token_ids, *defaults.eos_token_ids)))
     # An id the model has no logit for can never be sampled; keeping it would only mislead.
     return tuple(i for i in ids if 0 <= i < arch.vocab_size)
 
 
 def max_model_len(config: EngineConfig, arch: ArchConfig) -> int:
     """The longest prompt + completion: --max-model-len, which may not exceed the model's own limit."""
-    limit = arch.max_position_embeddings
-    if arch.sliding_window is not None:
-        limit = min(limit, arch.sliding_window)  # full attention is exact only inside the window
+    limit = arch.context_limit
     requested = config.model.max_model_len
     if requested is None:
         return limit

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.errors import InvalidRequestError
@@ -49,7 +51,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     kwargs["logit_bias"] = dict(msg.logit_bias)
     kwargs["structured"] = structured_from_pb(msg)
-    return SamplingParams(**kwargs)  # type: ignore[arg-type]
+    return SamplingParams.from_request(**kwargs)
 
 
 def structured_from_pb(msg: pb.SamplingParams) -> StructuredSpec | None:
@@ -90,6 +92,23 @@ def messages_from_pb(chat: pb.ChatInput) -> list[ChatMessage]:
     ]
 
 
+def template_extras_from_pb(chat: pb.ChatInput) -> tuple[list[Any] | None, list[Any] | None]:
+    """(tools, documents) for the chat template from their JSON fields; absent fields are None."""
+    return _json_array(chat, "tools_json"), _json_array(chat, "documents_json")
+
+
+def _json_array(chat: pb.ChatInput, name: str) -> list[Any] | None:
+    if not chat.HasField(name):
+        return None
+    try:
+        value = json.loads(getattr(chat, name))
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"chat.{name}", f"is not valid JSON: {exc}") from exc
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"chat.{name}", f"must be a JSON array, got {type(value).__name__}")
+    return value
+
+
 def request_from_pb(msg: pb.GenerateRequest) -> GenerationRequest:
     params = sampling_from_pb(msg.sampling)  # a bad structured spec is refused here, naming its field
 
@@ -108,6 +127,7 @@ def request_from_pb(msg: pb.GenerateRequest) -> GenerationRequest:
         req.token_ids = list(msg.token_ids.ids)
     elif kind == "chat":
         req.messages = messages_from_pb(msg.chat)
+        req.tools, req.documents = template_extras_from_pb(msg.chat)
         if msg.chat.HasField("add_generation_prompt"):
             req.add_generation_prompt = msg.chat.add_generation_prompt
     return req

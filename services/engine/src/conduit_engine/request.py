@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from conduit_engine.sampling import TokenLogprobs
 from conduit_engine.sampling_params import SamplingParams
@@ -20,6 +21,8 @@ class GenerationRequest:
     token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    tools: list[Any] | None = None  # with messages: given to the chat template as `tools`
+    documents: list[Any] | None = None  # with messages: given to the chat template as `documents`
     priority: int = 0
 
 

@@ -1,4 +1,9 @@
-"""`make run`: start the engine and the gateway as processes, print how to call them; Ctrl-C stops both."""
+"""`make run`: start the engine and the gateway as processes, print how to call them; Ctrl-C stops both.
+
+Without --model it serves DEFAULT_MODEL, a small chat model from the Hugging Face Hub (downloaded once
+into the Hub cache), and when that cannot be had (offline and not cached, or the Hub unreachable) the
+random demo model, saying why.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from pathlib import Path
 # (subprocess with preexec_fn forks), so readiness is read from the gateway's /health, which is 200
 # once an engine behind it is SERVING.
 _ENGINE_LOAD_TIMEOUT_S = 600.0
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # Llama architecture, 135M parameters, Apache-2.0
+DEMO_DIR = ".models/demo-llama"
 
 
 def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
@@ -56,8 +63,40 @@ def _spawn(executable: str, *args: str) -> subprocess.Popen[bytes]:
     )
 
 
+def _python_module(*args: str) -> subprocess.CompletedProcess[str]:
+    """This interpreter running `-m args...`; stdout captured, stderr (progress bars) passed through."""
+    return subprocess.run([sys.executable, "-m", *args], stdout=subprocess.PIPE, text=True, check=False)
+
+
+def fetch(model: str) -> str | None:
+    """Download a Hub id before the engine starts (its progress shows here, and the engine's load
+    timeout does not run during it); None when it is available, else why not. It runs in a child
+    process: this one must not start threads before it forks the engine and the gateway."""
+    fetched = _python_module("conduit_engine.model_source", model)
+    if fetched.returncode == 0:
+        return None
+    return fetched.stdout.strip() or f"fetching it failed with status {fetched.returncode}"
+
+
+def choose_model(demo_dir: str) -> tuple[str, str | None]:
+    """(model to serve, why it is not DEFAULT_MODEL or None)."""
+    reason = fetch(DEFAULT_MODEL)
+    if reason is None:
+        return DEFAULT_MODEL, None
+    made = _python_module("conduit_engine.demo_model", demo_dir)
+    if made.returncode != 0:
+        raise SystemExit(f"cannot serve {DEFAULT_MODEL} ({reason}) nor write the demo model to {demo_dir}")
+    return demo_dir, reason
+
+
+def _served_name(model: str) -> str:
+    """What the engine serves `model` as: a folder's name, or the Hub id itself."""
+    path = Path(model)
+    return path.resolve().name if path.is_dir() else model
+
+
 def _banner(model: str, engine_port: int, gateway_port: int) -> str:
-    name = Path(model).resolve().name
+    name = _served_name(model)
     base = f"http://127.0.0.1:{gateway_port}/v1"
     return f"""
 Conduit is serving {name!r}.
@@ -86,12 +125,27 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.kill()
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Run the Conduit engine and gateway together.")
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", help=f"a model folder or Hub id (default: {DEFAULT_MODEL}, else the demo)")
+    parser.add_argument("--demo-dir", default=DEMO_DIR, help="where the random demo model is written")
     parser.add_argument("--engine-port", type=int, default=50051)
     parser.add_argument("--gateway-port", type=int, default=8000)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _parse_args()
+    if args.model is None:
+        args.model, reason = choose_model(args.demo_dir)
+        if reason is not None:
+            print(
+                f"{DEFAULT_MODEL} is not available: {reason}\n"
+                f"Serving the random demo model from {args.model} instead: its text is meaningless.",
+                flush=True,
+            )
+    elif not Path(args.model).is_dir() and (reason := fetch(args.model)) is not None:
+        raise SystemExit(f"cannot serve {args.model}: {reason}")
     # SIGTERM (e.g. from a supervisor) must stop the children too, as Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
     engine_address = f"127.0.0.1:{args.engine_port}"

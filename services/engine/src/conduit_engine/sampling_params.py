@@ -1,10 +1,15 @@
 """Sampling and stopping parameters of one request, with OpenAI/vLLM defaults and validation.
 
 Plain Python: no torch. Every check raises InvalidRequestError naming the field.
+
+A request built from the wire (`from_request`) remembers which of `MODEL_DEFAULTABLE` it left unset, so
+that admission can fill exactly those from the model's generation_config.json (`with_defaults`), once.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from conduit_engine.errors import InvalidRequestError
@@ -12,6 +17,8 @@ from conduit_engine.structured.spec import StructuredSpec
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+# The sampling fields a model's generation_config.json may give defaults for (as vLLM takes them).
+MODEL_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(slots=True)
@@ -37,11 +44,26 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     structured: StructuredSpec | None = None  # output constraint, validated when built
+    # Which MODEL_DEFAULTABLE fields the request left unset; built directly, every field counts as set.
+    unset: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
+
+    @classmethod
+    def from_request(cls, **given: object) -> SamplingParams:
+        """The parameters of a request that set exactly `given`; the other fields keep the defaults
+        above and, among MODEL_DEFAULTABLE, are marked unset."""
+        return cls(**given, unset=frozenset(MODEL_DEFAULTABLE) - given.keys())  # type: ignore[arg-type]
+
+    def with_defaults(self, defaults: Mapping[str, float | int]) -> SamplingParams:
+        """A copy whose unset fields take `defaults` (the model's); set fields keep the request's value."""
+        chosen = {name: value for name, value in defaults.items() if name in self.unset}
+        if not chosen:
+            return self
+        return dataclasses.replace(self, **chosen, unset=self.unset - chosen.keys())  # type: ignore[arg-type]
 
     @property
     def is_greedy(self) -> bool:

@@ -174,10 +174,12 @@ class Scheduler:
 
     # ----- after the model ran ---------------------------------------------------------------------
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counters and publish newly full blocks to the prefix cache."""
+        """Advance computed-token counters, publish newly full blocks to the prefix cache and give back
+        the blocks that left a sliding window."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit_computed_blocks(item.seq)
+            self.block_manager.release_outside_window(item.seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished sequence (status already set) and free its blocks."""

@@ -18,6 +18,11 @@ if TYPE_CHECKING:  # the core stays free of torch and of the grammar backend
 
 _seq_counter = itertools.count()
 
+# A block_table entry whose block was given back because it lies wholly before the sliding window of
+# every query the sequence will still make (models whose every layer attends through the same window).
+# Entries keep their positions: entry i always stands for tokens [i * block_size, (i + 1) * block_size).
+RELEASED_BLOCK = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -45,7 +50,8 @@ class Sequence:
     parent: Sequence | None = None  # sibling whose prompt prefill this one waits for (n > 1)
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     token_ids: list[int] = field(init=False)
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # may start with RELEASED_BLOCK entries
+    num_released_blocks: int = 0  # leading block_table entries that are RELEASED_BLOCK
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     was_admitted: bool = False

@@ -24,7 +24,12 @@ from conduit_engine.errors import (
     InvalidRequestError,
     QueueFullError,
 )
-from conduit_engine.proto_mapping import messages_from_pb, output_to_pb, request_from_pb
+from conduit_engine.proto_mapping import (
+    messages_from_pb,
+    output_to_pb,
+    request_from_pb,
+    template_extras_from_pb,
+)
 from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 
@@ -171,7 +176,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             add_prompt = (
                 request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
             )
-            ids = tok.encode_chat(messages_from_pb(request.chat), add_prompt)
+            tools, documents = template_extras_from_pb(request.chat)
+            ids = tok.encode_chat(messages_from_pb(request.chat), add_prompt, tools, documents)
         else:
             raise InvalidRequestError("input", "one of text or chat is required")
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.token_text(i) for i in ids])
@@ -269,7 +275,12 @@ class EngineServer:
             self.port,
         )
         loop = asyncio.get_running_loop()
-        core = await loop.run_in_executor(None, LLMEngine, self.config)
+        try:
+            core = await loop.run_in_executor(None, LLMEngine, self.config)
+        except BaseException:
+            # A model that cannot load ends the process with a message: stop gRPC cleanly first.
+            await self.server.stop(grace=None)
+            raise
         self.async_engine = AsyncEngine(core)
         self.servicer.attach(self.async_engine)
         await warm_up(self.async_engine)

@@ -1,27 +1,35 @@
-"""Self-attention over the paged KV cache: fused qkv projection, RoPE, cache write, attention, o_proj."""
+"""Self-attention over the paged KV cache: fused qkv projection, optional per-head q/k RMSNorm, RoPE,
+cache write, attention (sliding window and logit soft-capping per layer), o_proj."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from conduit_engine.layers.norm import RMSNorm
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.ops import Ops, StepContext
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, config: ArchConfig, ops: Ops) -> None:
+    def __init__(self, config: ArchConfig, ops: Ops, layer_index: int) -> None:
         super().__init__()
         self.ops = ops
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale or config.head_dim**-0.5
+        self.sliding_window = config.layer_windows[layer_index]
+        self.logit_softcap = config.attn_logit_softcap
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+        self.qk_norm = config.qk_norm
 
     def forward(
         self,
@@ -34,8 +42,18 @@ class PagedAttention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
         self.ops.rotary_embedding(q, k, step)
         k_cache, v_cache = kv_cache
         self.ops.write_kv(k, v, k_cache, v_cache, step.meta.slot_mapping)
-        out = self.ops.attention(q, k_cache, v_cache, step, self.scale)
+        out = self.ops.attention(
+            q,
+            k_cache,
+            v_cache,
+            step,
+            self.scale,
+            sliding_window=self.sliding_window,
+            logit_softcap=self.logit_softcap,
+        )
         return self.o_proj(out.reshape(num_tokens, -1))

@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward with a fused gate|up projection."""
+"""Gated feed-forward (SwiGLU, or GeGLU with the tanh GELU) with a fused gate|up projection."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from conduit_engine.ops import Ops
 class GatedMLP(nn.Module):
     def __init__(self, config: ArchConfig, ops: Ops) -> None:
         super().__init__()
-        self.ops = ops
+        self.act_and_mul = ops.gelu_tanh_and_mul if config.hidden_act == "gelu_tanh" else ops.silu_and_mul
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))

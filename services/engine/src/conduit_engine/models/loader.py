@@ -1,4 +1,9 @@
-"""Build a model from a Hugging Face folder: config.json + model.safetensors (or sharded with an index)."""
+"""Build a model from a Hugging Face folder: config.json + model.safetensors (or sharded with an index).
+
+Weights are memory-mapped: `safe_open` maps each file and `get_tensor` returns a view of the mapping, so
+a tensor already in the target dtype and device becomes the parameter without a copy, and every other
+one is converted straight from the mapping (each byte of a checkpoint is read once).
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from huggingface_hub.utils import tqdm
 from safetensors import safe_open
 
 from conduit_engine.errors import ModelLoadError
+from conduit_engine.models.base import CausalLM
 from conduit_engine.models.config import ArchConfig
-from conduit_engine.models.llama import LlamaForCausalLM
+from conduit_engine.models.registry import model_class
 from conduit_engine.ops import Ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Checkpoint projections that we store fused: (fused name, part names in order)
+# Checkpoint projections that we store fused: (fused name, part names in order). Checkpoints that
+# already store the fused names (Phi-3) load as they are.
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
@@ -24,6 +32,8 @@ _FUSED = {
 
 
 def resolve_dtype(requested: str, config: ArchConfig, device: str) -> torch.dtype:
+    """--dtype, or for `auto` the checkpoint's dtype, except float16 on the CPU (computed in float32:
+    the CPU has no fast float16 matmul)."""
     if requested != "auto":
         return DTYPES[requested]
     if config.torch_dtype in DTYPES and not (device == "cpu" and config.torch_dtype == "float16"):
@@ -46,18 +56,27 @@ def safetensors_files(folder: Path) -> list[Path]:
     raise ModelLoadError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in safetensors_files(folder):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, as views of the memory-mapped files, with a progress bar."""
+    sizes = [f.stat().st_size for f in files]
+    with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="Loading weights") as bar:
+        for path, size in zip(files, sizes, strict=True):
+            done = 0
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    yield name, tensor
+                    bar.update(tensor.nbytes)
+                    done += tensor.nbytes
+            bar.update(size - done)  # the file's header
 
 
 def load_model(
     folder: Path, config: ArchConfig, ops: Ops, dtype: torch.dtype, device: str, max_positions: int
-) -> LlamaForCausalLM:
+) -> CausalLM:
+    files = safetensors_files(folder)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, ops, max_positions)
+        model = model_class(config.architecture)(config, ops, max_positions)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -65,7 +84,7 @@ def load_model(
     params = dict(model.named_parameters())
     pending: dict[str, list[torch.Tensor | None]] = {}
     loaded: set[str] = set()
-    for raw_name, tensor in iter_checkpoint(folder):
+    for raw_name, tensor in iter_checkpoint(files):
         name = raw_name.removeprefix("model.")
         if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
@@ -84,6 +103,7 @@ def load_model(
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks weights: {', '.join(missing[:5])}")
+    model.finish_loading()
     model.eval()
     return model
 
@@ -107,4 +127,5 @@ def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor
             f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
         )
     with torch.no_grad():
+        # A no-op (the mapped view itself) when dtype and device already match.
         param.data = tensor.to(device=param.device, dtype=dtype).contiguous()

@@ -105,6 +105,10 @@ class Ops(ABC):
         """x [T, 2I] → silu(x[:, :I]) * x[:, I:]  ([T, I])."""
 
     @abstractmethod
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] → gelu_tanh(x[:, :I]) * x[:, I:]  ([T, I]); GELU with the tanh approximation."""
+
+    @abstractmethod
     def write_kv(
         self,
         k: torch.Tensor,
@@ -123,10 +127,17 @@ class Ops(ABC):
         v_cache: torch.Tensor,
         step: StepContext,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of the packed queries q [T, Hq, D] over each sequence's cached context
         (new keys already written), as described by step.meta. Grouped-query: head h reads kv head
-        h // (Hq // Hk). → [T, Hq, D]."""
+        h // (Hq // Hk). → [T, Hq, D].
+
+        sliding_window w: the query at position p sees keys p - w + 1 .. p only (and never reads the
+        cache below that, whose blocks may have been freed). logit_softcap c: scores (q·k * scale)
+        become c * tanh(scores / c) before the softmax."""
 
     @abstractmethod
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

@@ -166,6 +166,16 @@ def check_attention(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetad
         check(head_dim % 8 == 0, f"q: head_dim must be a multiple of 8 for prefill attention, got {head_dim}")
 
 
+def check_window(sliding_window: int | None, logit_softcap: float | None) -> None:
+    check(
+        sliding_window is None or sliding_window >= 1,
+        f"sliding_window: must be None or >= 1, got {sliding_window}",
+    )
+    check(
+        logit_softcap is None or logit_softcap > 0, f"logit_softcap: must be None or > 0, got {logit_softcap}"
+    )
+
+
 def check_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     check(logits.dim() == 2, f"logits: expected [B, V], got {tuple(logits.shape)}")
     check_dtype("logits", logits, torch.float32)

@@ -66,6 +66,8 @@ class _PagedAttention(NamedTuple):
     num_kv_heads: int
     group: int  # query heads per KV head
     log2_block: int
+    sliding_window: int  # 0: full attention
+    logit_softcap: float  # 0: none
 
 
 def _split_k_buffers(
@@ -232,6 +234,12 @@ class CudaOps(Ops):
         return out.view(x.shape), summed.view(x.shape)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gated_and_mul(kl.silu_and_mul_kernel(x.dtype), x)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gated_and_mul(kl.gelu_tanh_and_mul_kernel(x.dtype), x)
+
+    def _gated_and_mul(self, kernel: KernelRef, x: torch.Tensor) -> torch.Tensor:
         rows = _as_rows("x", x)
         check(rows.shape[1] % 2 == 0, f"x: last dimension must be even (gate | up), got {rows.shape[1]}")
         inter = rows.shape[1] // 2
@@ -244,7 +252,7 @@ class CudaOps(Ops):
         threads = _threads_for(min(256, math.ceil(inter / per_thread)))
         grid_y = math.ceil(inter / (threads * per_thread))
         self._launch(
-            kl.silu_and_mul_kernel(x.dtype),
+            kernel,
             (rows.shape[0], grid_y, 1),
             (threads, 1, 1),
             [out, rows, np.int32(inter), np.int64(rows.stride(0)), np.int64(inter), np.int32(vectorized)],
@@ -327,18 +335,34 @@ class CudaOps(Ops):
         v_cache: torch.Tensor,
         step: StepContext,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         meta = step.meta
         if self.check_calls:
             checks.check_cache(k_cache, v_cache)
             checks.check_attention(q, k_cache, meta)
+            checks.check_window(sliding_window, logit_softcap)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_seqs == 0 or q.shape[0] == 0:
             return out
         _, block_size, num_kv_heads, _ = k_cache.shape
         group = q.shape[1] // num_kv_heads
         log2_block = block_size.bit_length() - 1
-        launch = _PagedAttention(out, q, k_cache, v_cache, meta, scale, num_kv_heads, group, log2_block)
+        launch = _PagedAttention(
+            out,
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            scale,
+            num_kv_heads,
+            group,
+            log2_block,
+            sliding_window or 0,
+            logit_softcap or 0.0,
+        )
         if meta.is_decode_only:
             self._decode_attention(launch)
         else:
@@ -346,11 +370,12 @@ class CudaOps(Ops):
         return out
 
     def _decode_attention(self, a: _PagedAttention) -> None:
-        out, q, k_cache, v_cache, meta, scale, num_kv_heads, group, log2_block = a
+        out, q, k_cache, v_cache, meta, scale, num_kv_heads, group, log2_block, window, softcap = a
         num_seqs, num_heads, head_dim = q.shape
         # The grid follows the host copy of the lengths (under CUDA graph capture: the longest allowed
-        # context); partitions past a sequence's real end exit at once.
-        partitions = max(1, math.ceil(meta.max_seq_len / self.decode_partition_size))
+        # context), or the window when shorter; partitions past a sequence's real end exit at once.
+        visible = min(meta.max_seq_len, window) if window else meta.max_seq_len
+        partitions = max(1, math.ceil(visible / self.decode_partition_size))
         threads = self.decode_threads
         partial_out, partial_max, partial_sum = _split_k_buffers(q, partitions)
         self._launch(
@@ -376,11 +401,14 @@ class CudaOps(Ops):
                 np.int32(log2_block),
                 np.float32(scale),
                 np.int32(self.decode_partition_size),
+                np.int32(window),
+                np.float32(softcap),
+                np.float32(1.0 / softcap if softcap else 0.0),
             ],
             decode_shared_bytes(group, head_dim, threads),
         )
         if partitions > 1:
-            self._decode_reduce(out, partial_out, partial_max, partial_sum, meta.seq_lens, partitions)
+            self._decode_reduce(out, partial_out, partial_max, partial_sum, meta.seq_lens, partitions, window)
 
     def _decode_reduce(
         self,
@@ -390,6 +418,7 @@ class CudaOps(Ops):
         partial_sum: torch.Tensor,
         seq_lens: torch.Tensor,
         partitions: int,
+        window: int,
     ) -> None:
         """Combine the split-K partitions of decode attention into `out`."""
         num_seqs, num_heads, _, head_dim = partial_out.shape
@@ -407,11 +436,12 @@ class CudaOps(Ops):
                 np.int32(head_dim),
                 np.int32(partitions),
                 np.int32(self.decode_partition_size),
+                np.int32(window),
             ],
         )
 
     def _prefill_attention(self, a: _PagedAttention) -> None:
-        out, q, k_cache, v_cache, meta, scale, num_kv_heads, group, log2_block = a
+        out, q, k_cache, v_cache, meta, scale, num_kv_heads, group, log2_block, window, softcap = a
         num_heads, head_dim = q.shape[1], q.shape[2]
         self._launch(
             kl.prefill_attention_kernel(q.dtype, head_dim),
@@ -432,6 +462,9 @@ class CudaOps(Ops):
                 np.int32(group),
                 np.int32(log2_block),
                 np.float32(scale),
+                np.int32(window),
+                np.float32(softcap),
+                np.float32(1.0 / softcap if softcap else 0.0),
             ],
             prefill_shared_bytes(head_dim),
         )

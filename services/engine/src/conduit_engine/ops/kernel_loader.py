@@ -109,6 +109,10 @@ def silu_and_mul_kernel(dtype: torch.dtype) -> KernelRef:
     return KernelRef("activation.cu", f"silu_and_mul_kernel<{ctype(dtype)}>")
 
 
+def gelu_tanh_and_mul_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("activation.cu", f"gelu_tanh_and_mul_kernel<{ctype(dtype)}>")
+
+
 def write_kv_kernel(dtype: torch.dtype) -> KernelRef:
     return KernelRef("cache.cu", f"write_kv_kernel<{ctype(dtype)}>")
 
@@ -145,6 +149,7 @@ def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int])
             add_rms_norm_kernel(dtype),
             rotary_kernel(dtype),
             silu_and_mul_kernel(dtype),
+            gelu_tanh_and_mul_kernel(dtype),
             write_kv_kernel(dtype),
             decode_attention_kernel(dtype),
             decode_reduce_kernel(dtype),

@@ -47,6 +47,10 @@ class TorchOps(Ops):
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def write_kv(
         self,
         k: torch.Tensor,
@@ -68,26 +72,32 @@ class TorchOps(Ops):
         v_cache: torch.Tensor,
         step: StepContext,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         meta = step.meta
         if meta.is_decode_only:
-            return self._decode_attention(q, k_cache, v_cache, step, scale)
+            return self._decode_attention(q, k_cache, v_cache, step, scale, sliding_window, logit_softcap)
         out = torch.empty_like(q)
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        all_slots = step.scratch.get("context_slots")
-        if all_slots is None:
-            all_slots = step.scratch["context_slots"] = [
-                _context_slots(meta.block_tables[i], seq_len, meta.block_size)
-                for i, seq_len in enumerate(meta.seq_lens_cpu)
+        # Layers with different windows read different spans of the context: one gather per window.
+        key = f"context_spans:{sliding_window}"
+        spans = step.scratch.get(key)
+        if spans is None:
+            spans = step.scratch[key] = [
+                _context_span(meta.block_tables[i], seq_len - q_len, seq_len, meta.block_size, sliding_window)
+                for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True))
             ]
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
-            slots = all_slots[i]  # type: ignore[index]
-            k = k_flat.index_select(0, slots)
-            v = v_flat.index_select(0, slots)
-            qi = q[start : start + q_len]
-            out[start : start + q_len] = _sdpa(qi, k, v, scale, causal_offset=seq_len - q_len)
+            first_key, slots = spans[i]  # type: ignore[index]
+            k = k_flat.index_select(0, slots).transpose(0, 1)
+            v = v_flat.index_select(0, slots).transpose(0, 1)
+            qi = q[start : start + q_len].transpose(0, 1)
+            mask = _chunk_mask(q_len, seq_len - q_len - first_key, k.shape[1], sliding_window, q.device)
+            out[start : start + q_len] = _attend(qi, k, v, scale, mask, logit_softcap).transpose(0, 1)
             start += q_len
         return out
 
@@ -98,35 +108,29 @@ class TorchOps(Ops):
         v_cache: torch.Tensor,
         step: StepContext,
         scale: float,
+        sliding_window: int | None,
+        logit_softcap: float | None,
     ) -> torch.Tensor:
-        # One query per sequence: gather every context into a padded [B, L, Hk, D] batch and mask.
+        # One query per sequence: gather every context (its window) into a padded [B, L, Hk, D] batch.
         meta = step.meta
-        num_seqs, max_len = meta.num_seqs, meta.max_seq_len
-        gather = step.scratch.get("decode_gather")
+        key = f"decode_gather:{sliding_window}"
+        gather = step.scratch.get(key)
         if gather is None:
-            gather = step.scratch["decode_gather"] = _decode_gather(meta, q.device)
+            gather = step.scratch[key] = _decode_gather(meta, q.device, sliding_window)
         slots, mask = gather  # type: ignore[misc]
+        num_seqs, length = mask.shape
         k = (
             k_cache.view(-1, *k_cache.shape[2:])
             .index_select(0, slots)
-            .view(num_seqs, max_len, *k_cache.shape[2:])
+            .view(num_seqs, length, *k_cache.shape[2:])
         )
         v = (
             v_cache.view(-1, *v_cache.shape[2:])
             .index_select(0, slots)
-            .view(num_seqs, max_len, *v_cache.shape[2:])
+            .view(num_seqs, length, *v_cache.shape[2:])
         )
-        num_heads, num_kv_heads = q.shape[1], k.shape[2]
-        qb = q.unsqueeze(2)  # [B, Hq, 1, D]
-        kb = k.transpose(1, 2)  # [B, Hk, L, D]
-        vb = v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            qb,
-            kb,
-            vb,
-            attn_mask=mask[:, None, None, :],
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
+        out = _attend(
+            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), scale, mask[:, None, None, :], logit_softcap
         )
         return out.squeeze(2)
 
@@ -162,41 +166,73 @@ class TorchOps(Ops):
                 cache.index_copy_(0, block_ids, buffer[layer, kv])
 
 
-def _decode_gather(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cache slots of every context position, [B * L] padded to the longest context, and the [B, L]
-    mask of the real ones."""
-    num_seqs, max_len, bs = meta.num_seqs, meta.max_seq_len, meta.block_size
-    max_blocks = (max_len + bs - 1) // bs
-    blocks = meta.block_tables[:, :max_blocks].long()
-    offsets = torch.arange(bs, device=device)
-    slots = (blocks.unsqueeze(-1) * bs + offsets).reshape(num_seqs, -1)[:, :max_len]
-    positions = torch.arange(max_len, device=device)
-    mask = positions.unsqueeze(0) < meta.seq_lens.to(device).unsqueeze(1)  # [B, L]
-    return slots.reshape(-1), mask
+def _decode_gather(
+    meta: AttentionMetadata, device: torch.device, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slots of each sequence's visible context (its last `window` positions, or all), [B * L]
+    padded to the longest, and the [B, L] mask of the real ones. Padding reads a visible slot."""
+    bs = meta.block_size
+    seq_lens = meta.seq_lens.to(device).long()
+    length = meta.max_seq_len if window is None else min(meta.max_seq_len, window)
+    visible = seq_lens if window is None else seq_lens.clamp(max=window)
+    first = (seq_lens - visible).unsqueeze(1)  # [B, 1]
+    offsets = torch.arange(length, device=device).unsqueeze(0)
+    mask = offsets < visible.unsqueeze(1)  # [B, L]
+    positions = first + torch.where(mask, offsets, 0)
+    blocks = meta.block_tables.to(device).long().gather(1, positions // bs)
+    return (blocks * bs + positions % bs).reshape(-1), mask
 
 
-def _context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = block_table[:num_blocks].long()
-    offsets = torch.arange(block_size, device=block_table.device)
-    return (blocks.unsqueeze(-1) * block_size + offsets).reshape(-1)[:seq_len]
+def _context_span(
+    block_table: torch.Tensor, first_query: int, seq_len: int, block_size: int, window: int | None
+) -> tuple[int, torch.Tensor]:
+    """(first key position, cache slots of keys first..seq_len-1): what a chunk whose first query is at
+    `first_query` can see."""
+    first = 0 if window is None else max(0, first_query - window + 1)
+    positions = torch.arange(first, seq_len, device=block_table.device)
+    blocks = block_table.long().index_select(0, positions // block_size)
+    return first, blocks * block_size + positions % block_size
 
 
-def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int
+def _chunk_mask(
+    q_len: int, offset: int, k_len: int, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """[q_len, k_len] visibility of a chunk whose query i sits at key index offset + i; None when it is
+    the plain square causal mask (SDPA's fast path)."""
+    if window is None and offset == 0 and q_len == k_len:
+        return None
+    rows = torch.arange(q_len, device=device).unsqueeze(1) + offset
+    cols = torch.arange(k_len, device=device).unsqueeze(0)
+    mask = cols <= rows
+    if window is not None:
+        mask &= cols > rows - window
+    return mask
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    softcap: float | None,
 ) -> torch.Tensor:
-    """q [Lq, Hq, D] against k, v [Lk, Hk, D]; query i sees keys 0..causal_offset + i."""
-    q_len, k_len = q.shape[0], k.shape[0]
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if causal_offset == 0 and q_len == k_len:
-        out = F.scaled_dot_product_attention(
-            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads
+    """q [..., Hq, Lq, D] over k, v [..., Hk, Lk, D]; mask (True = visible) broadcasts to the scores,
+    None means square causal. Soft-capped scores are computed as transformers' eager attention does."""
+    num_heads, num_kv_heads = q.shape[-3], k.shape[-3]
+    if softcap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads
+            )
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
         )
-    else:
-        rows = torch.arange(q_len, device=q.device).unsqueeze(1) + causal_offset
-        mask = torch.arange(k_len, device=q.device).unsqueeze(0) <= rows
-        out = F.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
-        )
-    return out.transpose(0, 1)
+    group = num_heads // num_kv_heads
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)

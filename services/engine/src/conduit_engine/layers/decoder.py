@@ -1,0 +1,46 @@
+"""One decoder layer: attention then gated MLP, with pre-norms on a fused residual stream and, for
+Gemma 2 (`sandwich_norms`), a norm after attention and norms before and after the MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from conduit_engine.layers.attention import PagedAttention
+from conduit_engine.layers.mlp import GatedMLP
+from conduit_engine.layers.norm import RMSNorm
+from conduit_engine.models.config import ArchConfig
+from conduit_engine.ops import Ops, StepContext
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ArchConfig, ops: Ops, layer_index: int) -> None:
+        super().__init__()
+        size, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_weight_offset
+        self.input_layernorm = RMSNorm(size, eps, ops, offset)
+        self.self_attn = PagedAttention(config, ops, layer_index)
+        self.post_attention_layernorm = RMSNorm(size, eps, ops, offset)
+        self.mlp = GatedMLP(config, ops)
+        self.sandwich_norms = config.sandwich_norms
+        if self.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(size, eps, ops, offset)
+            self.post_feedforward_layernorm = RMSNorm(size, eps, ops, offset)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        step: StepContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream without it); the next norm adds them."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, kv_cache, step)
+        if not self.sandwich_norms:
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(h), residual
+        h = self.post_attention_layernorm.norm(h)
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm.norm(self.mlp(h)), residual
