@@ -127,13 +127,37 @@ def throughput(folder: Path) -> dict:
     return figures
 
 
+def structured_parity(folder: Path) -> dict:
+    """A JSON-schema request masked by the bitmask kernel on CUDA gives the CPU's greedy text."""
+    from conduit_engine.structured.spec import StructuredKind, StructuredSpec
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    spec = StructuredSpec(kind=StructuredKind.JSON_SCHEMA, text=json.dumps(schema))
+    texts = {}
+    for device in ("cpu", "cuda"):
+        eng = engine(folder, device, "float32", 4, True)
+        params = SamplingParams(max_tokens=60, temperature=0.0, structured=spec)
+        eng.add_request(GenerationRequest("s", params, token_ids=[1, 403, 407, 261, 378]))
+        text = ""
+        while eng.has_work():
+            text += "".join(out.text for out in eng.step())
+        texts[device] = text
+    result = {"cpu": texts["cpu"], "cuda": texts["cuda"], "equal": texts["cpu"] == texts["cuda"]}
+    print(f"structured output (JSON schema) cpu vs cuda: {result}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stories")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
     stories = find_stories(args.stories)
-    report = {"parity": [parity("stories260K", stories, 62)]}
+    report = {"parity": [parity("stories260K", stories, 62)], "structured": structured_parity(stories)}
     with tempfile.TemporaryDirectory() as tmp:
         big = make_random_llama_1b(stories, Path(tmp))
         report["parity"].append(parity("random-llama-1B", big, 12))
