@@ -26,6 +26,8 @@ $(STAMP): requirements.txt requirements-nodeps.txt services/common/pyproject.tom
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(MAKE) --no-print-directory proto PY=$(PY)
 	$(PY) -m pip install -q --no-deps -e protos/python -e services/common -e services/engine -e services/gateway
+	# The CPU kernels (kernels/cpu, about a minute); without a compiler it says so and the torch ops run.
+	$(PY) -m conduit_engine.ops.cpu_kernels
 	touch $@
 
 proto: $(GEN_STAMP)

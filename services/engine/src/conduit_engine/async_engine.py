@@ -1,7 +1,9 @@
 """asyncio front of the engine: `generate()` is an async iterator of outputs; the step loop runs in a thread.
 
 Requests and aborts cross into the loop thread through a command queue applied between steps, so the
-synchronous engine is only ever touched by one thread. Outputs cross back in one batch per step.
+synchronous engine is only ever touched by one thread. Outputs cross back in one batch per step; a
+reader that falls behind gets the outputs waiting for it merged into one per choice (as vLLM's output
+collector does), so a slow consumer costs one message per read, not one per token.
 """
 
 from __future__ import annotations
@@ -92,15 +94,15 @@ class AsyncEngine:
         try:
             await admitted
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    stream.open_choices -= 1
-                    if stream.open_choices == 0:
-                        finished = True
-                        return
+                for item in _coalesce(await stream.queue.get(), stream.queue):
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+                    if item.finished:
+                        stream.open_choices -= 1
+                        if stream.open_choices == 0:
+                            finished = True
+                            return
         finally:
             if not finished:
                 self.abort_nowait(req.request_id)
@@ -189,6 +191,23 @@ class AsyncEngine:
             self.core.check_integrity()
         except AssertionError as exc:
             log.error("KV cache integrity check failed: %s", exc)
+
+
+def _coalesce(
+    first: RequestOutput | BaseException, waiting: asyncio.Queue[RequestOutput | BaseException]
+) -> list[RequestOutput | BaseException]:
+    """`first` and every output already waiting behind it, merged into one output per choice (each
+    choice's tokens in order); an exception ends the batch, after what came before it."""
+    merged: dict[int, RequestOutput] = {}
+    item = first
+    while True:
+        if isinstance(item, BaseException):
+            return [*merged.values(), item]
+        earlier = merged.get(item.index)
+        merged[item.index] = item if earlier is None else earlier.merged_with(item)
+        if waiting.empty():
+            return list(merged.values())
+        item = waiting.get_nowait()
 
 
 def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:

@@ -64,6 +64,13 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--grpc-min-ping-interval", float, 5.0, "clients may ping no more often than this, seconds"),
     ("--seed", int, 0, "seed of the engine's unseeded random draws"),
     ("--num-threads", int, 0, "torch CPU threads; 0 = auto (1 for models under 20M parameters)"),
+    (
+        "--cpu-kernels",
+        str,
+        "auto",
+        "on cpu: auto (kernels/cpu for the best instruction set, else torch ops), torch, avx512bf16, "
+        "avx512, avx2 or scalar",
+    ),
     ("--log-level", str, "INFO", "logging level"),
 )
 
@@ -100,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             revision=args.revision,
             download_dir=args.download_dir,
             generation_config=args.generation_config,
+            cpu_kernels=args.cpu_kernels,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

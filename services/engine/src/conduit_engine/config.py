@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GENERATION_CONFIG_MODES = ("auto", "vllm", "none")
+# the CPU ops backend: the best instruction set of kernels/cpu, the torch reference, or one set
+CPU_KERNEL_CHOICES = ("auto", "torch", "avx512bf16", "avx512", "avx2", "scalar")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -29,6 +31,7 @@ class ModelConfig:
     revision: str | None = None  # Hub ids: branch, tag or commit (None → main)
     download_dir: str | None = None  # Hub ids: the cache to download into (None → huggingface_hub's)
     generation_config: str = "auto"  # auto | vllm | none: what generation_config.json contributes
+    cpu_kernels: str = "auto"  # auto | torch | avx512bf16 | avx512 | avx2 | scalar: the CPU ops backend
 
     def __post_init__(self) -> None:
         _require(self.num_threads >= 0, f"--num-threads must be >= 0, got {self.num_threads}")
@@ -44,6 +47,10 @@ class ModelConfig:
         _require(
             self.max_model_len is None or self.max_model_len >= 1,
             f"--max-model-len must be >= 1, got {self.max_model_len}",
+        )
+        _require(
+            self.cpu_kernels in CPU_KERNEL_CHOICES,
+            f"--cpu-kernels must be one of {', '.join(CPU_KERNEL_CHOICES)}, got {self.cpu_kernels!r}",
         )
         _require(
             self.generation_config in GENERATION_CONFIG_MODES,

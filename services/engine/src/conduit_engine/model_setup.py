@@ -58,7 +58,7 @@ def load(config: EngineConfig) -> LoadedModel:
     max_len = max_model_len(config, arch)
     dtype = resolve_dtype(mc.dtype, arch, mc.device)
     torch.manual_seed(mc.seed)
-    model = _timed_load(folder, arch, dtype, mc.device, max_len)
+    model = _timed_load(folder, arch, dtype, mc.device, max_len, mc.cpu_kernels)
     set_cpu_threads(mc.num_threads, model)
     log.info(
         "generation defaults from %s (--generation-config %s): %s",
@@ -80,13 +80,15 @@ def load(config: EngineConfig) -> LoadedModel:
     )
 
 
-def _timed_load(folder: Path, arch: ArchConfig, dtype: torch.dtype, device: str, max_len: int) -> CausalLM:
+def _timed_load(
+    folder: Path, arch: ArchConfig, dtype: torch.dtype, device: str, max_len: int, cpu_kernels: str
+) -> CausalLM:
     """load_model, then one line: the time it took and the peak memory (device memory on CUDA, the
     process's peak resident memory on the CPU)."""
     started = time.monotonic()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    model = load_model(folder, arch, get_ops(device), dtype, device, max_len)
+    model = load_model(folder, arch, get_ops(device, cpu_kernels), dtype, device, max_len)
     seconds = time.monotonic() - started
     params = sum(p.numel() for p in model.parameters())
     if device == "cuda":

@@ -50,3 +50,22 @@ class RequestOutput:
     prompt_token_ids: list[int] | None = None  # on the first output of the request
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the first output, when asked for
     error: str | None = None  # with FinishReason.ERROR: what failed (a message, never a traceback)
+
+    def merged_with(self, later: RequestOutput) -> RequestOutput:
+        """This output followed by `later`, the next output of the same choice, as one output: what a
+        reader that fell behind the engine receives (fewer, larger messages; nothing lost or reordered)."""
+        return RequestOutput(
+            request_id=self.request_id,
+            index=self.index,
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            usage=later.usage,
+            logprobs=self.logprobs + later.logprobs,
+            finished=later.finished,
+            finish_reason=later.finish_reason,
+            stop_string=later.stop_string,
+            stop_token_id=later.stop_token_id,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
+            error=later.error,
+        )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from conduit_engine.layers.linear import Linear
 from conduit_engine.layers.norm import RMSNorm
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.ops import Ops, StepContext
@@ -24,8 +25,8 @@ class PagedAttention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, config.qkv_bias, ops)
+        self.o_proj = Linear(q_size, config.hidden_size, config.o_bias, ops)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)

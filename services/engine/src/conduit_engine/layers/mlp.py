@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from conduit_engine.layers.linear import Linear
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.ops import Ops
 
@@ -13,8 +14,8 @@ class GatedMLP(nn.Module):
     def __init__(self, config: ArchConfig, ops: Ops) -> None:
         super().__init__()
         self.act_and_mul = ops.gelu_tanh_and_mul if config.hidden_act == "gelu_tanh" else ops.silu_and_mul
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, ops)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))

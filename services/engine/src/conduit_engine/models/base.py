@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from conduit_engine.layers.decoder import DecoderLayer, KVCache
+from conduit_engine.layers.linear import Linear
 from conduit_engine.layers.norm import RMSNorm
 from conduit_engine.layers.rotary import cos_sin_cache
 from conduit_engine.models.config import ArchConfig
@@ -26,7 +27,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # [max_positions, head_dim] cos|sin table; filled on the target device by the loader.

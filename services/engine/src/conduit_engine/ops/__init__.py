@@ -7,12 +7,13 @@ from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext
 __all__ = ["AttentionMetadata", "Ops", "StepContext", "get_ops"]
 
 
-def get_ops(device: str) -> Ops:
-    """Return the ops backend for `device` ("cpu" → torch reference ops, "cuda" → CuPy raw kernels)."""
+def get_ops(device: str, cpu_kernels: str = "auto") -> Ops:
+    """Return the ops backend for `device`: on "cpu" the kernels of kernels/cpu or the torch reference
+    ops, as `cpu_kernels` (--cpu-kernels) says (see cpu_ops.select_cpu_ops); on "cuda" CuPy raw kernels."""
     if device == "cpu":
-        from conduit_engine.ops.torch_ops import TorchOps
+        from conduit_engine.ops.cpu_ops import select_cpu_ops
 
-        return TorchOps()
+        return select_cpu_ops(cpu_kernels)
     if device == "cuda":
         # Imported only here: a CPU install never imports CuPy.
         from conduit_engine.ops.cuda_ops import CudaOps

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,13 @@ class Ops(ABC):
 
         A backend whose ops accept any cache layout (the torch reference) has nothing to check.
         """
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] @ weight[N, K]ᵀ + bias [N] → [T, N] in x.dtype (weight and bias share x's dtype).
+
+        The default is torch's (oneDNN/MKL on the CPU, cuBLAS on CUDA); a backend overrides it where it
+        has a faster kernel for some shapes."""
+        return F.linear(x, weight, bias)
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

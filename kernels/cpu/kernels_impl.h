@@ -1,0 +1,382 @@
+// Every CPU kernel, written once on the `Vec` of one instruction set and compiled by each isa_*.cpp
+// inside its own namespace (conduit_cpu::CONDUIT_ISA). Arithmetic is in float; bf16 values are widened
+// on load and rounded (to nearest even) on store, and where torch rounds an intermediate to bf16
+// (norm before its weight, activation before its product) so does the kernel.
+//
+// linear: dot-product tiles over the weight's own [N, K] rows (the llamafile/tinyBLAS scheme): a tile
+//   keeps kTileW x kTileX accumulators, each weight row is read once per tile of input rows and stays in
+//   L1 while every input tile passes, so the weights stream from memory once per call.
+// attention: per (sequence, kv head), every query of the sequence in that head's group reads its keys
+//   and values in place, block by block of the block table (no gather); scores go to a scratch row,
+//   softmax in float, then the weighted sum of values.
+#pragma once
+
+#ifndef CONDUIT_ISA
+#error "define CONDUIT_ISA (the namespace of this instruction set) before including kernels_impl.h"
+#endif
+
+namespace conduit_cpu {
+namespace CONDUIT_ISA {
+
+using R = Vec::R;
+constexpr int W = Vec::W;
+
+// ---- linear ---------------------------------------------------------------------------------------
+
+template <class T>
+struct WidenDot {  // any element type, widened to float lanes
+  using X = R;
+  static constexpr int step = W;
+  static X load(const T* p) { return Vec::load(p); }
+  static X load_n(const T* p, int n) { return Vec::load_n(p, n); }
+  static R fma(R acc, X w, X x) { return Vec::fma(w, x, acc); }
+};
+
+#if CONDUIT_BF16_DOT
+using Bf16Dot = NativeBf16Dot;
+#else
+using Bf16Dot = WidenDot<bf16>;
+#endif
+
+template <class T>
+struct DotFor;
+template <>
+struct DotFor<float> {
+  using type = WidenDot<float>;
+};
+template <>
+struct DotFor<bf16> {
+  using type = Bf16Dot;
+};
+
+// RW weight rows x RX input rows over the whole of K.
+template <class T, int RW, int RX>
+static void linear_tile(const T* w, int64_t ldw, const T* x, int64_t ldx, const T* bias, T* out, int64_t ldo,
+                        int64_t K) {
+  using D = typename DotFor<T>::type;
+  R acc[RW][RX];
+  for (int i = 0; i < RW; ++i)
+    for (int j = 0; j < RX; ++j) acc[i][j] = Vec::zero();
+  int64_t k = 0;
+  for (; k + D::step <= K; k += D::step) {
+    typename D::X xv[RX];
+    for (int j = 0; j < RX; ++j) xv[j] = D::load(x + j * ldx + k);
+    for (int i = 0; i < RW; ++i) {
+      typename D::X wv = D::load(w + i * ldw + k);
+      for (int j = 0; j < RX; ++j) acc[i][j] = D::fma(acc[i][j], wv, xv[j]);
+    }
+  }
+  if (k < K) {
+    const int n = static_cast<int>(K - k);
+    typename D::X xv[RX];
+    for (int j = 0; j < RX; ++j) xv[j] = D::load_n(x + j * ldx + k, n);
+    for (int i = 0; i < RW; ++i) {
+      typename D::X wv = D::load_n(w + i * ldw + k, n);
+      for (int j = 0; j < RX; ++j) acc[i][j] = D::fma(acc[i][j], wv, xv[j]);
+    }
+  }
+  for (int i = 0; i < RW; ++i) {
+    const float b = bias != nullptr ? to_float(bias[i]) : 0.0f;
+    for (int j = 0; j < RX; ++j) out[j * ldo + i] = from_float<T>(Vec::reduce_add(acc[i][j]) + b);
+  }
+}
+
+// The tile of the largest RW' <= RW rows that is at least `rows` (templates need constant sizes).
+template <class T, int RX, int RW>
+static void linear_tile_rows(int rows, const T* w, int64_t ldw, const T* x, int64_t ldx, const T* bias, T* out,
+                             int64_t ldo, int64_t K) {
+  if constexpr (RW > 1) {
+    if (rows < RW) return linear_tile_rows<T, RX, RW - 1>(rows, w, ldw, x, ldx, bias, out, ldo, K);
+  }
+  linear_tile<T, RW, RX>(w, ldw, x, ldx, bias, out, ldo, K);
+}
+
+template <class T, int RX>
+static void linear_tile_inputs(int inputs, int rows, const T* w, int64_t ldw, const T* x, int64_t ldx,
+                               const T* bias, T* out, int64_t ldo, int64_t K) {
+  if constexpr (RX > 1) {
+    if (inputs < RX) return linear_tile_inputs<T, RX - 1>(inputs, rows, w, ldw, x, ldx, bias, out, ldo, K);
+  }
+  linear_tile_rows<T, RX, Vec::kTileW>(rows, w, ldw, x, ldx, bias, out, ldo, K);
+}
+
+template <class T>
+static void linear(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* w = static_cast<const T*>(a.w);
+  const T* bias = static_cast<const T*>(a.bias);
+  T* out = static_cast<T*>(a.out);
+  if (a.M == 1) {  // GEMV: more weight rows per tile, more memory streams in flight
+    for (int64_t n = n_begin; n < n_end; n += Vec::kGemvRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(Vec::kGemvRows, n_end - n));
+      linear_tile_rows<T, 1, Vec::kGemvRows>(rows, w + n * a.ldw, a.ldw, x, a.ldx,
+                                             bias != nullptr ? bias + n : nullptr, out + n, a.ldo, a.K);
+    }
+    return;
+  }
+  for (int64_t n = n_begin; n < n_end; n += Vec::kTileW) {
+    const int rows = static_cast<int>(std::min<int64_t>(Vec::kTileW, n_end - n));
+    for (int64_t m = 0; m < a.M; m += Vec::kTileX) {
+      const int inputs = static_cast<int>(std::min<int64_t>(Vec::kTileX, a.M - m));
+      linear_tile_inputs<T, Vec::kTileX>(inputs, rows, w + n * a.ldw, a.ldw, x + m * a.ldx, a.ldx,
+                                         bias != nullptr ? bias + n : nullptr, out + m * a.ldo + n, a.ldo, a.K);
+    }
+  }
+}
+
+// ---- row-wise: norms and gated activations -------------------------------------------------------
+
+// acc(v) over a row in vector steps with a masked tail; `body(offset, n)` gets n == W except at the end.
+template <class F>
+static inline void for_chunks(int64_t cols, F body) {
+  int64_t c = 0;
+  for (; c + W <= cols; c += W) body(c, W);
+  if (c < cols) body(c, static_cast<int>(cols - c));
+}
+
+template <class T>
+static inline R load_any(const T* p, int n) {
+  return n == W ? Vec::load(p) : Vec::load_n(p, n);
+}
+
+template <class T>
+static inline void store_any(T* p, R v, int n) {
+  if (n == W)
+    Vec::store(p, v);
+  else
+    Vec::store_n(p, v, n);
+}
+
+template <class T>
+static inline R round_as(R v) {
+  if constexpr (std::is_same_v<T, bf16>)
+    return Vec::round_bf16(v);
+  else
+    return v;
+}
+
+template <class T>
+static void rms_norm_row(const T* x, const T* weight, T* out, int64_t cols, float eps) {
+  R acc = Vec::zero();
+  for_chunks(cols, [&](int64_t c, int n) {
+    R v = load_any(x + c, n);
+    acc = Vec::fma(v, v, acc);
+  });
+  const float inv = 1.0f / std::sqrt(Vec::reduce_add(acc) / static_cast<float>(cols) + eps);
+  const R scale = Vec::set1(inv);
+  for_chunks(cols, [&](int64_t c, int n) {
+    R normed = round_as<T>(Vec::mul(load_any(x + c, n), scale));  // torch: (x * rsqrt).to(dtype) * weight
+    store_any(out + c, Vec::mul(load_any(weight + c, n), normed), n);
+  });
+}
+
+template <class T>
+static void rms_norm(const RowArgs& a, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r)
+    rms_norm_row(static_cast<const T*>(a.x) + r * a.ldx, static_cast<const T*>(a.weight),
+                 static_cast<T*>(a.out) + r * a.ldo, a.cols, a.eps);
+}
+
+template <class T>
+static void add_rms_norm(const RowArgs& a, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* x = static_cast<const T*>(a.x) + r * a.ldx;
+    const T* res = static_cast<const T*>(a.residual) + r * a.ldr;
+    T* sum = static_cast<T*>(a.sum) + r * a.lds;
+    for_chunks(a.cols, [&](int64_t c, int n) { store_any(sum + c, Vec::add(load_any(x + c, n), load_any(res + c, n)), n); });
+    rms_norm_row(static_cast<const T*>(sum), static_cast<const T*>(a.weight), static_cast<T*>(a.out) + r * a.ldo,
+                 a.cols, a.eps);
+  }
+}
+
+template <class T, R (*Act)(R)>
+static void act_and_mul(const RowArgs& a, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* gate = static_cast<const T*>(a.x) + r * a.ldx;
+    const T* up = gate + a.cols;
+    T* out = static_cast<T*>(a.out) + r * a.ldo;
+    for_chunks(a.cols, [&](int64_t c, int n) {
+      R activated = round_as<T>(Act(load_any(gate + c, n)));  // torch: act(gate) in the dtype, then * up
+      store_any(out + c, Vec::mul(activated, load_any(up + c, n)), n);
+    });
+  }
+}
+
+static R silu_vec(R x) { return silu<Vec>(x); }
+static R gelu_tanh_vec(R x) { return gelu_tanh<Vec>(x); }
+
+// ---- rotary and cache writes ---------------------------------------------------------------------
+
+template <class T>
+static void rotate_heads(T* base, int64_t heads, int64_t head_dim, const float* cos, const float* sin) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* x1 = base + h * head_dim;
+    T* x2 = x1 + half;
+    for_chunks(half, [&](int64_t c, int n) {
+      R a = load_any(x1 + c, n), b = load_any(x2 + c, n);
+      R co = load_any(cos + c, n), si = load_any(sin + c, n);
+      store_any(x1 + c, Vec::sub(Vec::mul(a, co), Vec::mul(b, si)), n);
+      store_any(x2 + c, Vec::fma(a, si, Vec::mul(b, co)), n);
+    });
+  }
+}
+
+template <class T>
+static void rotary(const RotaryArgs& a, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* cos = a.cos_sin + a.positions[t] * a.head_dim;
+    const float* sin = cos + a.head_dim / 2;
+    rotate_heads(static_cast<T*>(a.q) + t * a.ldq, a.num_q_heads, a.head_dim, cos, sin);
+    rotate_heads(static_cast<T*>(a.k) + t * a.ldk, a.num_kv_heads, a.head_dim, cos, sin);
+  }
+}
+
+template <class T>
+static void write_kv(const WriteKvArgs& a, int64_t t0, int64_t t1) {
+  const size_t bytes = static_cast<size_t>(a.row) * sizeof(T);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t slot = a.slots[t];
+    if (slot < 0) continue;
+    std::memcpy(static_cast<T*>(a.k_cache) + slot * a.row, static_cast<const T*>(a.k) + t * a.ldk, bytes);
+    std::memcpy(static_cast<T*>(a.v_cache) + slot * a.row, static_cast<const T*>(a.v) + t * a.ldv, bytes);
+  }
+}
+
+// ---- paged attention -------------------------------------------------------------------------------
+
+template <class T>
+static inline float dot_row(const float* q, const T* k, int64_t d) {
+  R acc = Vec::zero();
+  for_chunks(d, [&](int64_t c, int n) { acc = Vec::fma(load_any(q + c, n), load_any(k + c, n), acc); });
+  return Vec::reduce_add(acc);
+}
+
+// Softmax of row[0..n) in place, unnormalised (exp(x - max)); returns the sum of the exponentials.
+static float softmax_row(float* row, int64_t n) {
+  const int64_t full = n - n % W;
+  float m = -INFINITY;
+  if (full > 0) {
+    R mx = Vec::load(row);
+    for (int64_t c = W; c < full; c += W) mx = Vec::max(mx, Vec::load(row + c));
+    m = Vec::reduce_max(mx);
+  }
+  for (int64_t c = full; c < n; ++c) m = std::max(m, row[c]);
+  const R mv = Vec::set1(m);
+  R sum = Vec::zero();
+  for (int64_t c = 0; c < full; c += W) {
+    R e = Vec::exp(Vec::sub(Vec::load(row + c), mv));
+    Vec::store(row + c, e);
+    sum = Vec::add(sum, e);
+  }
+  float total = Vec::reduce_add(sum);
+  if (full < n) {  // lanes past n are never stored nor summed
+    const int k = static_cast<int>(n - full);
+    Vec::store_n(row + full, Vec::exp(Vec::sub(Vec::load_n(row + full, k), mv)), k);
+    for (int64_t c = full; c < n; ++c) total += row[c];
+  }
+  return total;
+}
+
+// Scores of the queries of one item against every key they see, softmax, weighted sum of values.
+// Keys are visited in cache order, each slot's heads of the item read as one contiguous row.
+template <class T>
+static void attention_item(const AttentionArgs& a, const AttentionItem& it, std::vector<float>& buf) {
+  const int64_t D = a.head_dim, group = a.num_q_heads / a.num_kv_heads, bs = a.block_size;
+  const int64_t slot_row = a.num_kv_heads * D;
+  const int64_t rows = (it.head_end - it.head_begin) * group;  // query heads of the item
+  const int64_t nq = it.query_end - it.query_begin;
+  const int64_t q_len = a.query_start[it.seq + 1] - a.query_start[it.seq];
+  const int64_t first = a.seq_lens[it.seq] - q_len + it.query_begin;  // position of the first query
+  const int64_t key_lo = a.window > 0 ? std::max<int64_t>(0, first - a.window + 1) : 0;
+  const int64_t num_keys = first + nq - key_lo;
+  buf.resize(static_cast<size_t>(nq * rows * (2 * D + num_keys)));
+  float* q32 = buf.data();  // [nq][rows][D]
+  float* acc = q32 + nq * rows * D;  // [nq][rows][D]
+  float* scores = acc + nq * rows * D;  // [nq][rows][num_keys]
+  const int32_t* table = a.block_tables + it.seq * a.ldb;
+  const int64_t head0 = it.head_begin * D;  // offset of the item's first kv head in a slot
+  auto visible = [&](int64_t qi, int64_t& lo, int64_t& hi) {
+    hi = first + qi;
+    lo = a.window > 0 ? std::max<int64_t>(0, hi - a.window + 1) : 0;
+  };
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const T* src = static_cast<const T*>(a.q) + (a.query_start[it.seq] + it.query_begin + qi) * a.ldq +
+                   it.head_begin * group * D;
+    for (int64_t e = 0; e < rows * D; ++e) q32[qi * rows * D + e] = to_float(src[e]);
+  }
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
+  auto slot_of = [&](int64_t p) { return static_cast<int64_t>(table[p / bs]) * bs + p % bs; };
+  for (int64_t p = key_lo; p < key_lo + num_keys; ++p) {
+    if (p % bs == 0 && p + bs < key_lo + num_keys) __builtin_prefetch(k_cache + slot_of(p + bs) * slot_row + head0);
+    const T* k = k_cache + slot_of(p) * slot_row + head0;
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      int64_t lo, hi;
+      visible(qi, lo, hi);
+      if (p < lo || p > hi) continue;
+      for (int64_t r = 0; r < rows; ++r) {
+        float score = dot_row(q32 + (qi * rows + r) * D, k + (r / group) * D, D) * a.scale;
+        if (a.softcap > 0.0f) score = a.softcap * std::tanh(score / a.softcap);
+        scores[(qi * rows + r) * num_keys + (p - key_lo)] = score;
+      }
+    }
+  }
+  float sums[64];
+  std::vector<float> many;
+  float* sum = nq * rows <= 64 ? sums : (many.resize(nq * rows), many.data());
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    int64_t lo, hi;
+    visible(qi, lo, hi);
+    for (int64_t r = 0; r < rows; ++r)
+      sum[qi * rows + r] = softmax_row(scores + (qi * rows + r) * num_keys + (lo - key_lo), hi - lo + 1);
+  }
+  std::fill(acc, acc + nq * rows * D, 0.0f);
+  for (int64_t p = key_lo; p < key_lo + num_keys; ++p) {
+    if (p % bs == 0 && p + bs < key_lo + num_keys) __builtin_prefetch(v_cache + slot_of(p + bs) * slot_row + head0);
+    const T* v = v_cache + slot_of(p) * slot_row + head0;
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      int64_t lo, hi;
+      visible(qi, lo, hi);
+      if (p < lo || p > hi) continue;
+      for (int64_t r = 0; r < rows; ++r) {
+        const R weight = Vec::set1(scores[(qi * rows + r) * num_keys + (p - key_lo)]);
+        float* o = acc + (qi * rows + r) * D;
+        const T* vr = v + (r / group) * D;
+        for_chunks(D, [&](int64_t c, int n) { store_any(o + c, Vec::fma(weight, load_any(vr + c, n), load_any(o + c, n)), n); });
+      }
+    }
+  }
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    T* dst = static_cast<T*>(a.out) +
+             ((a.query_start[it.seq] + it.query_begin + qi) * a.num_q_heads + it.head_begin * group) * D;
+    for (int64_t r = 0; r < rows; ++r) {
+      const R inv = Vec::set1(1.0f / sum[qi * rows + r]);
+      const float* o = acc + (qi * rows + r) * D;
+      for_chunks(D, [&](int64_t c, int n) { store_any(dst + r * D + c, Vec::mul(load_any(o + c, n), inv), n); });
+    }
+  }
+}
+
+template <class T>
+static void attention(const AttentionArgs& a, int64_t item_begin, int64_t item_end) {
+  std::vector<float> buf;
+  for (int64_t i = item_begin; i < item_end; ++i) attention_item<T>(a, a.items[i], buf);
+}
+
+// ---- the table ------------------------------------------------------------------------------------
+
+template <class T>
+static constexpr TypedKernels typed_kernels() {
+  return TypedKernels{
+      &linear<T>,           &rms_norm<T>, &add_rms_norm<T>, &act_and_mul<T, silu_vec>,
+      &act_and_mul<T, gelu_tanh_vec>, &rotary<T>,   &write_kv<T>,     &attention<T>,
+  };
+}
+
+static constexpr KernelTable make_table(const char* name) {
+  return KernelTable{name, typed_kernels<float>(), typed_kernels<bf16>(), Vec::kGemvRows};
+}
+
+}  // namespace CONDUIT_ISA
+}  // namespace conduit_cpu
