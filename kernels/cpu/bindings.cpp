@@ -7,6 +7,7 @@
 // split tokens, attention splits (sequence, kv head) pairs over the pool; small calls run inline.
 // Limits: float32 and bfloat16; activations contiguous along their last dimension; head_dim even.
 #include <ATen/Parallel.h>
+#include <optional>
 #include <torch/extension.h>
 
 #include "common.h"
@@ -18,6 +19,20 @@ using conduit_cpu::TypedKernels;
 
 // Below this many multiply-adds (or element visits) a call runs on the calling thread alone.
 constexpr int64_t kMinParallelWork = 1 << 15;
+// From this much work on, a call lets other Python threads run meanwhile (the engine's asyncio thread
+// streams outputs); below it, giving up and taking back the GIL would cost more than the call.
+constexpr int64_t kReleaseGilWork = 1 << 18;
+
+// Releases the GIL for the scope when the call is big enough.
+class MaybeReleaseGil {
+ public:
+  explicit MaybeReleaseGil(int64_t work) {
+    if (work >= kReleaseGilWork) release_.emplace();
+  }
+
+ private:
+  std::optional<pybind11::gil_scoped_release> release_;
+};
 
 const TypedKernels& kernels_for(const KernelTable& table, const at::Tensor& t, const char* what) {
   if (t.scalar_type() == at::kFloat) return table.f32;
@@ -66,7 +81,7 @@ at::Tensor linear(const KernelTable& table, const at::Tensor& x, const at::Tenso
                                      M, N, K};
   const auto fn = kernels_for(table, x, "linear").linear;
   const int64_t rows = table.linear_rows, blocks = (N + rows - 1) / rows;
-  pybind11::gil_scoped_release no_gil;
+  MaybeReleaseGil gil(M * N * K);
   at::parallel_for(0, blocks, grain(blocks, rows * K * M), [&](int64_t b, int64_t e) {
     fn(args, b * rows, std::min(e * rows, N));
   });
@@ -253,7 +268,7 @@ at::Tensor attention(const KernelTable& table, const at::Tensor& q, const at::Te
                                         static_cast<float>(softcap),    items.data()};
   const auto fn = kernels_for(table, q, "attention").attention;
   const int64_t count = static_cast<int64_t>(items.size());
-  pybind11::gil_scoped_release no_gil;
+  MaybeReleaseGil gil(work * Hq * D);
   at::parallel_for(0, count, grain(count, work * Hq * D / count), [&](int64_t b, int64_t e) { fn(args, b, e); });
   return out;
 }

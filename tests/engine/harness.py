@@ -34,11 +34,16 @@ def make_engine(
     dtype: str = "float32",
     generation_config: str = "auto",
     max_model_len: int | None = None,
+    cpu_kernels: str = "auto",
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(
-                path=str(model), dtype=dtype, generation_config=generation_config, max_model_len=max_model_len
+                path=str(model),
+                dtype=dtype,
+                generation_config=generation_config,
+                max_model_len=max_model_len,
+                cpu_kernels=cpu_kernels,
             ),
             cache=CacheConfig(
                 block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching

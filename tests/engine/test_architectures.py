@@ -118,11 +118,13 @@ def hf_greedy_logprobs(model, prompt: list[int], new_tokens: int) -> tuple[list[
     return tokens, logprobs
 
 
-def test_greedy_and_logprobs_match_transformers(arch):
-    name, folder = arch
+def check_greedy_and_logprobs(name: str, folder, cpu_kernels: str) -> None:
+    """Exact greedy tokens and logprobs within 1e-4 of transformers, on the ops `cpu_kernels` picks."""
     hf = load_hf(folder)
     # Block size 4 divides none of the prompts; a 9-token budget prefills them in chunks.
-    engine = make_engine(folder, block_size=4, num_blocks=256, max_num_batched_tokens=9)
+    engine = make_engine(
+        folder, block_size=4, num_blocks=256, max_num_batched_tokens=9, cpu_kernels=cpu_kernels
+    )
     assert engine.arch.architecture == json.loads((folder / "config.json").read_text())["architectures"][0]
     prompts = prompts_for(7)
     results = generate(engine, prompts, greedy(NEW_TOKENS, ignore_eos=True, logprobs=3))
@@ -137,6 +139,13 @@ def test_greedy_and_logprobs_match_transformers(arch):
             assert lp.logprob == pytest.approx(float(ref[lp.token_id]), abs=1e-4), (name, rid, step)
             assert lp.top_ids == top.indices.tolist(), (name, rid, step)
             assert lp.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4), (name, rid, step)
+
+
+# The torch reference ops and the default CPU ops (kernels/cpu when built); tests/kernels runs every
+# instruction set of kernels/cpu through the same check.
+@pytest.mark.parametrize("cpu_kernels", ["torch", "auto"])
+def test_greedy_and_logprobs_match_transformers(arch, cpu_kernels):
+    check_greedy_and_logprobs(*arch, cpu_kernels)
 
 
 def test_prefix_caching_chunked_prefill_and_preemption_match_transformers(arch):

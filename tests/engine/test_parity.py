@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conduit_engine.request import GenerationRequest
+from tests.engine.bf16_closeness import check_bf16_logprobs_close_to_f32
 from tests.engine.harness import generate, greedy, make_engine, run_to_completion
 from tests.engine.model_factory import greedy_with, hf_greedy, load_hf, make_tiny_model
 from tests.support.stories import KNOWN_STORY, KNOWN_STORY_TOKENS, PROMPT, PROMPT_IDS
@@ -84,6 +85,11 @@ def test_bfloat16_runs_and_mostly_agrees(tmp_path):
     ref = hf_greedy(folder, prompt, 8, dtype=torch.bfloat16)
     assert len(ours) == 8
     assert ours[0] == ref[0]  # later tokens may legitimately diverge in bf16 rounding
+
+
+@pytest.mark.parametrize("cpu_kernels", ["torch", "auto"])
+def test_bfloat16_logprobs_stay_close_to_float32(stories_path, cpu_kernels):
+    check_bf16_logprobs_close_to_f32(stories_path, cpu_kernels)
 
 
 def test_batching_does_not_change_results(stories_path):
