@@ -1,298 +1,78 @@
-// The torch extension of the CPU kernels: argument checks, raw pointers, threads (ATen's intra-op pool,
-// the one torch itself uses), and one Python submodule per instruction set this build carries
-// (avx512bf16, avx512, avx2, scalar) with the same functions. `supported_isas()` lists the sets this
-// CPU (and its OS) can run, best first; conduit_engine/ops/cpu_ops.py picks one at start-up.
+// The Python module of the CPU kernels: one submodule per instruction set this build carries
+// (avx512bf16, avx512, avx2, scalar), each with the ops of ops.h and the DecoderStack of decoder.h, and
+// `supported_isas()`: the sets this CPU (and its OS) can run, best first. conduit_engine/ops/cpu_ops.py
+// picks one at start-up. Calls with enough work let other Python threads run meanwhile.
 //
-// Layout: see common.h. Grid: linear splits output columns, row ops split rows, rotary and write_kv
-// split tokens, attention splits (sequence, kv head) pairs over the pool; small calls run inline.
-// Limits: float32 and bfloat16; activations contiguous along their last dimension; head_dim even.
-#include <ATen/Parallel.h>
-#include <optional>
+// Layout, grid and limits: common.h (layouts), ops.cpp (how each op splits over threads).
 #include <torch/extension.h>
 
-#include "common.h"
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "decoder.h"
+#include "ops.h"
 
 namespace {
 
 using conduit_cpu::KernelTable;
-using conduit_cpu::TypedKernels;
 
-// Below this many multiply-adds (or element visits) a call runs on the calling thread alone.
-constexpr int64_t kMinParallelWork = 1 << 15;
-// From this much work on, a call lets other Python threads run meanwhile (the engine's asyncio thread
-// streams outputs); below it, giving up and taking back the GIL would cost more than the call.
-constexpr int64_t kReleaseGilWork = 1 << 18;
-
-// Releases the GIL for the scope when the call is big enough.
+// Releases the GIL for the scope when the call has kReleaseGilWork multiply-adds or more.
 class MaybeReleaseGil {
  public:
   explicit MaybeReleaseGil(int64_t work) {
-    if (work >= kReleaseGilWork) release_.emplace();
+    if (work >= conduit_cpu::kReleaseGilWork) release_.emplace();
   }
 
  private:
   std::optional<pybind11::gil_scoped_release> release_;
 };
 
-const TypedKernels& kernels_for(const KernelTable& table, const at::Tensor& t, const char* what) {
-  if (t.scalar_type() == at::kFloat) return table.f32;
-  if (t.scalar_type() == at::kBFloat16) return table.bf16;
-  TORCH_CHECK(false, what, ": the CPU kernels take float32 or bfloat16, got ", t.scalar_type());
-}
-
-void check_cpu(const at::Tensor& t, const char* what, int64_t dim) {
-  TORCH_CHECK(t.device().is_cpu(), what, ": expected a CPU tensor");
-  TORCH_CHECK(t.dim() == dim, what, ": expected ", dim, " dimensions, got ", t.dim());
-}
-
-void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* what) {
-  TORCH_CHECK(a.scalar_type() == b.scalar_type(), what, ": dtype ", b.scalar_type(), " differs from ",
-              a.scalar_type());
-}
-
-void check_rows(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.stride(-1) == 1, what, ": the last dimension must be contiguous");
-}
-
-// grain (in units of `items`) so that each thread gets at least kMinParallelWork
-int64_t grain(int64_t items, int64_t work_per_item) {
-  return std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, work_per_item));
-}
-
-at::Tensor linear(const KernelTable& table, const at::Tensor& x, const at::Tensor& w,
-                  const c10::optional<at::Tensor>& bias) {
-  check_cpu(x, "linear: x", 2);
-  check_cpu(w, "linear: weight", 2);
-  check_same_dtype(x, w, "linear: weight");
-  check_rows(x, "linear: x");
-  TORCH_CHECK(w.is_contiguous(), "linear: weight must be contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "linear: weight is [", N, ", ", w.size(1), "], x has ", K, " columns");
-  const void* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    check_cpu(*bias, "linear: bias", 1);
-    check_same_dtype(x, *bias, "linear: bias");
-    TORCH_CHECK(bias->size(0) == N && bias->is_contiguous(), "linear: bias must be contiguous [", N, "]");
-    bias_ptr = bias->data_ptr();
-  }
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  const conduit_cpu::LinearArgs args{x.data_ptr(), x.stride(0), w.data_ptr(), K, bias_ptr, out.data_ptr(), N,
-                                     M, N, K};
-  const auto fn = kernels_for(table, x, "linear").linear;
-  const int64_t rows = table.linear_rows, blocks = (N + rows - 1) / rows;
-  MaybeReleaseGil gil(M * N * K);
-  at::parallel_for(0, blocks, grain(blocks, rows * K * M), [&](int64_t b, int64_t e) {
-    fn(args, b * rows, std::min(e * rows, N));
-  });
-  return out;
-}
-
-conduit_cpu::RowArgs row_args(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, float eps) {
-  conduit_cpu::RowArgs a{};
-  a.x = x.data_ptr();
-  a.ldx = x.stride(0);
-  a.weight = weight.data_ptr();
-  a.out = out.data_ptr();
-  a.ldo = out.stride(0);
-  a.cols = out.size(1);
-  a.eps = eps;
-  return a;
-}
-
-void run_rows(conduit_cpu::RowFn fn, const conduit_cpu::RowArgs& args, int64_t rows) {
-  at::parallel_for(0, rows, grain(rows, args.cols), [&](int64_t b, int64_t e) { fn(args, b, e); });
-}
-
-void check_norm(const at::Tensor& x, const at::Tensor& weight) {
-  check_cpu(x, "rms_norm: x", 2);
-  check_rows(x, "rms_norm: x");
-  check_same_dtype(x, weight, "rms_norm: weight");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
-              "rms_norm: weight must be contiguous [", x.size(1), "]");
-}
-
-at::Tensor rms_norm(const KernelTable& table, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_norm(x, weight);
-  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  run_rows(kernels_for(table, x, "rms_norm").rms_norm, row_args(x, weight, out, static_cast<float>(eps)),
-           x.size(0));
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const KernelTable& table, const at::Tensor& x,
-                                                const at::Tensor& residual, const at::Tensor& weight,
-                                                double eps) {
-  check_norm(x, weight);
-  check_cpu(residual, "add_rms_norm: residual", 2);
-  check_rows(residual, "add_rms_norm: residual");
-  check_same_dtype(x, residual, "add_rms_norm: residual");
-  TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm: residual shape differs from x");
-  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  at::Tensor sum = at::empty_like(x, at::MemoryFormat::Contiguous);
-  auto args = row_args(x, weight, out, static_cast<float>(eps));
-  args.residual = residual.data_ptr();
-  args.ldr = residual.stride(0);
-  args.sum = sum.data_ptr();
-  args.lds = sum.stride(0);
-  run_rows(kernels_for(table, x, "add_rms_norm").add_rms_norm, args, x.size(0));
-  return {out, sum};
-}
-
-at::Tensor act_and_mul(const KernelTable& table, const at::Tensor& x, bool gelu) {
-  check_cpu(x, "act_and_mul: x", 2);
-  check_rows(x, "act_and_mul: x");
-  TORCH_CHECK(x.size(1) % 2 == 0, "act_and_mul: x must have an even number of columns");
-  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  auto args = row_args(x, x, out, 0.0f);
-  const auto& k = kernels_for(table, x, "act_and_mul");
-  run_rows(gelu ? k.gelu_tanh_and_mul : k.silu_and_mul, args, x.size(0));
-  return out;
-}
-
-void check_heads(const at::Tensor& t, const char* what) {
-  check_cpu(t, what, 3);
-  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), what, ": heads must be contiguous [T, H, D] rows");
-}
-
-void rotary(const KernelTable& table, at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
-            const at::Tensor& cos_sin) {
-  check_heads(q, "rotary: q");
-  check_heads(k, "rotary: k");
-  check_same_dtype(q, k, "rotary: k");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2), "rotary: q and k disagree on tokens or head_dim");
-  TORCH_CHECK(q.size(2) % 2 == 0, "rotary: head_dim must be even");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == q.size(0),
-              "rotary: positions must be contiguous int64 [T]");
-  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() && cos_sin.dim() == 2 &&
-                  cos_sin.size(1) == q.size(2),
-              "rotary: cos_sin must be contiguous float32 [P, head_dim]");
-  const int64_t T = q.size(0);
-  if (T == 0) return;
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t max_pos = cos_sin.size(0);
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary: position ", pos[t], " outside [0, ", max_pos, ")");
-  const conduit_cpu::RotaryArgs args{q.data_ptr(), q.stride(0), q.size(1), k.data_ptr(), k.stride(0), k.size(1),
-                                     q.size(2),    pos,         cos_sin.data_ptr<float>(), max_pos};
-  const auto fn = kernels_for(table, q, "rotary").rotary;
-  const int64_t per_token = (q.size(1) + k.size(1)) * q.size(2);
-  at::parallel_for(0, T, grain(T, per_token), [&](int64_t b, int64_t e) { fn(args, b, e); });
-}
-
-void check_cache(const at::Tensor& cache, const at::Tensor& like, const char* what) {
-  check_cpu(cache, what, 4);
-  TORCH_CHECK(cache.is_contiguous(), what, ": must be contiguous [blocks, block_size, kv_heads, head_dim]");
-  check_same_dtype(like, cache, what);
-}
-
-void write_kv(const KernelTable& table, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-              at::Tensor& v_cache, const at::Tensor& slots) {
-  check_heads(k, "write_kv: k");
-  check_heads(v, "write_kv: v");
-  check_cache(k_cache, k, "write_kv: k_cache");
-  check_cache(v_cache, k, "write_kv: v_cache");
-  TORCH_CHECK(k.sizes() == v.sizes() && k_cache.sizes() == v_cache.sizes(), "write_kv: k/v shapes differ");
-  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2), "write_kv: cache heads differ from k");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
-              "write_kv: slot_mapping must be contiguous int64 [T]");
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  const int64_t* s = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < k.size(0); ++t)
-    TORCH_CHECK(s[t] >= -1 && s[t] < num_slots, "write_kv: slot ", s[t], " outside [-1, ", num_slots, ")");
-  const conduit_cpu::WriteKvArgs args{k.data_ptr(),       k.stride(0), v.data_ptr(), v.stride(0),
-                                      k_cache.data_ptr(), v_cache.data_ptr(), s,     k.size(1) * k.size(2)};
-  kernels_for(table, k, "write_kv").write_kv(args, 0, k.size(0));
-}
-
-// Queries of one prefill chunk handled by one work item: its keys are read once for all of them.
-constexpr int64_t kQueryBlock = 16;
-
-// The work items of a step: every sequence's queries in blocks of kQueryBlock, over all kv heads, or
-// over slices of them when there are too few items to keep every thread busy.
-std::vector<conduit_cpu::AttentionItem> attention_items(const int32_t* qs, int64_t S, int64_t Hk) {
-  int64_t blocks = 0;
-  for (int64_t s = 0; s < S; ++s) blocks += (qs[s + 1] - qs[s] + kQueryBlock - 1) / kQueryBlock;
-  const int64_t wanted = 2 * static_cast<int64_t>(at::get_num_threads());
-  const int64_t slices = blocks >= wanted ? 1 : std::min(Hk, (wanted + blocks - 1) / std::max<int64_t>(1, blocks));
-  std::vector<conduit_cpu::AttentionItem> items;
-  items.reserve(static_cast<size_t>(blocks * slices));
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t q_len = qs[s + 1] - qs[s];
-    for (int64_t q0 = 0; q0 < q_len; q0 += kQueryBlock)
-      for (int64_t h = 0; h < slices; ++h)
-        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(Hk * h / slices),
-                         static_cast<int32_t>(Hk * (h + 1) / slices), static_cast<int32_t>(q0),
-                         static_cast<int32_t>(std::min(q_len, q0 + kQueryBlock))});
-  }
-  return items;
-}
-
-at::Tensor attention(const KernelTable& table, const at::Tensor& q, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, const at::Tensor& query_start, const at::Tensor& seq_lens,
-                     const at::Tensor& block_tables, double scale, int64_t window, double softcap) {
-  check_heads(q, "attention: q");
-  check_cache(k_cache, q, "attention: k_cache");
-  check_cache(v_cache, q, "attention: v_cache");
-  const int64_t Hq = q.size(1), Hk = k_cache.size(2), D = q.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && Hk > 0 && Hq % Hk == 0, "attention: cache heads do not fit q");
-  const int64_t S = seq_lens.numel();
-  for (const auto* t : {&query_start, &seq_lens, &block_tables})
-    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "attention: metadata must be contiguous int32");
-  TORCH_CHECK(query_start.numel() == S + 1 && block_tables.dim() == 2 && block_tables.size(0) == S,
-              "attention: query_start_loc [S+1], seq_lens [S], block_tables [S, B] disagree");
-  const int32_t* qs = query_start.data_ptr<int32_t>();
+// q . k multiply-adds of an attention call, roughly: every query over its sequence's mean length.
+int64_t attention_work(const at::Tensor& q, const at::Tensor& seq_lens) {
+  if (q.dim() != 3 || seq_lens.scalar_type() != at::kInt || !seq_lens.is_contiguous() || seq_lens.numel() == 0)
+    return 0;  // the op reports the bad argument
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t bs = k_cache.size(1), max_blocks = block_tables.size(1), num_blocks = k_cache.size(0);
-  TORCH_CHECK(qs[0] == 0 && qs[S] == q.size(0), "attention: query_start_loc must run from 0 to ", q.size(0));
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  int64_t work = 0;
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t q_len = qs[s + 1] - qs[s];
-    TORCH_CHECK(q_len >= 0 && lens[s] >= q_len && lens[s] <= max_blocks * bs, "attention: sequence ", s, " has ",
-                q_len, " queries, length ", lens[s], " and ", max_blocks, " blocks");
-    // blocks before the window of the sequence's first query may have been freed (-1): never read
-    const int64_t first_key = window > 0 ? std::max<int64_t>(0, lens[s] - q_len - window + 1) : 0;
-    for (int64_t b = first_key / bs; b < (lens[s] + bs - 1) / bs; ++b)
-      TORCH_CHECK(tables[s * max_blocks + b] >= 0 && tables[s * max_blocks + b] < num_blocks,
-                  "attention: block table of sequence ", s, " names block ", tables[s * max_blocks + b]);
-    work += q_len * lens[s];
-  }
-  at::Tensor out = at::empty({q.size(0), Hq, D}, q.options());
-  const auto items = attention_items(qs, S, Hk);
-  if (items.empty()) return out;
-  const conduit_cpu::AttentionArgs args{q.data_ptr(),      q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                        out.data_ptr(),    qs,          lens,               tables,
-                                        max_blocks,        bs,          Hq,                 Hk,
-                                        D,                 static_cast<float>(scale),      window,
-                                        static_cast<float>(softcap),    items.data()};
-  const auto fn = kernels_for(table, q, "attention").attention;
-  const int64_t count = static_cast<int64_t>(items.size());
-  MaybeReleaseGil gil(work * Hq * D);
-  at::parallel_for(0, count, grain(count, work * Hq * D / count), [&](int64_t b, int64_t e) { fn(args, b, e); });
-  return out;
+  int64_t total = 0;
+  for (int64_t s = 0; s < seq_lens.numel(); ++s) total += lens[s];
+  return q.size(0) * q.size(1) * q.size(2) * (total / seq_lens.numel());
 }
 
 void add_isa(pybind11::module_& m, const KernelTable& table) {
+  namespace py = pybind11;
   auto sub = m.def_submodule(table.name, "the CPU kernels built for this instruction set");
   const KernelTable* t = &table;
-  sub.def("linear", [t](const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
-    return linear(*t, x, w, b);
+  using Bias = const std::optional<at::Tensor>&;
+  sub.def("linear_kernel", [t](const at::Tensor& x, const at::Tensor& w, Bias b) {
+    MaybeReleaseGil gil(x.size(0) * w.numel());
+    return conduit_cpu::linear_kernel(*t, x, w, b);
   });
-  sub.def("rms_norm", [t](const at::Tensor& x, const at::Tensor& w, double eps) { return rms_norm(*t, x, w, eps); });
+  sub.def("linear", [t](const at::Tensor& x, const at::Tensor& w, Bias b) {
+    MaybeReleaseGil gil(x.size(0) * w.numel());
+    return conduit_cpu::linear(*t, x, w, b);
+  });
+  sub.def("rms_norm", [t](const at::Tensor& x, const at::Tensor& w, double eps) {
+    return conduit_cpu::rms_norm(*t, x, w, eps);
+  });
   sub.def("add_rms_norm", [t](const at::Tensor& x, const at::Tensor& r, const at::Tensor& w, double eps) {
-    return add_rms_norm(*t, x, r, w, eps);
+    return conduit_cpu::add_rms_norm(*t, x, r, w, eps);
   });
-  sub.def("silu_and_mul", [t](const at::Tensor& x) { return act_and_mul(*t, x, false); });
-  sub.def("gelu_tanh_and_mul", [t](const at::Tensor& x) { return act_and_mul(*t, x, true); });
+  sub.def("silu_and_mul", [t](const at::Tensor& x) { return conduit_cpu::act_and_mul(*t, x, false); });
+  sub.def("gelu_tanh_and_mul", [t](const at::Tensor& x) { return conduit_cpu::act_and_mul(*t, x, true); });
   sub.def("rotary", [t](at::Tensor& q, at::Tensor& k, const at::Tensor& p, const at::Tensor& cs) {
-    rotary(*t, q, k, p, cs);
+    conduit_cpu::rotary(*t, q, k, p, cs);
   });
   sub.def("write_kv", [t](const at::Tensor& k, const at::Tensor& v, at::Tensor& kc, at::Tensor& vc,
-                          const at::Tensor& s) { write_kv(*t, k, v, kc, vc, s); });
+                          const at::Tensor& s) { conduit_cpu::write_kv(*t, k, v, kc, vc, s); });
   sub.def("attention", [t](const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& qs,
                            const at::Tensor& sl, const at::Tensor& bt, double scale, int64_t window,
-                           double softcap) { return attention(*t, q, kc, vc, qs, sl, bt, scale, window, softcap); });
+                           double softcap) {
+    MaybeReleaseGil gil(attention_work(q, sl));
+    return conduit_cpu::attention(*t, q, kc, vc, qs, sl, bt, scale, window, softcap);
+  });
+  sub.def("decoder_stack", [t](std::vector<conduit_cpu::LayerWeights> layers) {
+    return std::make_shared<conduit_cpu::DecoderStack>(*t, std::move(layers));
+  });
 }
 
 std::vector<std::string> supported_isas() {
@@ -311,7 +91,30 @@ std::vector<std::string> supported_isas() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   m.doc() = "Conduit's CPU kernels (kernels/cpu): one submodule per instruction set";
+  py::class_<conduit_cpu::StepTensors>(m, "StepTensors", "what every layer of one step reads")
+      .def(py::init([](at::Tensor positions, at::Tensor cos_sin, at::Tensor slot_mapping, at::Tensor query_start,
+                       at::Tensor seq_lens, at::Tensor block_tables) {
+        return conduit_cpu::StepTensors{positions, cos_sin, slot_mapping, query_start, seq_lens, block_tables};
+      }));
+  py::class_<conduit_cpu::LayerWeights>(m, "LayerWeights", "one decoder layer's weights and shape")
+      .def(py::init<>())
+#define CONDUIT_FIELD(name) .def_readwrite(#name, &conduit_cpu::LayerWeights::name)
+          CONDUIT_FIELD(input_norm) CONDUIT_FIELD(post_attention_norm) CONDUIT_FIELD(pre_feedforward_norm)
+              CONDUIT_FIELD(post_feedforward_norm) CONDUIT_FIELD(qkv) CONDUIT_FIELD(o) CONDUIT_FIELD(gate_up)
+                  CONDUIT_FIELD(down) CONDUIT_FIELD(qkv_bias) CONDUIT_FIELD(o_bias) CONDUIT_FIELD(gate_up_bias)
+                      CONDUIT_FIELD(down_bias) CONDUIT_FIELD(q_norm) CONDUIT_FIELD(k_norm) CONDUIT_FIELD(num_heads)
+                          CONDUIT_FIELD(num_kv_heads) CONDUIT_FIELD(head_dim) CONDUIT_FIELD(scale)
+                              CONDUIT_FIELD(eps) CONDUIT_FIELD(window) CONDUIT_FIELD(softcap) CONDUIT_FIELD(gelu);
+#undef CONDUIT_FIELD
+  py::class_<conduit_cpu::DecoderStack, std::shared_ptr<conduit_cpu::DecoderStack>>(
+      m, "DecoderStack", "a model's decoder layers, run as one call per step")
+      .def("forward", [](const conduit_cpu::DecoderStack& stack, const at::Tensor& x,
+                         const conduit_cpu::KvCaches& kv_caches, const conduit_cpu::StepTensors& step) {
+        MaybeReleaseGil gil(x.size(0) * stack.macs_per_token());
+        return stack.forward(x, kv_caches, step);
+      });
   for (const KernelTable* table : {&conduit_cpu::avx512bf16_table, &conduit_cpu::avx512_table,
                                    &conduit_cpu::avx2_table, &conduit_cpu::scalar_table})
     add_isa(m, *table);

@@ -80,7 +80,7 @@ def test_linear_matches_reference(ops, dtype, bias, shape):
     x = _rand(gen, m, k, dtype=dtype)
     weight = _rand(gen, n, k, dtype=dtype, scale=k**-0.5)
     b = _rand(gen, n, dtype=dtype) if bias else None
-    got = ops._k.linear(x, weight, b)  # the kernel itself, whatever CpuOps.linear picks for this M
+    got = ops._k.linear_kernel(x, weight, b)  # the kernel itself, whatever CpuOps.linear picks for this M
     # float32 products of the same inputs; the kernel rounds once, at the end
     want = F.linear(x.float(), weight.float(), None if b is None else b.float()).to(dtype)
     torch.testing.assert_close(got, want, **TOL[dtype])
@@ -100,13 +100,13 @@ def test_linear_reads_strided_rows_and_picks_torch_for_large_batches(ops):
 def test_linear_errors_name_the_argument(ops):
     x, weight = torch.zeros(2, 8), torch.zeros(4, 8)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        ops._k.linear(x.double(), weight.double(), None)
+        ops._k.linear_kernel(x.double(), weight.double(), None)
     with pytest.raises(RuntimeError, match=r"linear: weight is \[4, 7\], x has 8 columns"):
-        ops._k.linear(x, torch.zeros(4, 7), None)
+        ops._k.linear_kernel(x, torch.zeros(4, 7), None)
     with pytest.raises(RuntimeError, match="linear: bias must be contiguous"):
-        ops._k.linear(x, weight, torch.zeros(5))
+        ops._k.linear_kernel(x, weight, torch.zeros(5))
     with pytest.raises(RuntimeError, match="linear: weight: dtype"):
-        ops._k.linear(x, weight.bfloat16(), None)
+        ops._k.linear_kernel(x, weight.bfloat16(), None)
 
 
 # ---- norms, activations, rotary, cache writes ----------------------------------------------------------

@@ -10,7 +10,7 @@ from conduit_engine.layers.attention import PagedAttention
 from conduit_engine.layers.mlp import GatedMLP
 from conduit_engine.layers.norm import RMSNorm
 from conduit_engine.models.config import ArchConfig
-from conduit_engine.ops import Ops, StepContext
+from conduit_engine.ops import DecoderLayerSpec, Ops, StepContext
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -44,3 +44,32 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm.norm(h)
         h, residual = self.pre_feedforward_layernorm(h, residual)
         return self.post_feedforward_layernorm.norm(self.mlp(h)), residual
+
+    def spec(self) -> DecoderLayerSpec:
+        """This layer's weights and shape, for a backend that runs whole layers (Ops.compile_decoder)."""
+        attn, mlp = self.self_attn, self.mlp
+        sandwich = self.sandwich_norms
+        return DecoderLayerSpec(
+            input_norm=self.input_layernorm.weight,
+            post_attention_norm=self.post_attention_layernorm.weight,
+            pre_feedforward_norm=self.pre_feedforward_layernorm.weight if sandwich else None,
+            post_feedforward_norm=self.post_feedforward_layernorm.weight if sandwich else None,
+            qkv=attn.qkv_proj.weight,
+            qkv_bias=attn.qkv_proj.bias,
+            q_norm=attn.q_norm.weight if attn.qk_norm else None,
+            k_norm=attn.k_norm.weight if attn.qk_norm else None,
+            o=attn.o_proj.weight,
+            o_bias=attn.o_proj.bias,
+            gate_up=mlp.gate_up_proj.weight,
+            gate_up_bias=mlp.gate_up_proj.bias,
+            down=mlp.down_proj.weight,
+            down_bias=mlp.down_proj.bias,
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            scale=attn.scale,
+            eps=self.input_layernorm.eps,
+            sliding_window=attn.sliding_window,
+            logit_softcap=attn.logit_softcap,
+            gelu=mlp.gelu,
+        )

@@ -13,7 +13,8 @@ from conduit_engine.ops import Ops
 class GatedMLP(nn.Module):
     def __init__(self, config: ArchConfig, ops: Ops) -> None:
         super().__init__()
-        self.act_and_mul = ops.gelu_tanh_and_mul if config.hidden_act == "gelu_tanh" else ops.silu_and_mul
+        self.gelu = config.hidden_act == "gelu_tanh"
+        self.act_and_mul = ops.gelu_tanh_and_mul if self.gelu else ops.silu_and_mul
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, ops)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, ops)
 

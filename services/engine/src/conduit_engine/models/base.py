@@ -16,7 +16,7 @@ from conduit_engine.layers.linear import Linear
 from conduit_engine.layers.norm import RMSNorm
 from conduit_engine.layers.rotary import cos_sin_cache
 from conduit_engine.models.config import ArchConfig
-from conduit_engine.ops import AttentionMetadata, Ops
+from conduit_engine.ops import AttentionMetadata, DecoderRunner, Ops
 
 
 class CausalLM(nn.Module):
@@ -34,6 +34,8 @@ class CausalLM(nn.Module):
         self.max_positions = max_positions
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         self._embed_scale: float | None = None
+        # The decoder layers as one call, when the ops backend offers it (set once loading finishes).
+        self._decoder: DecoderRunner | None = None
 
     @classmethod
     def config_flags(cls, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -52,6 +54,7 @@ class CausalLM(nn.Module):
         scale = self.config.embed_scale
         if scale is not None:
             self._embed_scale = float(torch.tensor(scale, dtype=self.embed_tokens.weight.dtype))
+        self._decoder = self.ops.compile_decoder([layer.spec() for layer in self.layers])
 
     def forward(
         self,
@@ -65,9 +68,12 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self._embed_scale is not None:
             x = x * self._embed_scale
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, kv_cache, step)
+        if self._decoder is not None:
+            x, residual = self._decoder(x, kv_caches, step)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, kv_cache, step)
         x, _ = self.norm(x, residual)
         return x
 

@@ -13,7 +13,7 @@ in every backend.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +69,44 @@ class StepContext:
     scratch: dict[str, object] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class DecoderLayerSpec:
+    """One decoder layer as layers/decoder.py runs it: its weights (the loaded parameters themselves)
+    and shape, for a backend that runs whole layers (`Ops.compile_decoder`). Optional tensors are None
+    where the architecture has none (biases, per-head q/k norms, Gemma 2's feed-forward norms)."""
+
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    pre_feedforward_norm: torch.Tensor | None
+    post_feedforward_norm: torch.Tensor | None
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    eps: float
+    sliding_window: int | None
+    logit_softcap: float | None
+    gelu: bool  # tanh-GELU gate (else SiLU)
+
+
+# (hidden states after the embedding, every layer's (k_cache, v_cache), the step) → (last layer's output,
+# the residual stream without it), as the layers run one by one would give them.
+DecoderRunner = Callable[
+    [torch.Tensor, Sequence[tuple[torch.Tensor, torch.Tensor]], StepContext],
+    tuple[torch.Tensor, torch.Tensor],
+]
+
+
 class Ops(ABC):
     """Numerical building blocks of the model. `TorchOps` is the reference; others must match it."""
 
@@ -86,6 +124,11 @@ class Ops(ABC):
 
         A backend whose ops accept any cache layout (the torch reference) has nothing to check.
         """
+
+    def compile_decoder(self, layers: Sequence[DecoderLayerSpec]) -> DecoderRunner | None:
+        """A backend that runs all decoder layers in one call returns that call (built once, after
+        loading); None (the default) runs the layers one by one, op by op, through this interface."""
+        return None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] @ weight[N, K]ᵀ + bias [N] → [T, N] in x.dtype (weight and bias share x's dtype).

@@ -27,7 +27,15 @@ from conduit_engine.ops.kernel_loader import kernels_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("bindings.cpp", "isa_avx512bf16.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp")
+SOURCES = (
+    "bindings.cpp",
+    "ops.cpp",
+    "decoder.cpp",
+    "isa_avx512bf16.cpp",
+    "isa_avx512.cpp",
+    "isa_avx2.cpp",
+    "isa_scalar.cpp",
+)
 # Instruction sets are chosen per file by `#pragma GCC target`, so the flags name none.
 CFLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-Wall", "-Wno-unknown-pragmas")
 ISAS = ("avx512bf16", "avx512", "avx2", "scalar")  # best first

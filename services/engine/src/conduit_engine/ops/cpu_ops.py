@@ -12,22 +12,18 @@ instruction set the machine runs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from conduit_engine.config import CPU_KERNEL_CHOICES
 from conduit_engine.errors import ModelLoadError
 from conduit_engine.ops import cpu_kernels
-from conduit_engine.ops.base import Ops, StepContext
+from conduit_engine.ops.base import DecoderLayerSpec, DecoderRunner, Ops, StepContext
 from conduit_engine.ops.torch_ops import TorchOps
 
 log = logging.getLogger(__name__)
-
-# Most rows of x for which the kernels' linear beats torch's (oneDNN/MKL), measured on AVX-512 (Zen 5):
-# float32 tiles stay ahead up to 64 rows; oneDNN's bfloat16 GEMM (packed weights) wins from a few rows.
-_LINEAR_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 4}
 
 
 class CpuOps(TorchOps):
@@ -39,12 +35,16 @@ class CpuOps(TorchOps):
         if isa not in supported:
             raise ValueError(f"this CPU cannot run the {isa} kernels (it runs: {', '.join(supported)})")
         self.isa = isa
+        self._module = module
         self._k = getattr(module, isa)
 
+    def compile_decoder(self, layers: Sequence[DecoderLayerSpec]) -> DecoderRunner:
+        """All layers as one C++ call per step (kernels/cpu/decoder.cpp), composing these same kernels."""
+        return _CompiledDecoder(self._module, self._k, layers)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= _LINEAR_MAX_ROWS.get(x.dtype, 0):
-            return self._k.linear(x, weight, bias)
-        return F.linear(x, weight, bias)
+        # the kernel's tiles for small batches, torch's GEMM past the rows where the tiles win (ops.cpp)
+        return self._k.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # per-head q/k norms: [T, H, D]
@@ -97,6 +97,63 @@ class CpuOps(TorchOps):
             sliding_window or 0,
             logit_softcap or 0.0,
         )
+
+
+class _CompiledDecoder:
+    """Runs the decoder stack; the step's tensors go to C++ once per step (in the step's scratch)."""
+
+    def __init__(self, module: ModuleType, kernels: ModuleType, layers: Sequence[DecoderLayerSpec]) -> None:
+        self._step_tensors = module.StepTensors
+        self._stack = kernels.decoder_stack([_layer_weights(module, spec) for spec in layers])
+
+    def __call__(
+        self, x: torch.Tensor, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], step: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tensors = step.scratch.get("cpu_step")
+        if tensors is None:
+            meta = step.meta
+            tensors = step.scratch["cpu_step"] = self._step_tensors(
+                step.positions,
+                step.cos_sin_cache,
+                meta.slot_mapping,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+            )
+        return self._stack.forward(x, kv_caches, tensors)
+
+
+def _layer_weights(module: ModuleType, spec: DecoderLayerSpec) -> object:
+    weights = module.LayerWeights()
+    for name in _LAYER_TENSORS:
+        setattr(weights, name, getattr(spec, name))
+    weights.num_heads, weights.num_kv_heads, weights.head_dim = (
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.head_dim,
+    )
+    weights.scale, weights.eps, weights.gelu = spec.scale, spec.eps, spec.gelu
+    weights.window = spec.sliding_window or 0
+    weights.softcap = spec.logit_softcap or 0.0
+    return weights
+
+
+_LAYER_TENSORS = (
+    "input_norm",
+    "post_attention_norm",
+    "pre_feedforward_norm",
+    "post_feedforward_norm",
+    "qkv",
+    "qkv_bias",
+    "q_norm",
+    "k_norm",
+    "o",
+    "o_bias",
+    "gate_up",
+    "gate_up_bias",
+    "down",
+    "down_bias",
+)
 
 
 def select_cpu_ops(choice: str) -> Ops:

@@ -1,0 +1,36 @@
+// The CPU kernels as torch-level ops: argument checks (a clear message naming the argument), raw
+// pointers, and threads from ATen's intra-op pool (the one torch itself uses). One KernelTable is one
+// instruction set (common.h); bindings.cpp exposes these per set, decoder.cpp composes them.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+#include "common.h"
+
+namespace conduit_cpu {
+
+// Work (multiply-adds) of a call from which it is worth letting other Python threads run meanwhile.
+constexpr int64_t kReleaseGilWork = 1 << 18;
+
+// x [M, K] @ w[N, K]^T + bias: the kernel's tiles whatever M is.
+at::Tensor linear_kernel(const KernelTable& table, const at::Tensor& x, const at::Tensor& w,
+                         const std::optional<at::Tensor>& bias);
+// The same, through torch (oneDNN/MKL) when M is past the rows where the tiles are faster.
+at::Tensor linear(const KernelTable& table, const at::Tensor& x, const at::Tensor& w,
+                  const std::optional<at::Tensor>& bias);
+at::Tensor rms_norm(const KernelTable& table, const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const KernelTable& table, const at::Tensor& x,
+                                                const at::Tensor& residual, const at::Tensor& weight, double eps);
+at::Tensor act_and_mul(const KernelTable& table, const at::Tensor& x, bool gelu);
+void rotary(const KernelTable& table, at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
+            const at::Tensor& cos_sin);
+void write_kv(const KernelTable& table, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+              at::Tensor& v_cache, const at::Tensor& slots);
+at::Tensor attention(const KernelTable& table, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& query_start, const at::Tensor& seq_lens,
+                     const at::Tensor& block_tables, double scale, int64_t window, double softcap);
+
+}  // namespace conduit_cpu
