@@ -358,10 +358,101 @@ static void attention_item(const AttentionArgs& a, const AttentionItem& it, std:
   }
 }
 
+// Heads narrower than a vector (stories260K's 8 on AVX-512): keys go across the lanes instead. Each
+// chunk of up to W keys is transposed into [D][W] scratch once per kv head; a query head then takes D
+// FMAs per chunk for its scores, and its weighted sum of values accumulates per (head, d) across lanes,
+// reduced once at the end. Scores of keys a query does not see are zeroed after the softmax.
+template <class T>
+static void attention_item_narrow(const AttentionArgs& a, const AttentionItem& it, std::vector<float>& buf) {
+  const int64_t D = a.head_dim, group = a.num_q_heads / a.num_kv_heads, bs = a.block_size;
+  const int64_t slot_row = a.num_kv_heads * D;
+  const int64_t heads = it.head_end - it.head_begin, rows = heads * group;
+  const int64_t nq = it.query_end - it.query_begin;
+  const int64_t q_len = a.query_start[it.seq + 1] - a.query_start[it.seq];
+  const int64_t first = a.seq_lens[it.seq] - q_len + it.query_begin;
+  const int64_t key_lo = a.window > 0 ? std::max<int64_t>(0, first - a.window + 1) : 0;
+  const int64_t num_keys = first + nq - key_lo;
+  buf.assign(static_cast<size_t>(nq * rows * (D + num_keys + D * W + 1) + D * W), 0.0f);
+  float* q32 = buf.data();  // [nq][rows][D]
+  float* scores = q32 + nq * rows * D;  // [nq][rows][num_keys]
+  float* acc = scores + nq * rows * num_keys;  // [nq][rows][D][W]
+  float* sum = acc + nq * rows * D * W;  // [nq][rows]
+  float* t = sum + nq * rows;  // [D][W]: one chunk of keys or values of one kv head, transposed
+  const int32_t* table = a.block_tables + it.seq * a.ldb;
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const T* src = static_cast<const T*>(a.q) + (a.query_start[it.seq] + it.query_begin + qi) * a.ldq +
+                   it.head_begin * group * D;
+    for (int64_t e = 0; e < rows * D; ++e) q32[qi * rows * D + e] = to_float(src[e]) * a.scale;
+  }
+  auto transpose = [&](const T* cache, int64_t p0, int n, int64_t h) {
+    for (int j = 0; j < n; ++j) {
+      const int64_t p = p0 + j;
+      const T* row = cache + (static_cast<int64_t>(table[p / bs]) * bs + p % bs) * slot_row + (it.head_begin + h) * D;
+      for (int64_t d = 0; d < D; ++d) t[d * W + j] = to_float(row[d]);
+    }
+    for (int64_t d = 0; d < D; ++d)
+      for (int j = n; j < W; ++j) t[d * W + j] = 0.0f;
+  };
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
+  for (int64_t p0 = key_lo; p0 < key_lo + num_keys; p0 += W) {
+    const int n = static_cast<int>(std::min<int64_t>(W, key_lo + num_keys - p0));
+    for (int64_t h = 0; h < heads; ++h) {
+      transpose(k_cache, p0, n, h);
+      for (int64_t qi = 0; qi < nq; ++qi)
+        for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+          const float* qr = q32 + (qi * rows + r) * D;
+          R s = Vec::zero();
+          for (int64_t d = 0; d < D; ++d) s = Vec::fma(Vec::set1(qr[d]), Vec::load(t + d * W), s);
+          if (a.softcap > 0.0f) {
+            const R cap = Vec::set1(a.softcap);
+            s = Vec::mul(cap, Vec::tanh(Vec::div(s, cap)));
+          }
+          store_any(scores + (qi * rows + r) * num_keys + (p0 - key_lo), s, n);
+        }
+    }
+  }
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const int64_t hi = first + qi, lo = a.window > 0 ? std::max<int64_t>(0, hi - a.window + 1) : 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = scores + (qi * rows + r) * num_keys;
+      sum[qi * rows + r] = softmax_row(row + (lo - key_lo), hi - lo + 1);
+      std::fill(row, row + (lo - key_lo), 0.0f);
+      std::fill(row + (hi - key_lo + 1), row + num_keys, 0.0f);
+    }
+  }
+  for (int64_t p0 = key_lo; p0 < key_lo + num_keys; p0 += W) {
+    const int n = static_cast<int>(std::min<int64_t>(W, key_lo + num_keys - p0));
+    for (int64_t h = 0; h < heads; ++h) {
+      transpose(v_cache, p0, n, h);
+      for (int64_t qi = 0; qi < nq; ++qi)
+        for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+          const R w = load_any(scores + (qi * rows + r) * num_keys + (p0 - key_lo), n);
+          float* o = acc + (qi * rows + r) * D * W;
+          for (int64_t d = 0; d < D; ++d) Vec::store(o + d * W, Vec::fma(w, Vec::load(t + d * W), Vec::load(o + d * W)));
+        }
+    }
+  }
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    T* dst = static_cast<T*>(a.out) +
+             ((a.query_start[it.seq] + it.query_begin + qi) * a.num_q_heads + it.head_begin * group) * D;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv = 1.0f / sum[qi * rows + r];
+      for (int64_t d = 0; d < D; ++d)
+        dst[r * D + d] = from_float<T>(Vec::reduce_add(Vec::load(acc + ((qi * rows + r) * D + d) * W)) * inv);
+    }
+  }
+}
+
 template <class T>
 static void attention(const AttentionArgs& a, int64_t item_begin, int64_t item_end) {
   std::vector<float> buf;
-  for (int64_t i = item_begin; i < item_end; ++i) attention_item<T>(a, a.items[i], buf);
+  for (int64_t i = item_begin; i < item_end; ++i) {
+    if (a.head_dim < W)
+      attention_item_narrow<T>(a, a.items[i], buf);
+    else
+      attention_item<T>(a, a.items[i], buf);
+  }
 }
 
 // ---- the table ------------------------------------------------------------------------------------
