@@ -70,6 +70,7 @@ void add_isa(pybind11::module_& m, const KernelTable& table) {
     MaybeReleaseGil gil(attention_work(q, sl));
     return conduit_cpu::attention(*t, q, kc, vc, qs, sl, bt, scale, window, softcap);
   });
+  sub.def("pack_linear", [t](const at::Tensor& w) { return std::make_shared<conduit_cpu::PackedLinear>(*t, w); });
   sub.def("decoder_stack", [t](std::vector<conduit_cpu::LayerWeights> layers) {
     return std::make_shared<conduit_cpu::DecoderStack>(*t, std::move(layers));
   });
@@ -98,6 +99,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        at::Tensor seq_lens, at::Tensor block_tables) {
         return conduit_cpu::StepTensors{positions, cos_sin, slot_mapping, query_start, seq_lens, block_tables};
       }));
+  py::class_<conduit_cpu::PackedLinear, std::shared_ptr<conduit_cpu::PackedLinear>>(
+      m, "PackedLinear", "a linear layer's weight, packed once for the packed tiles")
+      .def("forward",
+           [](const conduit_cpu::PackedLinear& w, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+             MaybeReleaseGil gil(x.size(0) * w.out_features() * w.in_features());
+             return w.forward(x, bias);
+           })
+      .def_property_readonly("out_features", &conduit_cpu::PackedLinear::out_features)
+      .def_property_readonly("in_features", &conduit_cpu::PackedLinear::in_features);
   py::class_<conduit_cpu::LayerWeights>(m, "LayerWeights", "one decoder layer's weights and shape")
       .def(py::init<>())
 #define CONDUIT_FIELD(name) .def_readwrite(#name, &conduit_cpu::LayerWeights::name)

@@ -59,6 +59,25 @@ struct LinearArgs {
   int64_t M, N, K;
 };
 
+// Prepacked linear (ops.h PackedLinear): the weight [N, K] as panels of kPanel output columns, each
+// stored K-major, [ceil(N / kPanel)][K][kPanel] (zero columns past N), so a tile reads one contiguous
+// panel row per k and every input row's broadcast value multiplies all kPanel columns at once (no
+// horizontal sums). With `bf16_pairs` (AVX512_BF16) bf16 panels pair consecutive k instead,
+// [panels][ceil(K / 2)][kPanel][2], the operand layout of vdpbf16ps. The input is handed over transposed
+// in blocks of kPanelRows rows: float [blocks][K][kPanelRows], or (bf16 pairs) uint32 pairs of bf16
+// [blocks][ceil(K / 2)][kPanelRows].
+constexpr int64_t kPanel = 32;
+constexpr int64_t kPanelRows = 16;
+
+struct PackedLinearArgs {
+  const void* xt;  // the transposed input blocks
+  const void* w;  // the panels
+  const void* bias;  // [N] or nullptr
+  void* out;  // [M, N], row stride ldo
+  int64_t ldo;
+  int64_t M, N, K;
+};
+
 // Row-wise ops over `rows` rows of `cols` values; strides in elements.
 struct RowArgs {
   const void* x;
@@ -126,6 +145,7 @@ struct AttentionArgs {
 };
 
 using LinearFn = void (*)(const LinearArgs&, int64_t n_begin, int64_t n_end);
+using PackedLinearFn = void (*)(const PackedLinearArgs&, int64_t panel_begin, int64_t panel_end);
 using RowFn = void (*)(const RowArgs&, int64_t row_begin, int64_t row_end);
 using RotaryFn = void (*)(const RotaryArgs&, int64_t token_begin, int64_t token_end);
 using WriteKvFn = void (*)(const WriteKvArgs&, int64_t token_begin, int64_t token_end);
@@ -134,6 +154,7 @@ using AttentionFn = void (*)(const AttentionArgs&, int64_t item_begin, int64_t i
 // One dtype's entry points.
 struct TypedKernels {
   LinearFn linear;
+  PackedLinearFn packed_linear;
   RowFn rms_norm;
   RowFn add_rms_norm;
   RowFn silu_and_mul;  // x [rows, 2 * cols] -> out [rows, cols]
@@ -150,6 +171,7 @@ struct KernelTable {
   TypedKernels f32;
   TypedKernels bf16;
   int64_t linear_rows;
+  bool bf16_pairs;  // bf16 panels pair consecutive k (vdpbf16ps); else they are widened per value
 };
 
 extern const KernelTable avx512bf16_table;

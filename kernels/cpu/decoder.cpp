@@ -11,9 +11,11 @@ DecoderStack::DecoderStack(const KernelTable& table, std::vector<LayerWeights> l
     TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(), "DecoderStack: q_norm and k_norm go together");
     TORCH_CHECK(layer.num_kv_heads > 0 && layer.num_heads % layer.num_kv_heads == 0 && layer.head_dim > 0,
                 "DecoderStack: bad head counts");
-    TORCH_CHECK(layer.qkv.size(0) == (layer.num_heads + 2 * layer.num_kv_heads) * layer.head_dim,
+    TORCH_CHECK(layer.qkv && layer.o && layer.gate_up && layer.down, "DecoderStack: a projection is missing");
+    TORCH_CHECK(layer.qkv->out_features() == (layer.num_heads + 2 * layer.num_kv_heads) * layer.head_dim,
                 "DecoderStack: qkv weight rows differ from (heads + 2 kv heads) * head_dim");
-    for (const auto* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) macs_per_token_ += w->numel();
+    for (const auto* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+      macs_per_token_ += (*w)->out_features() * (*w)->in_features();
   }
 }
 
@@ -21,7 +23,7 @@ at::Tensor DecoderStack::attention_block(const LayerWeights& layer, const at::Te
                                          const std::pair<at::Tensor, at::Tensor>& kv,
                                          const StepTensors& step) const {
   const int64_t T = x.size(0), D = layer.head_dim, Hq = layer.num_heads, Hk = layer.num_kv_heads;
-  const at::Tensor qkv = linear(table_, x, layer.qkv, layer.qkv_bias);
+  const at::Tensor qkv = layer.qkv->forward(x, layer.qkv_bias);
   at::Tensor q = qkv.narrow(1, 0, Hq * D).view({T, Hq, D});
   at::Tensor k = qkv.narrow(1, Hq * D, Hk * D).view({T, Hk, D});
   const at::Tensor v = qkv.narrow(1, (Hq + Hk) * D, Hk * D).view({T, Hk, D});
@@ -34,12 +36,12 @@ at::Tensor DecoderStack::attention_block(const LayerWeights& layer, const at::Te
   write_kv(table_, k, v, k_cache, v_cache, step.slot_mapping);
   const at::Tensor out = attention(table_, q, k_cache, v_cache, step.query_start, step.seq_lens,
                                    step.block_tables, layer.scale, layer.window, layer.softcap);
-  return linear(table_, out.view({T, Hq * D}), layer.o, layer.o_bias);
+  return layer.o->forward(out.view({T, Hq * D}), layer.o_bias);
 }
 
 at::Tensor DecoderStack::mlp(const LayerWeights& layer, const at::Tensor& x) const {
-  const at::Tensor gate_up = linear(table_, x, layer.gate_up, layer.gate_up_bias);
-  return linear(table_, act_and_mul(table_, gate_up, layer.gelu), layer.down, layer.down_bias);
+  const at::Tensor gate_up = layer.gate_up->forward(x, layer.gate_up_bias);
+  return layer.down->forward(act_and_mul(table_, gate_up, layer.gelu), layer.down_bias);
 }
 
 std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(const at::Tensor& x, const KvCaches& kv_caches,

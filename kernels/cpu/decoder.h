@@ -22,7 +22,7 @@ struct StepTensors {
 struct LayerWeights {
   at::Tensor input_norm, post_attention_norm;
   std::optional<at::Tensor> pre_feedforward_norm, post_feedforward_norm;  // both or neither
-  at::Tensor qkv, o, gate_up, down;
+  std::shared_ptr<PackedLinear> qkv, o, gate_up, down;
   std::optional<at::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm;
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   double scale = 1.0, eps = 1e-6;

@@ -124,7 +124,7 @@ static void linear(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
   }
 }
 
-// ---- row-wise: norms and gated activations -------------------------------------------------------
+// ---- helpers ---------------------------------------------------------------------------------------
 
 // acc(v) over a row in vector steps with a masked tail; `body(offset, n)` gets n == W except at the end.
 template <class F>
@@ -154,6 +154,101 @@ static inline R round_as(R v) {
   else
     return v;
 }
+
+// ---- prepacked linear -------------------------------------------------------------------------------
+
+constexpr int kPanelVecs = static_cast<int>(kPanel) / W;
+
+// RX input rows (a slice of one transposed block) times one panel: RX x kPanelVecs accumulators, each k
+// one load per panel vector and one broadcast per row. float or widened-bf16 panels.
+template <class T, int RX>
+static void packed_tile(const T* panel, const float* xt, int64_t K, float* acc_out) {
+  R acc[RX][kPanelVecs];
+  for (int j = 0; j < RX; ++j)
+    for (int v = 0; v < kPanelVecs; ++v) acc[j][v] = Vec::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    R w[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v) w[v] = Vec::load(panel + k * kPanel + v * W);
+    for (int j = 0; j < RX; ++j) {
+      const R x = Vec::set1(xt[k * kPanelRows + j]);
+      for (int v = 0; v < kPanelVecs; ++v) acc[j][v] = Vec::fma(x, w[v], acc[j][v]);
+    }
+  }
+  for (int j = 0; j < RX; ++j)
+    for (int v = 0; v < kPanelVecs; ++v) Vec::store(acc_out + j * kPanel + v * W, acc[j][v]);
+}
+
+#if CONDUIT_BF16_DOT
+// The same over bf16 panels of k pairs (vdpbf16ps): x comes as pairs of bf16 in one uint32.
+template <int RX>
+static void packed_tile_pairs(const bf16* panel, const uint32_t* xt, int64_t K, float* acc_out) {
+  R acc[RX][kPanelVecs];
+  for (int j = 0; j < RX; ++j)
+    for (int v = 0; v < kPanelVecs; ++v) acc[j][v] = Vec::zero();
+  const int64_t pairs = (K + 1) / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    __m512i w[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v) w[v] = PanelPairs::load_w(panel + kp * kPanel * 2 + v * 32);
+    for (int j = 0; j < RX; ++j)
+      for (int v = 0; v < kPanelVecs; ++v) acc[j][v] = PanelPairs::fma(acc[j][v], w[v], xt[kp * kPanelRows + j]);
+  }
+  for (int j = 0; j < RX; ++j)
+    for (int v = 0; v < kPanelVecs; ++v) Vec::store(acc_out + j * kPanel + v * W, acc[j][v]);
+}
+#endif
+
+// The tile for `rows` rows (templates need constant sizes): the largest RX <= rows.
+template <class T, int RX = Vec::kPackedRows>
+static void packed_tile_rows(int rows, const T* panel, const void* xt, int64_t K, float* acc) {
+  if constexpr (RX > 1) {
+    if (rows < RX) return packed_tile_rows<T, RX - 1>(rows, panel, xt, K, acc);
+  }
+#if CONDUIT_BF16_DOT
+  if constexpr (std::is_same_v<T, bf16>) {
+    packed_tile_pairs<RX>(panel, static_cast<const uint32_t*>(xt), K, acc);
+    return;
+  }
+#endif
+  packed_tile<T, RX>(panel, static_cast<const float*>(xt), K, acc);
+}
+
+template <class T>
+static void packed_linear(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
+  const T* w = static_cast<const T*>(a.w);
+  const T* bias = static_cast<const T*>(a.bias);
+  T* out = static_cast<T*>(a.out);
+#if CONDUIT_BF16_DOT
+  constexpr bool pairs = std::is_same_v<T, bf16>;
+#else
+  constexpr bool pairs = false;
+#endif
+  const int64_t k_rows = pairs ? (a.K + 1) / 2 : a.K;  // rows of a panel and of a transposed block
+  const int64_t panel_elems = k_rows * kPanel * (pairs ? 2 : 1);
+  const int64_t block_elems = k_rows * kPanelRows;  // floats or uint32 pairs
+  alignas(64) float acc[kPanelRows * kPanel];
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t n0 = p * kPanel, cols = std::min<int64_t>(kPanel, a.N - n0);
+    for (int64_t m0 = 0; m0 < a.M; m0 += kPanelRows) {
+      const int64_t block_rows = std::min<int64_t>(kPanelRows, a.M - m0);
+      const char* xt = static_cast<const char*>(a.xt) + (m0 / kPanelRows) * block_elems * 4;
+      for (int64_t r = 0; r < block_rows; r += Vec::kPackedRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(Vec::kPackedRows, block_rows - r));
+        packed_tile_rows<T>(rows, w + p * panel_elems, xt + r * 4, a.K, acc);
+        for (int j = 0; j < rows; ++j) {
+          T* dst = out + (m0 + r + j) * a.ldo + n0;
+          for (int64_t c = 0; c < cols; c += W) {
+            const int n = static_cast<int>(std::min<int64_t>(W, cols - c));
+            R v = Vec::load(acc + j * kPanel + c);
+            if (bias != nullptr) v = Vec::add(v, load_any(bias + n0 + c, n));
+            store_any(dst + c, v, n);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- row-wise: norms and gated activations -------------------------------------------------------
 
 template <class T>
 static void rms_norm_row(const T* x, const T* weight, T* out, int64_t cols, float eps) {
@@ -460,13 +555,13 @@ static void attention(const AttentionArgs& a, int64_t item_begin, int64_t item_e
 template <class T>
 static constexpr TypedKernels typed_kernels() {
   return TypedKernels{
-      &linear<T>,           &rms_norm<T>, &add_rms_norm<T>, &act_and_mul<T, silu_vec>,
-      &act_and_mul<T, gelu_tanh_vec>, &rotary<T>,   &write_kv<T>,     &attention<T>,
+      &linear<T>,      &packed_linear<T>, &rms_norm<T>, &add_rms_norm<T>, &act_and_mul<T, silu_vec>,
+      &act_and_mul<T, gelu_tanh_vec>, &rotary<T>, &write_kv<T>, &attention<T>,
   };
 }
 
 static constexpr KernelTable make_table(const char* name) {
-  return KernelTable{name, typed_kernels<float>(), typed_kernels<bf16>(), Vec::kGemvRows};
+  return KernelTable{name, typed_kernels<float>(), typed_kernels<bf16>(), Vec::kGemvRows, CONDUIT_BF16_DOT != 0};
 }
 
 }  // namespace CONDUIT_ISA

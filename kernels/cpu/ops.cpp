@@ -105,7 +105,94 @@ std::vector<AttentionItem> attention_items(const int32_t* qs, int64_t S, int64_t
 }
 
 
+template <class T>
+void pack_panels(const T* w, T* out, int64_t N, int64_t K, bool pairs) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, k_rows = pairs ? (K + 1) / 2 : K;
+  const int64_t per_panel = k_rows * kPanel * (pairs ? 2 : 1);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      T* dst = out + p * per_panel;
+      for (int64_t kr = 0; kr < k_rows; ++kr)
+        for (int64_t c = 0; c < kPanel; ++c) {
+          const int64_t n = p * kPanel + c;
+          for (int64_t e = 0; e < (pairs ? 2 : 1); ++e) {
+            const int64_t k = pairs ? 2 * kr + e : kr;
+            *dst++ = (n < N && k < K) ? w[n * K + k] : T{};
+          }
+        }
+    }
+  });
+}
+
+// x [M, K] -> the transposed blocks the packed tiles read (common.h)
+template <class T>
+at::Tensor transpose_blocks(const at::Tensor& x, bool pairs) {
+  const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0);
+  const int64_t blocks = (M + kPanelRows - 1) / kPanelRows, k_rows = pairs ? (K + 1) / 2 : K;
+  at::Tensor xt = at::zeros({blocks * k_rows * kPanelRows}, x.options().dtype(at::kFloat));
+  const T* src = static_cast<const T*>(x.data_ptr());
+  if (pairs) {
+    uint32_t* dst = reinterpret_cast<uint32_t*>(xt.data_ptr<float>());
+    for (int64_t m = 0; m < M; ++m) {
+      const uint16_t* row = reinterpret_cast<const uint16_t*>(src + m * ld);
+      uint32_t* col = dst + (m / kPanelRows) * k_rows * kPanelRows + m % kPanelRows;
+      for (int64_t kp = 0; kp < k_rows; ++kp) {
+        const uint32_t hi = 2 * kp + 1 < K ? row[2 * kp + 1] : 0;
+        col[kp * kPanelRows] = static_cast<uint32_t>(row[2 * kp]) | (hi << 16);
+      }
+    }
+  } else {
+    float* dst = xt.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) {
+      float* col = dst + (m / kPanelRows) * K * kPanelRows + m % kPanelRows;
+      for (int64_t k = 0; k < K; ++k) col[k * kPanelRows] = to_float(src[m * ld + k]);
+    }
+  }
+  return xt;
+}
+
 }  // namespace
+
+PackedLinear::PackedLinear(const KernelTable& table, const at::Tensor& weight) : table_(table) {
+  check_cpu(weight, "pack_linear: weight", 2);
+  TORCH_CHECK(weight.is_contiguous(), "pack_linear: weight must be contiguous");
+  kernels_for(table, weight, "pack_linear");
+  N_ = weight.size(0);
+  K_ = weight.size(1);
+  pairs_ = weight.scalar_type() == at::kBFloat16 && table.bf16_pairs;
+  const int64_t panels = (N_ + kPanel - 1) / kPanel;
+  const int64_t k_rows = pairs_ ? (K_ + 1) / 2 : K_;
+  panels_ = at::empty({panels * k_rows * kPanel * (pairs_ ? 2 : 1)}, weight.options());
+  if (weight.scalar_type() == at::kFloat)
+    pack_panels(weight.data_ptr<float>(), panels_.data_ptr<float>(), N_, K_, false);
+  else
+    pack_panels(static_cast<const bf16*>(weight.data_ptr()), static_cast<bf16*>(panels_.data_ptr()), N_, K_, pairs_);
+}
+
+at::Tensor PackedLinear::forward(const at::Tensor& x, const std::optional<at::Tensor>& bias) const {
+  check_cpu(x, "linear: x", 2);
+  check_rows(x, "linear: x");
+  TORCH_CHECK(x.scalar_type() == panels_.scalar_type(), "linear: x is ", x.scalar_type(), ", the weight ",
+              panels_.scalar_type());
+  TORCH_CHECK(x.size(1) == K_, "linear: the weight is [", N_, ", ", K_, "], x has ", x.size(1), " columns");
+  const void* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check_cpu(*bias, "linear: bias", 1);
+    check_same_dtype(x, *bias, "linear: bias");
+    TORCH_CHECK(bias->size(0) == N_ && bias->is_contiguous(), "linear: bias must be contiguous [", N_, "]");
+    bias_ptr = bias->data_ptr();
+  }
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N_}, x.options());
+  if (M == 0 || N_ == 0) return out;
+  const at::Tensor xt = x.scalar_type() == at::kFloat ? transpose_blocks<float>(x, false)
+                                                      : transpose_blocks<bf16>(x, pairs_);
+  const PackedLinearArgs args{xt.data_ptr(), panels_.data_ptr(), bias_ptr, out.data_ptr(), N_, M, N_, K_};
+  const auto fn = kernels_for(table_, x, "linear").packed_linear;
+  const int64_t panels = (N_ + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, grain(panels, kPanel * K_ * M), [&](int64_t b, int64_t e) { fn(args, b, e); });
+  return out;
+}
 
 at::Tensor linear_kernel(const KernelTable& table, const at::Tensor& x, const at::Tensor& w,
                          const std::optional<at::Tensor>& bias) {

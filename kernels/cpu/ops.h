@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <optional>
 #include <tuple>
 
@@ -21,6 +22,23 @@ at::Tensor linear_kernel(const KernelTable& table, const at::Tensor& x, const at
 // The same, through torch (oneDNN/MKL) when M is past the rows where the tiles are faster.
 at::Tensor linear(const KernelTable& table, const at::Tensor& x, const at::Tensor& w,
                   const std::optional<at::Tensor>& bias);
+// A linear layer's weight packed once (common.h: panels) for the packed tiles, which stream it once
+// per call whatever the batch and keep every multiply-add in vector lanes.
+class PackedLinear {
+ public:
+  PackedLinear(const KernelTable& table, const at::Tensor& weight);
+  // x [M, K] -> x @ weight^T + bias [M, N] in x's dtype
+  at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& bias) const;
+  int64_t out_features() const { return N_; }
+  int64_t in_features() const { return K_; }
+
+ private:
+  const KernelTable& table_;
+  at::Tensor panels_;
+  int64_t N_, K_;
+  bool pairs_;  // bf16 panels of k pairs
+};
+
 at::Tensor rms_norm(const KernelTable& table, const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const KernelTable& table, const at::Tensor& x,
                                                 const at::Tensor& residual, const at::Tensor& weight, double eps);

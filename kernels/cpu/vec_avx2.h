@@ -9,6 +9,7 @@ struct Vec {
   static constexpr int kTileW = 4;  // 8 accumulators + 3 operands of 16 ymm registers
   static constexpr int kTileX = 2;
   static constexpr int kGemvRows = 8;
+  static constexpr int kPackedRows = 3;  // 3 x 4 accumulators of 16 ymm registers
 
   static __m256i mask(int n) {
     alignas(32) static const int32_t table[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};

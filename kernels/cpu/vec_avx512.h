@@ -10,6 +10,7 @@ struct Vec {
   static constexpr int kTileW = 4;  // weight rows x input rows of one linear tile: 16 accumulators
   static constexpr int kTileX = 4;
   static constexpr int kGemvRows = 8;  // weight rows of one tile when there is one input row
+  static constexpr int kPackedRows = 16;  // input rows of one packed tile: 16 x 2 accumulators
 
   static __mmask16 mask(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
   static R zero() { return _mm512_setzero_ps(); }
@@ -56,6 +57,15 @@ struct Vec {
 };
 
 #if CONDUIT_BF16_DOT
+// Packed bf16 panels of k pairs: one 32-bit broadcast (two bf16 of x) times 16 columns' pairs.
+struct PanelPairs {
+  static constexpr int k_step = 2;
+  static __m512i load_w(const bf16* p) { return _mm512_loadu_si512(p); }
+  static __m512 fma(__m512 acc, __m512i w, uint32_t x_pair) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(w), reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x_pair))));
+  }
+};
+
 // bf16 x bf16 linear: 32 values of K per instruction, products summed in float lanes.
 struct NativeBf16Dot {
   using X = __m512i;

@@ -8,6 +8,7 @@ struct Vec {
   static constexpr int kTileW = 4;
   static constexpr int kTileX = 2;
   static constexpr int kGemvRows = 4;
+  static constexpr int kPackedRows = 2;
 
   static R zero() { return 0.0f; }
   static R set1(float a) { return a; }

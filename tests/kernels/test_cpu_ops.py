@@ -87,6 +87,45 @@ def test_linear_matches_reference(ops, dtype, bias, shape):
     torch.testing.assert_close(ops.linear(x, weight, b), REF.linear(x, weight, b), **TOL[dtype])
 
 
+PACKED_SHAPES = [
+    # M, N, K: panel tails (N % 32), odd K (bf16 k pairs), row blocks of 16 and their tails
+    (1, 1, 1),
+    (1, 33, 7),
+    (2, 64, 768),
+    (3, 95, 33),
+    (16, 40, 64),
+    (17, 32, 100),
+    (40, 70, 31),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("shape", PACKED_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in PACKED_SHAPES])
+def test_packed_linear_matches_reference(ops, dtype, bias, shape):
+    m, n, k = shape
+    gen = torch.Generator().manual_seed(m * 10_000 + n * 100 + k + 1)
+    x = _rand(gen, m, k, dtype=dtype)
+    weight = _rand(gen, n, k, dtype=dtype, scale=k**-0.5)
+    b = _rand(gen, n, dtype=dtype) if bias else None
+    packed = ops._k.pack_linear(weight)
+    assert (packed.out_features, packed.in_features) == (n, k)
+    want = F.linear(x.float(), weight.float(), None if b is None else b.float()).to(dtype)
+    torch.testing.assert_close(packed.forward(x, b), want, **TOL[dtype])
+    ops.prepare_linear(weight)  # CpuOps.linear then takes the packed weight
+    torch.testing.assert_close(ops.linear(x, weight, b), REF.linear(x, weight, b), **TOL[dtype])
+
+
+def test_packed_linear_errors_name_the_argument(ops):
+    packed = ops._k.pack_linear(torch.zeros(4, 8))
+    with pytest.raises(RuntimeError, match=r"linear: the weight is \[4, 8\], x has 7 columns"):
+        packed.forward(torch.zeros(2, 7), None)
+    with pytest.raises(RuntimeError, match="linear: x is BFloat16, the weight Float"):
+        packed.forward(torch.zeros(2, 8, dtype=torch.bfloat16), None)
+    with pytest.raises(RuntimeError, match="pack_linear: the CPU kernels take float32 or bfloat16"):
+        ops._k.pack_linear(torch.zeros(4, 8, dtype=torch.float64))
+
+
 def test_linear_reads_strided_rows_and_picks_torch_for_large_batches(ops):
     gen = torch.Generator().manual_seed(5)
     wide = _rand(gen, 6, 200)

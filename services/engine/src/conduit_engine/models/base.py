@@ -47,10 +47,13 @@ class CausalLM(nn.Module):
 
     def finish_loading(self) -> None:
         """Once the checkpoint's weights are in: fold norm offsets, round the embedding scale to the
-        weights' dtype (as transformers multiplies by it in that dtype)."""
+        weights' dtype (as transformers multiplies by it in that dtype), let the ops backend prepare the
+        linear weights and, where it can, compile the decoder layers into one call."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.fold_offset()
+            elif isinstance(module, Linear):
+                self.ops.prepare_linear(module.weight)
         scale = self.config.embed_scale
         if scale is not None:
             self._embed_scale = float(torch.tensor(scale, dtype=self.embed_tokens.weight.dtype))

@@ -130,6 +130,10 @@ class Ops(ABC):
         loading); None (the default) runs the layers one by one, op by op, through this interface."""
         return None
 
+    def prepare_linear(self, weight: torch.Tensor) -> None:  # noqa: B027
+        """Called once for every linear layer's weight when loading finishes: a backend may prepack it
+        for `linear` (which still receives the weight itself). Default: nothing to prepare."""
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] @ weight[N, K]ᵀ + bias [N] → [T, N] in x.dtype (weight and bias share x's dtype).
 

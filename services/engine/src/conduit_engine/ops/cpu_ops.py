@@ -37,14 +37,45 @@ class CpuOps(TorchOps):
         self.isa = isa
         self._module = module
         self._k = getattr(module, isa)
+        # Prepacked linear weights (kernels/cpu/common.h panels), by the address of the weight's data.
+        self._packed: dict[int, object] = {}
 
     def compile_decoder(self, layers: Sequence[DecoderLayerSpec]) -> DecoderRunner:
         """All layers as one C++ call per step (kernels/cpu/decoder.cpp), composing these same kernels."""
-        return _CompiledDecoder(self._module, self._k, layers)
+        stack = self._k.decoder_stack([self._layer_weights(spec) for spec in layers])
+        return _CompiledDecoder(self._module, stack)
+
+    def prepare_linear(self, weight: torch.Tensor) -> None:
+        self._packed_for(weight)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # the kernel's tiles for small batches, torch's GEMM past the rows where the tiles win (ops.cpp)
+        packed = self._packed.get(weight.data_ptr())
+        if packed is not None:
+            return packed.forward(x, bias)
+        # unprepared weights: the unpacked tiles for small batches, else torch's GEMM (ops.cpp)
         return self._k.linear(x, weight, bias)
+
+    def _packed_for(self, weight: torch.Tensor) -> object:
+        packed = self._packed.get(weight.data_ptr())
+        if packed is None:
+            packed = self._packed[weight.data_ptr()] = self._k.pack_linear(weight.detach())
+        return packed
+
+    def _layer_weights(self, spec: DecoderLayerSpec) -> object:
+        weights = self._module.LayerWeights()
+        for name in _LAYER_TENSORS:
+            setattr(weights, name, getattr(spec, name))
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(weights, name, self._packed_for(getattr(spec, name)))
+        weights.num_heads, weights.num_kv_heads, weights.head_dim = (
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+        )
+        weights.scale, weights.eps, weights.gelu = spec.scale, spec.eps, spec.gelu
+        weights.window = spec.sliding_window or 0
+        weights.softcap = spec.logit_softcap or 0.0
+        return weights
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # per-head q/k norms: [T, H, D]
@@ -102,9 +133,9 @@ class CpuOps(TorchOps):
 class _CompiledDecoder:
     """Runs the decoder stack; the step's tensors go to C++ once per step (in the step's scratch)."""
 
-    def __init__(self, module: ModuleType, kernels: ModuleType, layers: Sequence[DecoderLayerSpec]) -> None:
+    def __init__(self, module: ModuleType, stack: object) -> None:
         self._step_tensors = module.StepTensors
-        self._stack = kernels.decoder_stack([_layer_weights(module, spec) for spec in layers])
+        self._stack = stack
 
     def __call__(
         self, x: torch.Tensor, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], step: StepContext
@@ -123,35 +154,17 @@ class _CompiledDecoder:
         return self._stack.forward(x, kv_caches, tensors)
 
 
-def _layer_weights(module: ModuleType, spec: DecoderLayerSpec) -> object:
-    weights = module.LayerWeights()
-    for name in _LAYER_TENSORS:
-        setattr(weights, name, getattr(spec, name))
-    weights.num_heads, weights.num_kv_heads, weights.head_dim = (
-        spec.num_heads,
-        spec.num_kv_heads,
-        spec.head_dim,
-    )
-    weights.scale, weights.eps, weights.gelu = spec.scale, spec.eps, spec.gelu
-    weights.window = spec.sliding_window or 0
-    weights.softcap = spec.logit_softcap or 0.0
-    return weights
-
-
+# DecoderLayerSpec's tensors that go to the stack as they are (the projections go prepacked).
 _LAYER_TENSORS = (
     "input_norm",
     "post_attention_norm",
     "pre_feedforward_norm",
     "post_feedforward_norm",
-    "qkv",
     "qkv_bias",
     "q_norm",
     "k_norm",
-    "o",
     "o_bias",
-    "gate_up",
     "gate_up_bias",
-    "down",
     "down_bias",
 )
 
