@@ -39,6 +39,8 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
+        # Outputs delivered to each event loop and not yet flushed into its streams' queues.
+        self._pending: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="conduit-engine-loop", daemon=True)
         self._draining = False
@@ -173,17 +175,30 @@ class AsyncEngine:
             command()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        """Hand outputs to their streams' event loops. A loop is woken once for everything delivered
+        until it runs its flush: while it is busy, later steps' outputs join the same batch."""
+        wake: list[asyncio.AbstractEventLoop] = []
         with self._lock:
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream, out))
+                    pending = self._pending.get(stream.loop)
+                    if pending is None:
+                        pending = self._pending[stream.loop] = []
+                        wake.append(stream.loop)
+                    pending.append((stream, out))
             for request_id in {out.request_id for out in outputs if out.finished}:
                 if not self.core.has_request(request_id):
                     self._streams.pop(request_id, None)
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+        for loop in wake:
+            loop.call_soon_threadsafe(self._flush, loop)
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On `loop`: put every output delivered for it into its stream's queue."""
+        with self._lock:
+            items = self._pending.pop(loop, [])
+        for stream, out in items:
+            stream.queue.put_nowait(out)
 
     def _check_integrity(self) -> None:
         # Idle: every block must be free or cached; a violation is a bug worth failing loudly in logs.
@@ -208,11 +223,6 @@ def _coalesce(
         if waiting.empty():
             return list(merged.values())
         item = waiting.get_nowait()
-
-
-def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
-    for stream, out in items:
-        stream.queue.put_nowait(out)
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

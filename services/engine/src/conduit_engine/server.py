@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import uuid
@@ -284,6 +285,9 @@ class EngineServer:
         self.async_engine = AsyncEngine(core)
         self.servicer.attach(self.async_engine)
         await warm_up(self.async_engine)
+        # What is alive now (the model, torch, transformers) lives as long as the process: keep the
+        # garbage collector from walking it again in every full collection during serving.
+        gc.freeze()
         self.servicer.ready = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("SERVING %s", core.model_name)
