@@ -19,6 +19,7 @@ from test_ops_emulated import (
     PREFILL_CASES,
     TOL,
     PagedBatch,
+    _check_attention,
     _cos_sin_cache,
     _meta_for_tokens,
     _rand,
@@ -228,21 +229,6 @@ def test_write_kv_skips_negative_slots_and_reads_strided_views(ops, dtype):
 
 
 # ---- attention -----------------------------------------------------------------------------------------
-
-
-def _check_attention(
-    ops, dtype, seq_lens, query_lens, block_size, heads, kv_heads, head_dim, seed, window, cap
-):
-    gen = torch.Generator().manual_seed(seed)
-    batch = PagedBatch(gen, seq_lens, query_lens, block_size, kv_heads, head_dim, dtype)
-    batch.poison_outside_window(window)
-    q = _rand(gen, sum(query_lens), heads, head_dim, dtype=dtype, scale=2.0 if cap else 1.0)
-    scale = head_dim**-0.5
-    args = dict(sliding_window=window, logit_softcap=cap)
-    got = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, batch.meta), scale, **args)
-    want = REF.attention(q, batch.k_cache, batch.v_cache, step(REF, batch.meta), scale, **args)
-    assert not want.isnan().any() and not got.isnan().any()
-    torch.testing.assert_close(got, want, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

@@ -195,7 +195,7 @@ class PagedBatch:
 
 
 def _check_attention(
-    launcher,
+    ops: Ops,
     dtype,
     seq_lens,
     query_lens,
@@ -206,14 +206,13 @@ def _check_attention(
     seed,
     sliding_window=None,
     logit_softcap=None,
-    **ops_kw,
 ):
+    """`ops.attention` against TorchOps' on random paged caches (also run by test_cpu_ops on CpuOps)."""
     gen = torch.Generator().manual_seed(seed)
     batch = PagedBatch(gen, seq_lens, query_lens, block_size, kv_heads, head_dim, dtype)
     batch.poison_outside_window(sliding_window)
     q = _rand(gen, sum(query_lens), heads, head_dim, dtype=dtype, scale=2.0 if logit_softcap else 1.0)
     scale = head_dim**-0.5
-    ops = _ops(launcher, **ops_kw)
     args = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
     got = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, batch.meta), scale, **args)
     want = REF.attention(q, batch.k_cache, batch.v_cache, step(REF, batch.meta), scale, **args)
@@ -245,7 +244,7 @@ DECODE_CASES = [
 def test_decode_attention_matches_reference(launcher, dtype, case):
     seq_lens, block_size, heads, kv_heads, head_dim, partition, threads, window, softcap = case
     _check_attention(
-        launcher,
+        _ops(launcher, decode_partition_size=partition, decode_threads=threads),
         dtype,
         seq_lens,
         [1] * len(seq_lens),
@@ -256,8 +255,6 @@ def test_decode_attention_matches_reference(launcher, dtype, case):
         seed=sum(seq_lens) + block_size,
         sliding_window=window,
         logit_softcap=softcap,
-        decode_partition_size=partition,
-        decode_threads=threads,
     )
     split = min(max(seq_lens), window or max(seq_lens)) > partition
     names = [k.name.split("<")[0] for k in launcher.launches]
@@ -284,7 +281,7 @@ PREFILL_CASES = [
 def test_prefill_attention_matches_reference(launcher, dtype, case):
     seq_lens, query_lens, block_size, heads, kv_heads, head_dim, window, softcap = case
     _check_attention(
-        launcher,
+        _ops(launcher),
         dtype,
         seq_lens,
         query_lens,
