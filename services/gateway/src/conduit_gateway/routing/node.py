@@ -68,6 +68,7 @@ class EngineNode:
         self.ejections = 0
         self._latency = TokenLatency()
         self._health: HealthWatch | None = None
+        self._last_check_failure: str | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._transition = asyncio.Lock()
         self._idle = asyncio.Event()
@@ -134,8 +135,14 @@ class EngineNode:
         try:
             serving = await self.client.check(timeout_s)
         except grpc.aio.AioRpcError as exc:
+            failure = f"health check failed: {exc.code().name}: {exc.details()}"
+            if failure != self._last_check_failure:
+                # Once per distinct failure: a TLS or token misconfiguration must be visible, not a flood.
+                log.warning("engine %s %s", self.address, failure)
+                self._last_check_failure = failure
             self.eject(f"health check failed: {exc.code().name}")
             return False
+        self._last_check_failure = None
         if serving:
             await self.set_health(True)
         else:
