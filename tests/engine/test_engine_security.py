@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 
 import grpc
@@ -280,6 +282,16 @@ def test_reflection_public_and_sighup_on_a_real_engine_process(stories_path, pki
             assert refused.value.details() == WRONG_TOKEN
             assert len(first.token_ids) + token_count(stream) == 150
         assert engine.process.poll() is None
+        # The exec probe the chart uses when the kubelet's plaintext gRPC probe cannot reach a TLS engine.
+        probe = [sys.executable, "-m", "conduit_engine.health_probe", "--address", engine.address]
+        assert subprocess.run([*probe, "--ca", str(pki.ca)], timeout=60).returncode == 0
+        refused = subprocess.run(
+            [*probe, "--ca", str(pki.other_ca)], capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode == 1
+        assert (
+            "is not SERVING: UNAVAILABLE" in refused.stderr and "CERTIFICATE_VERIFY_FAILED" in refused.stderr
+        )
         assert TOKEN not in engine.output_tail(max_chars=1_000_000)
         assert "new-token" not in engine.output_tail(max_chars=1_000_000)
     finally:
