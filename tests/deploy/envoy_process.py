@@ -6,6 +6,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -62,11 +63,17 @@ class EnvoyProxy:
         self.process.stop()
 
 
-def start_envoy(directory: Path, *, gateway_port: int, engine_port: int) -> EnvoyProxy:
-    """Envoy on the shipped config: listeners and admin on free loopback ports, upstreams on given ones."""
+def start_envoy(
+    directory: Path, *, gateway_port: int, engine_port: int, config: dict[str, Any] | None = None
+) -> EnvoyProxy:
+    """Envoy on the shipped config (or `config`, e.g. the chart's): listeners and admin on free loopback
+    ports, upstreams on the given ones."""
     ports = {"http_port": free_port(), "grpc_port": free_port(), "admin_port": free_port()}
     config = envoy_config.loopback(
-        envoy_config.load(), gateway_port=gateway_port, engine_port=engine_port, **ports
+        config if config is not None else envoy_config.load(),
+        gateway_port=gateway_port,
+        engine_port=engine_port,
+        **ports,
     )
     path = directory / "envoy.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,14 +63,16 @@ class _Authority:
             .sign(self.key, hashes.SHA256())
         )
 
-    def issue(self, common_name: str, *, server: bool, expired: bool = False) -> tuple[bytes, bytes]:
+    def issue(
+        self, common_name: str, *, server: bool, expired: bool = False, names: Sequence[str] = ()
+    ) -> tuple[bytes, bytes]:
         key = _key()
         before, after = _NOW - datetime.timedelta(days=1), _NOW + datetime.timedelta(days=30)
         if expired:
             before, after = _NOW - datetime.timedelta(days=30), _NOW - datetime.timedelta(days=1)
-        names: list[x509.GeneralName] = [x509.DNSName(common_name)]
+        alt_names: list[x509.GeneralName] = [x509.DNSName(common_name), *map(x509.DNSName, names)]
         if server:
-            names += [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            alt_names += [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         cert = (
             x509.CertificateBuilder()
@@ -79,7 +82,7 @@ class _Authority:
             .serial_number(x509.random_serial_number())
             .not_valid_before(before)
             .not_valid_after(after)
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
             .sign(self.key, hashes.SHA256())
         )
@@ -102,7 +105,8 @@ class TestPki:
     other_server: CertPair
 
 
-def make_pki(directory: Path) -> TestPki:
+def make_pki(directory: Path, server_names: Sequence[str] = ()) -> TestPki:
+    """A fresh PKI in `directory`; `server_names`: more DNS names of the valid server certificate."""
     directory.mkdir(parents=True, exist_ok=True)
     ca, other = _Authority("conduit test CA"), _Authority("some other CA")
 
@@ -112,7 +116,7 @@ def make_pki(directory: Path) -> TestPki:
 
     return TestPki(
         ca=_write(directory / "ca.crt", ca.cert.public_bytes(serialization.Encoding.PEM)),
-        server=pair("server", ca.issue("conduit-engine", server=True)),
+        server=pair("server", ca.issue("conduit-engine", server=True, names=server_names)),
         client=pair("client", ca.issue("conduit-gateway", server=False)),
         expired_server=pair("expired-server", ca.issue("conduit-engine", server=True, expired=True)),
         expired_client=pair("expired-client", ca.issue("conduit-gateway", server=False, expired=True)),
