@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,3 +104,28 @@ def start_envoy(
         process.stop()
         raise
     return proxy
+
+
+@contextmanager
+def stack_behind_envoy(
+    directory: Path,
+    start_engine: Callable[[], ManagedProcess],
+    start_gateway: Callable[[ManagedProcess], ManagedProcess],
+    config: dict[str, Any] | None = None,
+) -> Iterator[tuple[ManagedProcess, ManagedProcess, EnvoyProxy]]:
+    """An engine, a gateway in front of it, and Envoy (`config`, default the shipped one) in front of
+    both, once Envoy's health checks pass for each; everything is stopped at the end."""
+    started: list[ManagedProcess | EnvoyProxy] = []
+    try:
+        engine = start_engine()
+        started.append(engine)
+        gateway = start_gateway(engine)
+        started.append(gateway)
+        envoy = start_envoy(directory, gateway_port=gateway.port, engine_port=engine.port, config=config)
+        started.append(envoy)
+        envoy.wait_for_health("engine", engine.address, "healthy")
+        envoy.wait_for_health("gateway", gateway.address, "healthy")
+        yield engine, gateway, envoy
+    finally:
+        for process in reversed(started):
+            process.stop()

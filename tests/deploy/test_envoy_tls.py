@@ -17,7 +17,7 @@ import pytest
 from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
 from tests.deploy import chart_render, envoy_config
 from tests.deploy.chart_render import NAMESPACE, find
-from tests.deploy.envoy_process import start_envoy
+from tests.deploy.envoy_process import stack_behind_envoy
 from tests.deploy.strict_yaml import load
 from tests.support.certs import bearer, make_pki
 from tests.support.processes import require_shared, start_engine, start_gateway
@@ -97,27 +97,17 @@ def stack(tmp_path_factory, pki, envoy_files):
     credentials = grpc.ssl_channel_credentials(
         pki.ca.read_bytes(), pki.client.key.read_bytes(), pki.client.cert.read_bytes()
     )
-    engine = start_engine(model, *engine_flags, credentials=credentials)
-    gateway = envoy = None
-    try:
-        gateway_flags = ["--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key)]
-        gateway_flags += ["--engine-tls-ca", str(pki.ca), "--engine-tls-server-name", ENGINE_NAME]
-        gateway_flags += ["--engine-tls-cert", str(pki.client.cert), "--engine-tls-key", str(pki.client.key)]
-        gateway_flags += ["--engine-auth-token-file", str(token)]
-        gateway = start_gateway(engine.address, *gateway_flags, https_ca=pki.ca)
-        envoy = start_envoy(
-            tmp_path_factory.mktemp("envoy"),
-            gateway_port=gateway.port,
-            engine_port=engine.port,
-            config=local_config(envoy_files),
-        )
-        envoy.wait_for_health("engine", engine.address, "healthy")
-        envoy.wait_for_health("gateway", gateway.address, "healthy")
-        yield engine, gateway, envoy
-    finally:
-        for process in (envoy, gateway, engine):
-            if process is not None:
-                process.stop()
+    gateway_flags = ["--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key)]
+    gateway_flags += ["--engine-tls-ca", str(pki.ca), "--engine-tls-server-name", ENGINE_NAME]
+    gateway_flags += ["--engine-tls-cert", str(pki.client.cert), "--engine-tls-key", str(pki.client.key)]
+    gateway_flags += ["--engine-auth-token-file", str(token)]
+    with stack_behind_envoy(
+        tmp_path_factory.mktemp("envoy"),
+        lambda: start_engine(model, *engine_flags, credentials=credentials),
+        lambda engine: start_gateway(engine.address, *gateway_flags, https_ca=pki.ca),
+        config=local_config(envoy_files),
+    ) as processes:
+        yield processes
 
 
 def trust(ca) -> ssl.SSLContext:
