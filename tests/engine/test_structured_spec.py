@@ -41,7 +41,8 @@ def test_bad_specs_name_their_field(kwargs, field, message):
 
 
 def test_size_limit_counts_utf8_bytes():
-    assert MAX_SPEC_BYTES == MAX_STRUCTURED_SPEC_BYTES  # the gateway's limit: no spec passes one, fails the other
+    # The gateway's limit: no spec passes one side and fails the other.
+    assert MAX_SPEC_BYTES == MAX_STRUCTURED_SPEC_BYTES
     at_limit = "a" * (MAX_SPEC_BYTES - 2) + "é"  # 2 bytes: exactly the limit
     assert StructuredSpec(StructuredKind.REGEX, text=at_limit).text == at_limit
     with pytest.raises(
@@ -49,7 +50,8 @@ def test_size_limit_counts_utf8_bytes():
     ):
         StructuredSpec(StructuredKind.GRAMMAR, text=at_limit + "a")
     with pytest.raises(InvalidRequestError, match="in all"):
-        StructuredSpec(StructuredKind.CHOICE, choices=["a" * (MAX_SPEC_BYTES // 2), "b" * (MAX_SPEC_BYTES // 2 + 1)])
+        half = MAX_SPEC_BYTES // 2
+        StructuredSpec(StructuredKind.CHOICE, choices=["a" * half, "b" * (half + 1)])
 
 
 def test_cache_key_is_what_the_compile_depends_on():
