@@ -29,7 +29,17 @@ DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
             {"type": "object", "properties": {"a": DIGIT}, "dependentRequired": {"a": ["b"]}},
             "uses 'dependentRequired' (at $)",
         ),
-        ({"allOf": [DIGIT, DIGIT]}, "uses 'allOf' with 2 schemas (at $); the grammar backend enforces one"),
+        ({"allOf": [DIGIT, DIGIT]}, "uses 'allOf' (at $) with 2 schemas; the grammar backend enforces one"),
+        (
+            {"type": "string", "pattern": "^[a-z]+$", "maxLength": 8},
+            "uses 'maxLength' (at $) with 'pattern'; the grammar backend enforces only the pattern",
+        ),
+        ({"type": "string", "format": "date", "minLength": 3}, "uses 'minLength' (at $) with 'format'"),
+        (
+            {"enum": [1, 50], "maximum": 10},
+            "uses 'maximum' (at $) with 'enum'; the grammar backend enforces only",
+        ),
+        ({"const": "abc", "pattern": "^a$"}, "uses 'pattern' (at $) with 'const'"),
         (
             {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
             "uses 'uniqueItems' (at $.properties.tags)",
@@ -57,6 +67,9 @@ def test_unenforced_keywords_are_named_with_their_place(schema, reason):
         {"type": "object", "patternProperties": {"^x": DIGIT}, "propertyNames": {"pattern": "^x"}},
         {"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 30},
         {"oneOf": [{"type": "string"}, DIGIT]},
+        {"type": "string", "enum": ["a", "b"], "title": "Letter", "description": "one letter"},
+        {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        {"type": "string", "minLength": 1, "maxLength": 8},
         True,
     ],
 )

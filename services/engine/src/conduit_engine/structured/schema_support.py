@@ -6,7 +6,9 @@ Measured on xgrammar 0.2.8 by sampling documents through its masks and validatin
 min/maxItems, enum, const, anyOf, $ref/$defs, pattern, min/maxLength, format, minimum/maximum (also
 exclusive), multipleOf, min/maxProperties, patternProperties, propertyNames and a one-schema allOf.
 It ignores the keywords below (an `allOf` of several schemas only logs a warning; `contains` even
-forces an empty array), so their documents may not validate. `oneOf` is enforced as `anyOf`: a
+forces an empty array), so their documents may not validate. Some keywords also shadow others: a
+string's `pattern` or `format` makes it ignore `minLength`/`maxLength`, and `enum` or `const` make it
+ignore every value constraint beside them (`maximum`, `pattern`, ...). `oneOf` is enforced as `anyOf`: a
 document matching two branches is possible when the branches overlap (disjoint unions, as pydantic
 writes them, are exact).
 """
@@ -28,6 +30,21 @@ _UNENFORCED = (
     "dependentSchemas",
     "dependencies",
 )
+_LENGTHS = ("minLength", "maxLength")
+_VALUE_CONSTRAINTS = (
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    *_LENGTHS,
+    "pattern",
+    "format",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+)
 # Keywords whose value is a schema, a list of schemas, or a name → schema map.
 _ONE = ("items", "additionalProperties", "propertyNames", "unevaluatedProperties", "additionalItems")
 _MANY = ("prefixItems", "anyOf", "oneOf", "allOf")
@@ -37,17 +54,39 @@ _NAMED = ("properties", "patternProperties", "$defs", "definitions")
 def unenforced_keyword(schema: Any) -> str | None:
     """Why the backend cannot enforce `schema` (its first such keyword and where), or None."""
     for path, node in _subschemas(schema, "$"):
-        for keyword in _UNENFORCED:
-            if keyword in node:
-                return f"uses {keyword!r} (at {path}), which the grammar backend does not enforce"
-        if node.get("uniqueItems") is True:
-            return f"uses 'uniqueItems' (at {path}), which the grammar backend does not enforce"
-        all_of = node.get("allOf")
-        if isinstance(all_of, list) and len(all_of) > 1:
-            return (
-                f"uses 'allOf' with {len(all_of)} schemas (at {path}); the grammar backend enforces "
-                "one; merge them into one schema"
-            )
+        reason = _ignored(node) or _shadowed(node)
+        if reason is not None:
+            keyword, why = reason
+            return f"uses {keyword!r} (at {path}){why}"
+    return None
+
+
+def _ignored(node: dict[str, Any]) -> tuple[str, str] | None:
+    ignored = ", which the grammar backend does not enforce"
+    for keyword in _UNENFORCED:
+        if keyword in node:
+            return keyword, ignored
+    if node.get("uniqueItems") is True:
+        return "uniqueItems", ignored
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        return "allOf", f" with {len(all_of)} schemas; the grammar backend enforces one: merge them"
+    return None
+
+
+def _shadowed(node: dict[str, Any]) -> tuple[str, str] | None:
+    for shadowing in ("enum", "const"):
+        if shadowing in node:
+            for keyword in _VALUE_CONSTRAINTS:
+                if keyword in node:
+                    why = f" with {shadowing!r}; the grammar backend enforces only the {shadowing}"
+                    return keyword, why + ": list only the allowed values"
+    for shadowing in ("pattern", "format"):
+        if shadowing in node:
+            for keyword in _LENGTHS:
+                if keyword in node:
+                    why = f" with {shadowing!r}; the grammar backend enforces only the {shadowing}"
+                    return keyword, why + ": write the length into a pattern"
     return None
 
 
