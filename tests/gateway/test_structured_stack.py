@@ -18,9 +18,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.gateway.parsed_output import message_view, reassemble_chat_stream
+from tests.gateway.parsed_output import chat_streamed_and_not
 from tests.gateway.schema_cases import SCHEMAS
-from tests.gateway.sse import post_stream
 from tests.support.processes import require_shared, start_engine, start_gateway
 from tests.support.stories import MODEL, PROMPT
 
@@ -52,6 +51,13 @@ TIME = {
             "required": ["zone"],
         },
     },
+}
+TOOLS_BODY = {
+    "model": MODEL,
+    "messages": MESSAGES,
+    "max_tokens": 200,
+    "temperature": 0,
+    "tools": [WEATHER, TIME],
 }
 PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, TIME)}
 
@@ -193,52 +199,22 @@ def _validated_calls(message: dict) -> list[tuple[str, dict]]:
     ],
 )
 def test_forced_calls_validate_streamed_and_not(http, extra, names):
-    body = {
-        "model": MODEL,
-        "messages": MESSAGES,
-        "max_tokens": 200,
-        "temperature": 0,
-        "tools": [WEATHER, TIME],
-    }
-    body |= extra
-    answer = http.post("/v1/chat/completions", json=body).json()["choices"][0]
-    assert answer["finish_reason"] == "tool_calls"
-    assert answer["message"]["content"] is None
-    message = message_view(answer["message"])
+    choice, message = chat_streamed_and_not(http, {**TOOLS_BODY, **extra})
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] is None
     (call,) = _validated_calls(message)
     assert call[0] in names
     assert all(c["id"].startswith("call_") for c in message["tool_calls"])
-    _, events = post_stream(http, "/v1/chat/completions", {**body, "stream": True})
-    streamed = reassemble_chat_stream(events)[0]
-    assert streamed.pop("finish_reason") == "tool_calls"
-    assert _without_ids(streamed) == _without_ids(message)
 
 
 def test_required_parallel_calls_validate_and_stream_the_same(http):
-    body = {
-        "model": MODEL,
-        "messages": MESSAGES,
-        "max_tokens": 120,
-        "temperature": 0,
-        "tools": [WEATHER, TIME],
-    }
-    body["tool_choice"] = "required"
-    answer = http.post("/v1/chat/completions", json=body).json()["choices"][0]
-    message = message_view(answer["message"])
-    complete_calls = (
-        message["tool_calls"] if answer["finish_reason"] == "tool_calls" else message["tool_calls"][:-1]
+    choice, message = chat_streamed_and_not(
+        http, {**TOOLS_BODY, "max_tokens": 120, "tool_choice": "required"}
     )
+    calls = message["tool_calls"]
+    complete_calls = calls if choice["finish_reason"] == "tool_calls" else calls[:-1]  # length: cut short
     assert complete_calls, message
     _validated_calls({"tool_calls": complete_calls})
-    _, events = post_stream(http, "/v1/chat/completions", {**body, "stream": True})
-    streamed = reassemble_chat_stream(events)[0]
-    assert streamed.pop("finish_reason") == answer["finish_reason"]
-    assert _without_ids(streamed) == _without_ids(message)
-
-
-def _without_ids(message: dict) -> dict:
-    calls = [{k: v for k, v in call.items() if k != "id"} for call in message["tool_calls"]]
-    return {**message, "tool_calls": calls}
 
 
 # -- batch parity ----------------------------------------------------------------------------------

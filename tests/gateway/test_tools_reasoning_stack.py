@@ -17,8 +17,7 @@ import jsonschema
 import pytest
 import transformers
 
-from tests.gateway.parsed_output import message_view, reassemble_chat_stream
-from tests.gateway.sse import post_stream
+from tests.gateway.parsed_output import chat_streamed_and_not
 from tests.gateway.thinking_model import write_thinking_model
 from tests.support.processes import require_shared, start_engine, start_gateway
 from tests.support.stories import MODEL
@@ -80,19 +79,9 @@ def ask(client: httpx.Client, messages: list, **extra) -> dict:
 
 
 def ask_both(client: httpx.Client, messages: list, **extra) -> tuple[dict, dict]:
-    """(non-streamed choice, streamed message reassembled); asserts both say the same."""
-    choice = ask(client, messages, **extra)["choices"][0]
+    """(non-streamed choice, its message); the streamed reply says the same (chat_streamed_and_not)."""
     body = {"model": THINKING, "messages": messages, "max_tokens": 40, "temperature": 0, **extra}
-    _, events = post_stream(client, "/v1/chat/completions", {**body, "stream": True})
-    streamed = reassemble_chat_stream(events)[0]
-    assert streamed.pop("finish_reason") == choice["finish_reason"]
-    view = message_view(choice["message"])
-    assert _no_ids(streamed) == _no_ids(view)
-    return choice, view
-
-
-def _no_ids(message: dict) -> dict:
-    return {**message, "tool_calls": [{**c, "id": None} for c in message["tool_calls"]]}
+    return chat_streamed_and_not(client, body)
 
 
 # -- tools -----------------------------------------------------------------------------------------

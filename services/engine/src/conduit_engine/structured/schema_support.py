@@ -45,6 +45,11 @@ _VALUE_CONSTRAINTS = (
     "minProperties",
     "maxProperties",
 )
+# (keywords, the keywords they make the backend ignore, what to write instead)
+_SHADOWING = (
+    (("enum", "const"), _VALUE_CONSTRAINTS, "list only the allowed values"),
+    (("pattern", "format"), _LENGTHS, "write the length into a pattern"),
+)
 # Keywords whose value is a schema, a list of schemas, or a name → schema map.
 _ONE = ("items", "additionalProperties", "propertyNames", "unevaluatedProperties", "additionalItems")
 _MANY = ("prefixItems", "anyOf", "oneOf", "allOf")
@@ -75,18 +80,14 @@ def _ignored(node: dict[str, Any]) -> tuple[str, str] | None:
 
 
 def _shadowed(node: dict[str, Any]) -> tuple[str, str] | None:
-    for shadowing in ("enum", "const"):
-        if shadowing in node:
-            for keyword in _VALUE_CONSTRAINTS:
+    for shadowing_keywords, shadowed_keywords, advice in _SHADOWING:
+        for shadowing in shadowing_keywords:
+            if shadowing not in node:
+                continue
+            for keyword in shadowed_keywords:
                 if keyword in node:
                     why = f" with {shadowing!r}; the grammar backend enforces only the {shadowing}"
-                    return keyword, why + ": list only the allowed values"
-    for shadowing in ("pattern", "format"):
-        if shadowing in node:
-            for keyword in _LENGTHS:
-                if keyword in node:
-                    why = f" with {shadowing!r}; the grammar backend enforces only the {shadowing}"
-                    return keyword, why + ": write the length into a pattern"
+                    return keyword, f"{why}: {advice}"
     return None
 
 
