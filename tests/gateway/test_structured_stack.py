@@ -20,7 +20,6 @@ from pydantic import BaseModel, Field
 
 from tests.gateway.parsed_output import chat_streamed_and_not
 from tests.gateway.schema_cases import SCHEMAS
-from tests.support.processes import require_shared, start_engine, start_gateway
 from tests.support.stories import MODEL, PROMPT
 
 pytestmark = pytest.mark.integration
@@ -62,27 +61,12 @@ TOOLS_BODY = {
 PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, TIME)}
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with start_engine(require_shared(f"models/{MODEL}"), "--max-num-seqs", "64") as process:
-        yield process
+ENGINE_ARGS = ("--max-num-seqs", "64")  # read by the stories_engine fixture (conftest)
 
 
 @pytest.fixture(scope="module")
-def gateway(engine):
-    with start_gateway(engine.address) as process:
-        yield process
-
-
-@pytest.fixture(scope="module")
-def sdk(gateway):
-    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def http(gateway):
-    with httpx.Client(base_url=gateway.url, timeout=120) as client:
+def http(stories_gateway):
+    with httpx.Client(base_url=stories_gateway.url, timeout=120) as client:
         yield client
 
 
@@ -104,8 +88,8 @@ class Person(BaseModel):
     age: int = Field(ge=0, le=120)
 
 
-def test_sdk_parse_returns_the_pydantic_object(sdk):
-    result = sdk.chat.completions.parse(
+def test_sdk_parse_returns_the_pydantic_object(stories_sdk):
+    result = stories_sdk.chat.completions.parse(
         model=MODEL, messages=MESSAGES, response_format=Person, max_tokens=100, temperature=0
     )
     (choice,) = result.choices
@@ -125,26 +109,26 @@ def _schema_run(sdk: openai.OpenAI, name: str, schema: dict, api: str):
 
 
 @pytest.mark.parametrize("api", ["chat", "completions"])
-def test_every_schema_gives_documents_that_validate(sdk, api):
+def test_every_schema_gives_documents_that_validate(stories_sdk, api):
     assert len(SCHEMAS) >= 20
     with ThreadPoolExecutor(8) as pool:  # batched in the engine, as concurrent clients are
-        runs = list(pool.map(lambda item: _schema_run(sdk, *item, api), SCHEMAS.items()))
+        runs = list(pool.map(lambda item: _schema_run(stories_sdk, *item, api), SCHEMAS.items()))
     for (name, schema), (finish, text) in zip(SCHEMAS.items(), runs, strict=True):
         assert finish == "stop", (name, text)
         jsonschema.validate(json.loads(text), schema)
 
 
-def test_max_tokens_first_gives_length_and_a_cut_document(sdk):
+def test_max_tokens_first_gives_length_and_a_cut_document(stories_sdk):
     rf = {"type": "json_schema", "json_schema": {"name": "nested", "schema": SCHEMAS["nested"]}}
-    choice = chat(sdk, response_format=rf, max_tokens=6)
+    choice = chat(stories_sdk, response_format=rf, max_tokens=6)
     assert choice.finish_reason == "length"
     with pytest.raises(json.JSONDecodeError):
         json.loads(choice.message.content)
 
 
-def test_json_object_is_compact_json_by_default(sdk):
+def test_json_object_is_compact_json_by_default(stories_sdk):
     """The model would write newlines (its stories have them); the default grammar allows none."""
-    choice = chat(sdk, response_format={"type": "json_object"}, max_tokens=300)
+    choice = chat(stories_sdk, response_format={"type": "json_object"}, max_tokens=300)
     assert choice.message.content.startswith("{")
     assert "\n" not in choice.message.content  # whitespace limited: no newlines, no indentation
     if choice.finish_reason == "stop":
@@ -169,12 +153,12 @@ GRAMMAR_REGEX = r"The (cat|dog) is (red|blue)\."
         ({"guided_grammar": 'root ::= [a-c] [a-c]? [a-c]? "!"'}, lambda t: re.fullmatch(r"[a-c]{1,3}!", t)),
     ],
 )  # fmt: skip
-def test_regex_choice_and_grammar_outputs_match(sdk, extra, matches):
+def test_regex_choice_and_grammar_outputs_match(stories_sdk, extra, matches):
     for seed in (None, 3):
         temperature = 0 if seed is None else 1.0
-        text = chat(sdk, extra_body=extra, seed=seed, temperature=temperature)
+        text = chat(stories_sdk, extra_body=extra, seed=seed, temperature=temperature)
         assert text.finish_reason == "stop" and matches(text.message.content), text.message.content
-        done = complete(sdk, extra_body=extra, seed=seed, temperature=temperature)
+        done = complete(stories_sdk, extra_body=extra, seed=seed, temperature=temperature)
         assert done.finish_reason == "stop" and matches(done.text), done.text
 
 
@@ -220,18 +204,18 @@ def test_required_parallel_calls_validate_and_stream_the_same(http):
 # -- batch parity ----------------------------------------------------------------------------------
 
 
-def test_unconstrained_requests_keep_their_tokens_beside_constrained_ones(sdk):
+def test_unconstrained_requests_keep_their_tokens_beside_constrained_ones(stories_sdk):
     free = [
         {"temperature": 0},
         {"temperature": 0.9, "seed": 11},
         {"temperature": 1.2, "seed": 5, "top_p": 0.9, "presence_penalty": 0.5},
     ]
-    alone = [complete(sdk, max_tokens=48, **kwargs).text for kwargs in free]
+    alone = [complete(stories_sdk, max_tokens=48, **kwargs).text for kwargs in free]
     constrained = [{"structured_outputs": {"json": s}} for s in list(SCHEMAS.values())[:8]]
     constrained += [{"guided_regex": REGEX}, {"guided_grammar": GRAMMAR}]
     jobs = [("free", kwargs) for kwargs in free] * 2 + [("constrained", extra) for extra in constrained]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(lambda job: _batch_job(sdk, *job), jobs))
+        results = list(pool.map(lambda job: _batch_job(stories_sdk, *job), jobs))
     assert results[: 2 * len(free)] == alone * 2
 
 
@@ -245,12 +229,12 @@ def _batch_job(sdk: openai.OpenAI, kind: str, kwargs: dict) -> str:
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
-def test_langchain_with_structured_output(gateway, method):
+def test_langchain_with_structured_output(stories_gateway, method):
     from langchain_openai import ChatOpenAI
 
     llm = ChatOpenAI(
         model=MODEL,
-        base_url=f"{gateway.url}/v1",
+        base_url=f"{stories_gateway.url}/v1",
         api_key="unused",
         temperature=0,
         max_tokens=120,
@@ -302,14 +286,14 @@ def test_errors_are_400_naming_the_parameter(http, extra, param, words, stream):
     assert error["message"].startswith(f"{param}: ") and words in error["message"], error["message"]
 
 
-def test_the_engine_serves_on_after_refusing_specs(sdk, engine):
+def test_the_engine_serves_on_after_refusing_specs(stories_sdk, stories_engine):
     import grpc
 
     from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
 
     with pytest.raises(openai.BadRequestError):
-        chat(sdk, extra_body={"guided_grammar": "root ::= foo"})
-    assert chat(sdk, extra_body={"guided_choice": ["Lily"]}).message.content == "Lily"
-    with grpc.insecure_channel(engine.address) as channel:
+        chat(stories_sdk, extra_body={"guided_grammar": "root ::= foo"})
+    assert chat(stories_sdk, extra_body={"guided_choice": ["Lily"]}).message.content == "Lily"
+    with grpc.insecure_channel(stories_engine.address) as channel:
         load = engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
     assert load.running_requests == 0 and load.waiting_requests == 0 and load.kv_blocks_used == 0
