@@ -91,7 +91,7 @@ def from_rpc_error(
 
     The engine's INVALID_ARGUMENT messages start with the field name and ": " (e.g. "temperature: must be
     >= 0, got -1.0"); that field becomes `param`, renamed through `param_aliases` where the OpenAI name
-    differs from the proto's (e.g. token_ids → prompt).
+    differs from the proto's (e.g. token_ids → prompt), and the message then starts with the new name.
     """
     code = error.code()
     details = error.details() or code.name
@@ -99,9 +99,11 @@ def from_rpc_error(
     param = None
     headers: dict[str, str] = {}
     if status == 400:
-        field, sep, _ = details.partition(": ")
+        field, sep, reason = details.partition(": ")
         if sep and field and " " not in field:
             param = (param_aliases or {}).get(field, field)
+            if param != field:  # the message names the field the client sent, as `param` does
+                details = f"{param}: {reason}"
     elif status == 404:
         param = "model"
     elif status == 429:
