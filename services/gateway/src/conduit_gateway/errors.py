@@ -6,9 +6,12 @@ Every error the gateway returns has the body `{"error": {"message", "type", "par
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import grpc
+
+log = logging.getLogger(__name__)
 
 # gRPC status → (HTTP status, OpenAI error type, error code). Anything not listed is a server error.
 _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
@@ -105,4 +108,8 @@ def from_rpc_error(
         param = "model"
     elif status == 429:
         headers["Retry-After"] = str(retry_after_s)
+    elif status == 500:
+        # What an engine says about its own failure (UNKNOWN, INTERNAL...) stays in the gateway's log.
+        log.warning("engine error %s: %s", code.name, details)
+        details = "The engine failed to process the request."
     return OpenAIError(status, details, type=type_, param=param, code=err_code, headers=headers)
