@@ -191,7 +191,11 @@ class AsyncEngine:
                 if not self.core.has_request(request_id):
                     self._streams.pop(request_id, None)
         for loop in wake:
-            loop.call_soon_threadsafe(self._flush, loop)
+            try:
+                loop.call_soon_threadsafe(self._flush, loop)
+            except RuntimeError:  # that loop has closed: nobody reads its streams any more
+                with self._lock:
+                    self._pending.pop(loop, None)
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         """On `loop`: put every output delivered for it into its stream's queue."""
