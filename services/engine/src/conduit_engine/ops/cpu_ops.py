@@ -1,12 +1,14 @@
 """CPU ops backend on the kernels of kernels/cpu (AVX-512 with or without BF16, AVX2, or portable C++),
 and the start-up choice between it and the torch reference (`select_cpu_ops`).
 
-`CpuOps` is `TorchOps` with the step's hot ops replaced: linear for small batches (GEMV/GEMM tiles that
-stream the weights once), RMSNorm with and without the residual add, rotary, the gated activations,
-KV-cache writes, and paged attention that reads the KV blocks in place (decode and prefill chunks,
-sliding windows, soft-capping). Linear for large batches (prefill), KV transfer and grammar masking stay
-TorchOps'. Every kernel is checked against TorchOps in tests/kernels/test_cpu_ops.py, on every
-instruction set the machine runs.
+`CpuOps` is `TorchOps` with the step's hot ops replaced: linear on weights prepacked at load (tiles that
+stream each weight once per call, at any batch size), RMSNorm with and without the residual add, rotary,
+the gated activations, KV-cache writes, and paged attention that reads the KV blocks in place (decode and
+prefill chunks, sliding windows, soft-capping). `compile_decoder` runs all decoder layers of a step as
+one C++ call composed of the same kernels, so a small model pays no Python per op. KV transfer and
+grammar masking stay TorchOps'. Every kernel is checked against TorchOps in tests/kernels/test_cpu_ops.py,
+and the whole model against transformers in test_cpu_model_parity.py, on every instruction set the
+machine runs.
 """
 
 from __future__ import annotations
