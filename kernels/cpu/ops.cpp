@@ -5,6 +5,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <atomic>
+
 namespace conduit_cpu {
 namespace {
 
@@ -35,6 +37,23 @@ void check_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.stride(-1) == 1, what, ": the last dimension must be contiguous");
 }
 
+// Runs fn over [0, n) in chunks that the threads of ATen's pool take in turn (an atomic counter), so a
+// thread the OS preempts on a busy machine holds back only the chunk it is on, not a fixed half of the
+// range. Small calls (n <= grain) run on the calling thread.
+template <class F>
+void parallel_chunks(int64_t n, int64_t grain_items, const F& fn) {
+  const int64_t threads = at::get_num_threads();
+  if (n <= grain_items || threads <= 1 || at::in_parallel_region()) {
+    if (n > 0) fn(0, n);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(grain_items, n / (4 * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t b = next.fetch_add(chunk); b < n; b = next.fetch_add(chunk)) fn(b, std::min(b + chunk, n));
+  });
+}
+
 // grain (in units of `items`) so that each thread gets at least kMinParallelWork
 int64_t grain(int64_t items, int64_t work_per_item) {
   return std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, work_per_item));
@@ -54,7 +73,7 @@ RowArgs row_args(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
 }
 
 void run_rows(RowFn fn, const RowArgs& args, int64_t rows) {
-  at::parallel_for(0, rows, grain(rows, args.cols), [&](int64_t b, int64_t e) { fn(args, b, e); });
+  parallel_chunks(rows, grain(rows, args.cols), [&](int64_t b, int64_t e) { fn(args, b, e); });
 }
 
 void check_norm(const at::Tensor& x, const at::Tensor& weight) {
@@ -190,7 +209,7 @@ at::Tensor PackedLinear::forward(const at::Tensor& x, const std::optional<at::Te
   const PackedLinearArgs args{xt.data_ptr(), panels_.data_ptr(), bias_ptr, out.data_ptr(), N_, M, N_, K_};
   const auto fn = kernels_for(table_, x, "linear").packed_linear;
   const int64_t panels = (N_ + kPanel - 1) / kPanel;
-  at::parallel_for(0, panels, grain(panels, kPanel * K_ * M), [&](int64_t b, int64_t e) { fn(args, b, e); });
+  parallel_chunks(panels, grain(panels, kPanel * K_ * M), [&](int64_t b, int64_t e) { fn(args, b, e); });
   return out;
 }
 
@@ -216,7 +235,7 @@ at::Tensor linear_kernel(const KernelTable& table, const at::Tensor& x, const at
                                      M, N, K};
   const auto fn = kernels_for(table, x, "linear").linear;
   const int64_t rows = table.linear_rows, blocks = (N + rows - 1) / rows;
-  at::parallel_for(0, blocks, grain(blocks, rows * K * M), [&](int64_t b, int64_t e) {
+  parallel_chunks(blocks, grain(blocks, rows * K * M), [&](int64_t b, int64_t e) {
     fn(args, b * rows, std::min(e * rows, N));
   });
   return out;
@@ -282,7 +301,7 @@ void rotary(const KernelTable& table, at::Tensor& q, at::Tensor& k, const at::Te
                                      q.size(2),    pos,         cos_sin.data_ptr<float>(), max_pos};
   const auto fn = kernels_for(table, q, "rotary").rotary;
   const int64_t per_token = (q.size(1) + k.size(1)) * q.size(2);
-  at::parallel_for(0, T, grain(T, per_token), [&](int64_t b, int64_t e) { fn(args, b, e); });
+  parallel_chunks(T, grain(T, per_token), [&](int64_t b, int64_t e) { fn(args, b, e); });
 }
 
 void write_kv(const KernelTable& table, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
@@ -344,7 +363,7 @@ at::Tensor attention(const KernelTable& table, const at::Tensor& q, const at::Te
                                         static_cast<float>(softcap),    items.data()};
   const auto fn = kernels_for(table, q, "attention").attention;
   const int64_t count = static_cast<int64_t>(items.size());
-  at::parallel_for(0, count, grain(count, work * Hq * D / count), [&](int64_t b, int64_t e) { fn(args, b, e); });
+  parallel_chunks(count, grain(count, work * Hq * D / count), [&](int64_t b, int64_t e) { fn(args, b, e); });
   return out;
 }
 
