@@ -57,6 +57,16 @@ async def test_waiting_outputs_merge_per_choice_in_order():
     assert waiting.qsize() == 1
 
 
+async def test_an_output_reporting_an_error_is_never_merged():
+    failed = _output(0, 3, finished=True)
+    failed.error = "the engine step failed: RuntimeError"
+    waiting: asyncio.Queue = asyncio.Queue()
+    for item in (_output(0, 2), failed):
+        waiting.put_nowait(item)
+    merged = _coalesce(_output(0, 1, first=True), waiting)
+    assert [(m.token_ids, m.error) for m in merged] == [([1, 2], None), ([3], failed.error)]
+
+
 async def test_a_reader_behind_the_engine_gets_one_merged_output(stories_path):
     engine = AsyncEngine(make_engine(stories_path))
     try:

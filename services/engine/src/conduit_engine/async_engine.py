@@ -216,16 +216,24 @@ def _coalesce(
     first: RequestOutput | BaseException, waiting: asyncio.Queue[RequestOutput | BaseException]
 ) -> list[RequestOutput | BaseException]:
     """`first` and every output already waiting behind it, merged into one output per choice (each
-    choice's tokens in order); an exception ends the batch, after what came before it."""
-    merged: dict[int, RequestOutput] = {}
+    choice's tokens in order). An exception ends the batch, after what came before it; an output that
+    reports an error stays a message of its own, after its choice's earlier tokens."""
+    batch: list[RequestOutput | BaseException] = []
+    merging: dict[int, int] = {}  # choice → position in `batch` of its output that later tokens join
     item = first
     while True:
         if isinstance(item, BaseException):
-            return [*merged.values(), item]
-        earlier = merged.get(item.index)
-        merged[item.index] = item if earlier is None else earlier.merged_with(item)
+            batch.append(item)
+            return batch
+        at = merging.get(item.index)
+        if at is not None and item.error is None:
+            batch[at] = batch[at].merged_with(item)  # type: ignore[union-attr]
+        else:
+            if item.error is None:
+                merging[item.index] = len(batch)
+            batch.append(item)
         if waiting.empty():
-            return list(merged.values())
+            return batch
         item = waiting.get_nowait()
 
 
