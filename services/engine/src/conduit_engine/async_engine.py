@@ -2,6 +2,11 @@
 
 Requests and aborts cross into the loop thread through a command queue applied between steps, so the
 synchronous engine is only ever touched by one thread. Outputs cross back in one batch per step.
+
+The decode side of a disaggregated request pulls its prompt's KV on the event loop (a task per pull,
+through `KvPuller`) between its admission and its first step; the engine thread is told when the pull
+ended. Aborting such a request cancels its pull; the engine frees the pull's blocks only once the pull
+has stopped writing into them. The loop thread ends expired KV transfer leases between steps.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from typing import Any
 
 from conduit_engine.engine import EngineStats, LLMEngine
 from conduit_engine.errors import EngineUnavailableError
+from conduit_engine.kv_transfer.consumer import PendingPull
+from conduit_engine.kv_transfer.puller import KvPuller
+from conduit_engine.kv_transfer.transport import KvPullResult
 from conduit_engine.request import GenerationRequest, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -31,8 +39,11 @@ class _Stream:
 class AsyncEngine:
     """Owns the loop thread that steps `core`; the only object that touches `core` after start."""
 
-    def __init__(self, core: LLMEngine) -> None:
+    def __init__(self, core: LLMEngine, max_message_bytes: int = 64 * 1024 * 1024) -> None:
         self.core = core
+        timeout = core.config.disaggregation.pull_timeout_seconds
+        self._puller = KvPuller(core.runner.kv_blocks, timeout, max_message_bytes)
+        self._pulls: dict[str, asyncio.Task[None]] = {}  # request id → its running pull (event loop)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -71,7 +82,7 @@ class AsyncEngine:
         if self._draining or self._stopping:
             raise EngineUnavailableError("the engine is draining and accepts no new requests")
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), open_choices=req.params.n)
+        stream = _Stream(loop, asyncio.Queue(), open_choices=req.num_choices)
         admitted: asyncio.Future[None] = loop.create_future()
 
         def add() -> None:
@@ -79,6 +90,10 @@ class AsyncEngine:
                 with self._lock:
                     self.core.add_request(req, structure)
                     self._streams[req.request_id] = stream
+                pull = self.core.kv_consumer.pending(req.request_id)
+                if pull is not None:
+                    # Started even if the caller is gone by then: only the pull's end frees its blocks.
+                    loop.call_soon_threadsafe(self._start_pull, pull)
                 loop.call_soon_threadsafe(_set_result, admitted, None)
             except BaseException as exc:
                 loop.call_soon_threadsafe(_set_exception, admitted, exc)
@@ -114,7 +129,33 @@ class AsyncEngine:
         return live
 
     def abort_nowait(self, request_id: str) -> None:
+        pull = self._pulls.get(request_id)
+        if pull is not None:
+            pull.cancel()  # the engine frees its blocks when the pull task reports the end
         self._submit(lambda: self._deliver(self.core.abort(request_id)))
+
+    def _start_pull(self, pending: PendingPull) -> None:
+        task = asyncio.ensure_future(self._pull(pending))
+        self._pulls[pending.request_id] = task
+
+    async def _pull(self, pending: PendingPull) -> None:
+        """Run one pull and tell the engine thread how it ended (a failure or a cancel: None)."""
+        result: KvPullResult | None = None
+        try:
+            if not pending.orphaned:  # set by the engine thread if the request already ended
+                result = await self._puller.pull(pending.spec, pending.dest_block_ids)
+        except asyncio.CancelledError:
+            pass  # aborted: the request is ending; nothing writes into its blocks any more
+        finally:
+            self._pulls.pop(pending.request_id, None)
+            self._submit(lambda: self.core.finish_pull(pending.request_id, result))
+
+    async def close_transport(self) -> None:
+        """Close the KV transport's channels (at shutdown, on the loop that used them)."""
+        for task in list(self._pulls.values()):
+            task.cancel()
+        await asyncio.gather(*self._pulls.values(), return_exceptions=True)
+        await self._puller.close()
 
     async def run_sync(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread between steps (for reads that must not race a step)."""
@@ -138,6 +179,7 @@ class AsyncEngine:
         self._wakeup.set()
         self._thread.join(timeout=10)
         self.core.structured.shutdown()
+        self.core.kv_registry.release_all()
 
     # ----- loop thread -------------------------------------------------------------------------------
     def _submit(self, command: Callable[[], None]) -> None:
@@ -147,6 +189,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping:
             self._drain_commands()
+            self.core.expire_kv_transfers()
             if not self.core.has_work():
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()

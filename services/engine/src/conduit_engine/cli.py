@@ -14,7 +14,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from conduit_common.env_flags import apply_env_defaults, describe_env, env_name
-from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from conduit_engine.config import (
+    CacheConfig,
+    DisaggregationConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
 from conduit_engine.errors import ModelLoadError
 
 
@@ -62,6 +69,16 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--grpc-max-message-bytes", int, 64 * 1024 * 1024, "largest gRPC message sent or received"),
     ("--grpc-keepalive", float, 30.0, "HTTP/2 keepalive ping period towards clients, seconds"),
     ("--grpc-min-ping-interval", float, 5.0, "clients may ping no more often than this, seconds"),
+    ("--role", str, "both", "both | prefill | decode: the sides of disaggregated requests it serves"),
+    (
+        "--advertise-address",
+        str,
+        None,
+        "HOST:PORT other engines pull KV from (default: --host:--port; the host name when --host is 0.0.0.0)",
+    ),
+    ("--kv-transfer-lease-seconds", float, 30.0, "how long a prefill's KV stays pinned for a decode engine"),
+    ("--kv-transfer-chunk-bytes", int, 4 * 1024 * 1024, "KV bytes per PullKv message (whole blocks)"),
+    ("--kv-transfer-timeout", float, 60.0, "deadline of one KV pull from a prefill engine, seconds"),
     ("--seed", int, 0, "seed of the engine's unseeded random draws"),
     ("--num-threads", int, 0, "torch CPU threads; 0 = auto (1 for models under 20M parameters)"),
     ("--log-level", str, "INFO", "logging level"),
@@ -120,6 +137,13 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_message_bytes=args.grpc_max_message_bytes,
             keepalive_seconds=args.grpc_keepalive,
             min_ping_interval_seconds=args.grpc_min_ping_interval,
+        ),
+        disaggregation=DisaggregationConfig(
+            role=args.role,
+            advertise_address=args.advertise_address,
+            lease_seconds=args.kv_transfer_lease_seconds,
+            chunk_bytes=args.kv_transfer_chunk_bytes,
+            pull_timeout_seconds=args.kv_transfer_timeout,
         ),
         enforce_eager=args.enforce_eager,
     )

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from conduit_engine.kv_transfer.cache_io import LocalKvBlocks, layout_of
+from conduit_engine.kv_transfer.layout import KvLayoutSpec
 from conduit_engine.layers.decoder import KVCache
 from conduit_engine.models.base import CausalLM
 from conduit_engine.models.config import ArchConfig
@@ -69,6 +71,8 @@ class ModelRunner:
         ]
         for k_cache, v_cache in self.kv_caches:
             model.ops.check_kv_cache(k_cache, v_cache)
+        # What KV transfers (disaggregation) read and write: cache blocks by id, as payload bytes.
+        self.kv_blocks = LocalKvBlocks(model.ops, self.kv_caches)
         self.sampler = Sampler()
         self._bitmasks = None  # BitmaskBuilder, made on the first step with a constrained row
         self.graphs = None
@@ -84,6 +88,10 @@ class ModelRunner:
         inputs = StaticDecodeInputs(max(sizes), max_blocks, max_model_len, self.block_size, self.device)
         self.graphs = CudaGraphRunner(self.model, self.kv_caches, sizes, inputs)
         self.graphs.capture()
+
+    def kv_layout(self, model_name: str) -> KvLayoutSpec:
+        """The cache's layout; engines with equal fingerprints can exchange blocks."""
+        return layout_of(model_name, self.kv_caches)
 
     # ----- inputs ----------------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepInputs:
