@@ -1,5 +1,8 @@
 """The real engine (subprocess, stories260K) behind the real gateway (subprocess, CLI), driven with the
-openai SDK: greedy output equals transformers, finish reasons, usage, n, seeds, errors, disconnects."""
+openai SDK: greedy output equals transformers, finish reasons, usage, n, seeds, errors, disconnects.
+
+Every test runs twice: against one colocated engine, and against a prefill engine and a decode engine
+behind a disaggregating gateway (--prefill-engine/--decode-engine), which must pass the same checks."""
 
 from __future__ import annotations
 
@@ -28,15 +31,23 @@ def model_path():
     return require_shared(f"models/{MODEL}")
 
 
-@pytest.fixture(scope="module")
-def engine(model_path):
-    with start_engine(model_path, "--max-num-seqs", "8") as process:
-        yield process
+@pytest.fixture(scope="module", params=["colocated", "disaggregated"])
+def engines(request, model_path):
+    """(the engine processes, the gateway's engine flags) of one topology."""
+    if request.param == "colocated":
+        with start_engine(model_path, "--max-num-seqs", "8") as engine:
+            yield [engine], (engine.address,)
+        return
+    with (
+        start_engine(model_path, "--max-num-seqs", "8", "--role", "prefill") as prefill,
+        start_engine(model_path, "--max-num-seqs", "8", "--role", "decode") as decode,
+    ):
+        yield [prefill, decode], ("", "--prefill-engine", prefill.address, "--decode-engine", decode.address)
 
 
 @pytest.fixture(scope="module")
-def gateway(engine):
-    with start_gateway(engine.address) as process:
+def gateway(engines):
+    with start_gateway(*engines[1]) as process:
         yield process
 
 
@@ -47,11 +58,22 @@ def sdk(gateway):
 
 
 @pytest.fixture(scope="module")
-def load(engine):
-    channel = grpc.insecure_channel(engine.address)
-    stub = engine_pb2_grpc.EngineStub(channel)
-    yield lambda: stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
-    channel.close()
+def load(engines):
+    """GetLoad summed over the topology's engines."""
+    channels = [grpc.insecure_channel(engine.address) for engine in engines[0]]
+    stubs = [engine_pb2_grpc.EngineStub(channel) for channel in channels]
+
+    def total() -> engine_pb2.GetLoadResponse:
+        summed = engine_pb2.GetLoadResponse()
+        for stub in stubs:
+            reply = stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
+            for name in ("running_requests", "waiting_requests", "kv_blocks_used", "generated_tokens"):
+                setattr(summed, name, getattr(summed, name) + getattr(reply, name))
+        return summed
+
+    yield total
+    for channel in channels:
+        channel.close()
 
 
 class Reference:
@@ -308,10 +330,8 @@ def test_prompt_logprobs_cover_the_prompt(gateway):
 
 
 @pytest.fixture(scope="module")
-def parsing_sdk(engine):
-    with start_gateway(
-        engine.address, "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"
-    ) as process:
+def parsing_sdk(engines):
+    with start_gateway(*engines[1], "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3") as process:
         with openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0) as client:
             yield client
 
