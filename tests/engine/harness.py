@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from conduit_engine.config import (
+    CacheConfig,
+    DisaggregationConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from conduit_engine.engine import LLMEngine
 from conduit_engine.request import GenerationRequest, RequestOutput
 from conduit_engine.sampling_params import SamplingParams
@@ -34,6 +40,7 @@ def make_engine(
     dtype: str = "float32",
     generation_config: str = "auto",
     max_model_len: int | None = None,
+    role: str = "both",
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
@@ -48,6 +55,7 @@ def make_engine(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_queued_requests=max_queued_requests,
             ),
+            disaggregation=DisaggregationConfig(role=role),
         )
     )
 
