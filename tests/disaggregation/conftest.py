@@ -32,24 +32,27 @@ def fleet():
 
 
 class Gateways:
-    """Starts in-process gateways (the real app on real uvicorn) over engines of `fleet`, by index:
-    `gateways(prefill=[i...], decode=[j...], engines=[k...], **GatewayConfig overrides)`."""
+    """Starts in-process gateways (the real app on real uvicorn) over engines of `fleet`, by index (or by
+    address): `gateways(prefill=[i...], decode=[j...], engines=[k...], **GatewayConfig overrides)`."""
 
     def __init__(self, fleet: EngineFleet) -> None:
         self.fleet = fleet
         self.started: list[GatewayThread] = []
 
     def __call__(self, prefill=(), decode=(), engines=(), **overrides) -> GatewayThread:
-        addresses = self.fleet.addresses
         overrides.setdefault("admin_keys", (ADMIN_KEY,))
         gateway = GatewayThread(
-            [addresses[i] for i in engines],
-            prefill_engines=tuple(addresses[i] for i in prefill),
-            decode_engines=tuple(addresses[i] for i in decode),
+            self._addresses(engines),
+            prefill_engines=tuple(self._addresses(prefill)),
+            decode_engines=tuple(self._addresses(decode)),
             **overrides,
         ).start()
         self.started.append(gateway)
         return gateway
+
+    def _addresses(self, engines) -> list[str]:
+        """Fleet indices become addresses; addresses (e.g. a fake engine's) stay as they are."""
+        return [self.fleet.addresses[e] if isinstance(e, int) else e for e in engines]
 
     def stop_all(self) -> None:
         for gateway in self.started:
