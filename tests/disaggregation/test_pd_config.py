@@ -139,7 +139,8 @@ def test_a_kv_layout_other_than_the_peers_of_its_model_is_refused():
     assert problem == (
         "its KV layout (fingerprint bbbbbbbbbbbb: model m, float32, block size 16, 5 layers, 4 KV heads, "
         "head dim 8) differs from decode engine d0:1's (fingerprint aaaaaaaaaaaa: model m, float32, block "
-        "size 16, 5 layers, 4 KV heads, head dim 8): engines whose KV layouts differ cannot exchange KV blocks"
+        "size 16, 5 layers, 4 KV heads, head dim 8): engines whose KV layouts differ cannot exchange KV "
+        "blocks"
     )
     # Other models and colocated nodes are not its peers.
     other_model = peer(NodeRole.DECODE, info(engine_pb2.ENGINE_ROLE_DECODE, "c" * 64, model="other"))
