@@ -1,0 +1,161 @@
+"""charts/conduit with disaggregation.enabled: a prefill and a decode StatefulSet, each with its headless
+Service and disruption budget, and the gateway discovering both pools; validated like the other renders
+(strict kubernetes-validate, strict lint, the CLIs parsing every command line)."""
+
+from __future__ import annotations
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+
+from conduit_engine import cli as engine_cli
+from conduit_gateway import cli as gateway_cli
+from tests.deploy import chart_render, envoy_config
+from tests.deploy.chart_render import NAMESPACE, component, find
+from tests.deploy.paths import CHART
+from tests.deploy.strict_yaml import load
+
+pytestmark = pytest.mark.deploy
+
+VALUES = CHART / "ci" / "disaggregation-values.yaml"
+KUBERNETES_VERSIONS = chart_render.newest_kubernetes_versions(2)
+POOLS = {"prefill": 2, "decode": 3}  # replicas in the values file
+
+
+@pytest.fixture(scope="module")
+def values():
+    return load(VALUES.read_text())
+
+
+@pytest.fixture(scope="module")
+def objects(values):
+    return chart_render.manifests(chart_render.render(values))
+
+
+def _container(obj):
+    (container,) = obj["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _engine_config(statefulset):
+    """The engine's config from the StatefulSet's args, $(POD_IP) expanded as the kubelet does."""
+    container = _container(statefulset)
+    env = {item["name"]: item for item in container["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    args = [arg.replace("$(POD_IP)", "10.1.2.3") for arg in container["args"]]
+    return engine_cli.config_from_args(engine_cli.build_parser().parse_args(args))
+
+
+def test_two_pools_replace_the_engine_statefulset(objects):
+    assert chart_render.kinds(objects) == [
+        "ConfigMap",
+        "Deployment",
+        "Deployment",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+        "PodDisruptionBudget",
+        "PodDisruptionBudget",
+        "Service",
+        "Service",
+        "Service",
+        "Service",
+        "Service",
+        "ServiceAccount",
+        "StatefulSet",
+        "StatefulSet",
+    ]
+    assert {o["metadata"]["name"] for o in objects if o["kind"] == "StatefulSet"} == {
+        "conduit-prefill",
+        "conduit-decode",
+    }
+
+
+@pytest.mark.parametrize("kubernetes_version", KUBERNETES_VERSIONS)
+def test_every_manifest_validates_strictly(objects, kubernetes_version):
+    for obj in objects:
+        try:
+            kubernetes_validate.validate(obj, kubernetes_version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} at {where}: {exc.message}")
+
+
+@pytest.mark.parametrize("kubernetes_version", KUBERNETES_VERSIONS)
+def test_strict_lint_passes(values, kubernetes_version):
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE, kube_version=f"v{kubernetes_version}")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_each_pool_runs_its_role_and_advertises_its_pod_address(objects, pool):
+    statefulset = component(objects, "StatefulSet", pool)
+    assert statefulset["spec"]["replicas"] == POOLS[pool]
+    config = _engine_config(statefulset)
+    assert config.disaggregation.role == pool
+    assert config.disaggregation.advertise_address == "10.1.2.3:50051"
+    assert config.disaggregation.lease_seconds == 45
+    assert config.model.device == "cuda" and config.cache.enable_prefix_caching
+    if pool == "prefill":
+        assert config.scheduler.max_num_batched_tokens == 8192
+        assert _container(statefulset)["resources"]["requests"]["cpu"] == "4"
+    else:
+        assert config.scheduler.max_num_seqs == 128
+        assert _container(statefulset)["resources"]["requests"]["cpu"] == "2"  # engine.resources
+    assert _container(statefulset)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # Its headless Service and disruption budget select exactly its pods.
+    pods = statefulset["spec"]["template"]["metadata"]["labels"]
+    headless = find(objects, "Service", statefulset["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["selector"].items() <= pods.items()
+    assert headless["spec"]["ports"][0]["targetPort"] == _container(statefulset)["ports"][0]["name"]
+    budget = component(objects, "PodDisruptionBudget", pool)
+    assert budget["spec"]["selector"]["matchLabels"] == statefulset["spec"]["selector"]["matchLabels"]
+    other = component(objects, "StatefulSet", "decode" if pool == "prefill" else "prefill")
+    assert not headless["spec"]["selector"].items() <= other["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_the_gateway_discovers_each_pool_through_its_headless_service(objects):
+    gateway = _container(component(objects, "Deployment", "gateway"))
+    config = gateway_cli.config_from_args(gateway["args"], {})
+    assert config.disaggregated and config.engines == () and config.engine_dns is None
+    for pool, target in (("prefill", config.prefill_engine_dns), ("decode", config.decode_engine_dns)):
+        headless = find(objects, "Service", f"conduit-{pool}-headless")
+        assert (
+            target
+            == f"conduit-{pool}-headless.{NAMESPACE}.svc.cluster.local:{headless['spec']['ports'][0]['port']}"
+        )
+
+
+def test_internal_clients_and_envoy_reach_the_decode_engines(objects, tmp_path):
+    decode_pods = component(objects, "StatefulSet", "decode")["spec"]["template"]["metadata"]["labels"]
+    client_service = find(objects, "Service", "conduit-engine")
+    assert client_service["spec"]["type"] == "ClusterIP"
+    assert client_service["spec"]["selector"].items() <= decode_pods.items()
+    config_map = find(objects, "ConfigMap", "conduit-envoy")
+    path = tmp_path / "envoy.yaml"
+    path.write_text(config_map["data"]["envoy.yaml"])
+    assert envoy_config.validate(path).returncode == 0
+    engine = envoy_config.upstream_address(envoy_config.cluster(envoy_config.load(path), "engine"))
+    assert engine == {
+        "address": f"conduit-decode-headless.{NAMESPACE}.svc.cluster.local",
+        "port_value": 50051,
+    }
+
+
+def test_notes_name_both_pools(values):
+    notes = chart_render.render(values)["conduit/templates/NOTES.txt"]
+    assert "2 prefill and 3 decode engine replicas" in notes
+    assert "statefulset/conduit-prefill" in notes and "statefulset/conduit-decode" in notes
+
+
+def test_values_file_satisfies_the_schema_and_bad_pools_are_refused(values):
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema(values)
+        for overrides, message in [
+            ({"disaggregation": {"prefill": {"replicas": 0}}}, "/disaggregation/prefill/replicas"),
+            ({"disaggregation": {"leaseSeconds": 0}}, "/disaggregation/leaseSeconds"),
+            ({"disaggregation": {"decode": {"replica": 2}}}, "replica"),
+            ({"disaggregation": {"enabled": "yes"}}, "/disaggregation/enabled"),
+        ]:
+            with pytest.raises(helm.HelmValuesError, match=message):
+                chart.validate_schema(overrides)
