@@ -1,6 +1,7 @@
 """charts/conduit with disaggregation.enabled: a prefill and a decode StatefulSet, each with its headless
-Service and disruption budget, and the gateway discovering both pools; validated like the other renders
-(strict kubernetes-validate, strict lint, the CLIs parsing every command line)."""
+Service, disruption budget and NetworkPolicy, and the gateway discovering both pools; validated like the
+other renders (strict kubernetes-validate, strict lint, the restricted Pod Security Standard, the CLIs
+parsing every command line), also with mTLS and a token on every gRPC hop (engine to engine included)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from conduit_engine import cli as engine_cli
 from conduit_gateway import cli as gateway_cli
-from tests.deploy import chart_render, envoy_config
+from tests.deploy import chart_render, envoy_config, pod_security
 from tests.deploy.chart_render import NAMESPACE, component, find
 from tests.deploy.paths import CHART
 from tests.deploy.strict_yaml import load
@@ -46,23 +47,12 @@ def _engine_config(statefulset):
 
 
 def test_two_pools_replace_the_engine_statefulset(objects):
-    assert chart_render.kinds(objects) == [
-        "ConfigMap",
-        "Deployment",
-        "Deployment",
-        "HorizontalPodAutoscaler",
-        "PodDisruptionBudget",
-        "PodDisruptionBudget",
-        "PodDisruptionBudget",
-        "Service",
-        "Service",
-        "Service",
-        "Service",
-        "Service",
-        "ServiceAccount",
-        "StatefulSet",
-        "StatefulSet",
-    ]
+    kinds = ["ConfigMap", "Deployment", "Deployment", "HorizontalPodAutoscaler", "ServiceAccount"]
+    # Per engine pool: a StatefulSet, a headless Service, a disruption budget and a NetworkPolicy.
+    kinds += 2 * ["StatefulSet", "Service", "PodDisruptionBudget", "NetworkPolicy"]
+    # The engines' ClusterIP Service, the gateway's and Envoy's Services, budget and policies.
+    kinds += ["Service", "Service", "Service", "PodDisruptionBudget", "NetworkPolicy", "NetworkPolicy"]
+    assert chart_render.kinds(objects) == sorted(kinds)
     assert {o["metadata"]["name"] for o in objects if o["kind"] == "StatefulSet"} == {
         "conduit-prefill",
         "conduit-decode",
@@ -153,3 +143,41 @@ def test_values_file_satisfies_the_schema_and_bad_pools_are_refused(values):
         ]:
             with pytest.raises(helm.HelmValuesError, match=message):
                 chart.validate_schema(overrides)
+
+
+def test_every_pod_meets_the_restricted_pod_security_standard(objects):
+    for obj in objects:
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            spec = obj["spec"]["template"]["spec"]
+            assert pod_security.violations(spec) == [], obj["metadata"]["name"]
+
+
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_each_pool_accepts_grpc_from_the_gateway_envoy_and_both_pools(objects, pool):
+    statefulset = component(objects, "StatefulSet", pool)
+    policy = find(objects, "NetworkPolicy", statefulset["metadata"]["name"])
+    pods = statefulset["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pods.items()
+    (grpc_rule,) = policy["spec"]["ingress"]
+    peers = {peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in grpc_rule["from"]}
+    # Decode engines pull from prefill engines (PullKv) and release on them (ReleaseKv).
+    assert peers == {"gateway", "envoy", "prefill", "decode"}
+    assert grpc_rule["ports"] == [{"port": "grpc", "protocol": "TCP"}]
+
+
+def test_with_mtls_and_a_token_every_engine_dials_the_others_securely(values):
+    secure = load((CHART / "ci" / "secure-values.yaml").read_text())
+    objects = chart_render.manifests(chart_render.render({**secure, **values, "envoy": secure["envoy"]}))
+    for pool in POOLS:
+        config = _engine_config(component(objects, "StatefulSet", pool))
+        assert config.disaggregation.role == pool
+        security = config.security
+        assert security.tls_cert and security.tls_client_ca and security.auth_token_file
+        # Towards the other engines: their CA, its own certificate (mTLS), the shared name, the token.
+        assert security.engine_tls_ca and security.engine_tls_cert and security.engine_auth_token_file
+        assert security.engine_tls_server_name == f"conduit-decode-headless.{NAMESPACE}.svc.cluster.local"
+    (certificate,) = [
+        o for o in objects if o["kind"] == "Certificate" and o["metadata"]["name"].endswith("engine")
+    ]
+    assert security.engine_tls_server_name in certificate["spec"]["dnsNames"]
+    assert "client auth" in certificate["spec"]["usages"]

@@ -1,8 +1,9 @@
 """The real engine (subprocess, stories260K) behind the real gateway (subprocess, CLI), driven with the
 openai SDK: greedy output equals transformers, finish reasons, usage, n, seeds, errors, disconnects.
 
-Every test runs twice: against one colocated engine, and against a prefill engine and a decode engine
-behind a disaggregating gateway (--prefill-engine/--decode-engine), which must pass the same checks."""
+Every test runs twice: against one colocated engine (the shared stack of conftest), and against a prefill
+engine and a decode engine behind a disaggregating gateway (--prefill-engine/--decode-engine), which must
+pass the same checks."""
 
 from __future__ import annotations
 
@@ -31,24 +32,28 @@ def model_path():
     return require_shared(f"models/{MODEL}")
 
 
+ENGINE_ARGS = ("--max-num-seqs", "8")  # read by the stories_engine fixture (conftest)
+
+
 @pytest.fixture(scope="module", params=["colocated", "disaggregated"])
-def engines(request, model_path):
-    """(the engine processes, the gateway's engine flags) of one topology."""
+def topology(request, model_path):
+    """(the engine processes, the gateway's engine flags, the gateway) of one topology."""
     if request.param == "colocated":
-        with start_engine(model_path, "--max-num-seqs", "8") as engine:
-            yield [engine], (engine.address,)
+        engine = request.getfixturevalue("stories_engine")
+        yield [engine], (engine.address,), request.getfixturevalue("stories_gateway")
         return
     with (
-        start_engine(model_path, "--max-num-seqs", "8", "--role", "prefill") as prefill,
-        start_engine(model_path, "--max-num-seqs", "8", "--role", "decode") as decode,
+        start_engine(model_path, *ENGINE_ARGS, "--role", "prefill") as prefill,
+        start_engine(model_path, *ENGINE_ARGS, "--role", "decode") as decode,
     ):
-        yield [prefill, decode], ("", "--prefill-engine", prefill.address, "--decode-engine", decode.address)
+        flags = ("", "--prefill-engine", prefill.address, "--decode-engine", decode.address)
+        with start_gateway(*flags) as gateway:
+            yield [prefill, decode], flags, gateway
 
 
 @pytest.fixture(scope="module")
-def gateway(engines):
-    with start_gateway(*engines[1]) as process:
-        yield process
+def gateway(topology):
+    return topology[2]
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +63,9 @@ def sdk(gateway):
 
 
 @pytest.fixture(scope="module")
-def load(engines):
+def load(topology):
     """GetLoad summed over the topology's engines."""
-    channels = [grpc.insecure_channel(engine.address) for engine in engines[0]]
+    channels = [grpc.insecure_channel(engine.address) for engine in topology[0]]
     stubs = [engine_pb2_grpc.EngineStub(channel) for channel in channels]
 
     def total() -> engine_pb2.GetLoadResponse:
@@ -330,8 +335,9 @@ def test_prompt_logprobs_cover_the_prompt(gateway):
 
 
 @pytest.fixture(scope="module")
-def parsing_sdk(engines):
-    with start_gateway(*engines[1], "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3") as process:
+def parsing_sdk(topology):
+    parsers = ("--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    with start_gateway(*topology[1], *parsers) as process:
         with openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0) as client:
             yield client
 

@@ -91,6 +91,31 @@ spec:
             - --max-queued-requests
             - {{ . | quote }}
             {{- end }}
+            {{- if $root.Values.tls.engine.enabled }}
+            - --tls-cert
+            - /etc/conduit/tls/tls.crt
+            - --tls-key
+            - /etc/conduit/tls/tls.key
+            # Towards other engines (disaggregation's PullKv): the same CA, and under mTLS this certificate.
+            - --engine-tls-ca
+            - /etc/conduit/tls/ca.crt
+            - --engine-tls-server-name
+            - {{ include "conduit.engineServerName" $root | quote }}
+            {{- if $root.Values.tls.engine.mtls }}
+            - --tls-client-ca
+            - /etc/conduit/tls/ca.crt
+            - --engine-tls-cert
+            - /etc/conduit/tls/tls.crt
+            - --engine-tls-key
+            - /etc/conduit/tls/tls.key
+            {{- end }}
+            {{- end }}
+            {{- if $root.Values.auth.engineToken.existingSecret }}
+            - --auth-token-file
+            - /etc/conduit/token/token
+            - --engine-auth-token-file
+            - /etc/conduit/token/token
+            {{- end }}
             {{- if ne $pool "engine" }}
             # One side of disaggregated requests; other engines pull KV from this pod's own address.
             - --role
@@ -121,23 +146,11 @@ spec:
               protocol: TCP
           # grpc.health.v1 answers SERVING only once the model is loaded and warmed up.
           startupProbe:
-            grpc:
-              port: {{ $e.port }}
-            periodSeconds: {{ $e.startupProbe.periodSeconds }}
-            failureThreshold: {{ $e.startupProbe.failureThreshold }}
-            timeoutSeconds: {{ $e.startupProbe.timeoutSeconds }}
+            {{- include "conduit.engine.probe" (dict "root" $root "probe" $e.startupProbe) | nindent 12 }}
           readinessProbe:
-            grpc:
-              port: {{ $e.port }}
-            periodSeconds: {{ $e.readinessProbe.periodSeconds }}
-            failureThreshold: {{ $e.readinessProbe.failureThreshold }}
-            timeoutSeconds: {{ $e.readinessProbe.timeoutSeconds }}
+            {{- include "conduit.engine.probe" (dict "root" $root "probe" $e.readinessProbe) | nindent 12 }}
           livenessProbe:
-            grpc:
-              port: {{ $e.port }}
-            periodSeconds: {{ $e.livenessProbe.periodSeconds }}
-            failureThreshold: {{ $e.livenessProbe.failureThreshold }}
-            timeoutSeconds: {{ $e.livenessProbe.timeoutSeconds }}
+            {{- include "conduit.engine.probe" (dict "root" $root "probe" $e.livenessProbe) | nindent 12 }}
           lifecycle:
             preStop:
               sleep:
@@ -163,6 +176,16 @@ spec:
               mountPath: /tmp
             - name: dshm
               mountPath: /dev/shm
+            {{- if $root.Values.tls.engine.enabled }}
+            - name: tls
+              mountPath: /etc/conduit/tls
+              readOnly: true
+            {{- end }}
+            {{- if $root.Values.auth.engineToken.existingSecret }}
+            - name: token
+              mountPath: /etc/conduit/token
+              readOnly: true
+            {{- end }}
       volumes:
         - name: model
           {{- toYaml $e.model.volume | nindent 10 }}
@@ -172,6 +195,19 @@ spec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ $e.shmSizeLimit }}
+        {{- if $root.Values.tls.engine.enabled }}
+        - name: tls
+          secret:
+            secretName: {{ include "conduit.tlsSecret" (dict "root" $root "part" "engine") | quote }}
+        {{- end }}
+        {{- with $root.Values.auth.engineToken.existingSecret }}
+        - name: token
+          secret:
+            secretName: {{ . | quote }}
+            items:
+              - key: {{ $root.Values.auth.engineToken.secretKey | quote }}
+                path: token
+        {{- end }}
       {{- with $e.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from conduit_common.engine_dialer import PLAINTEXT, EngineDialer
 from conduit_engine.engine import EngineStats, LLMEngine
 from conduit_engine.errors import EngineUnavailableError
 from conduit_engine.kv_transfer.consumer import PendingPull
@@ -39,10 +40,13 @@ class _Stream:
 class AsyncEngine:
     """Owns the loop thread that steps `core`; the only object that touches `core` after start."""
 
-    def __init__(self, core: LLMEngine, max_message_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(
+        self, core: LLMEngine, max_message_bytes: int | None = None, dialer: EngineDialer = PLAINTEXT
+    ) -> None:
+        """`max_message_bytes` and `dialer`: how KV pulls reach other engines (gRPC limit, TLS, token)."""
         self.core = core
         timeout = core.config.disaggregation.pull_timeout_seconds
-        self._puller = KvPuller(core.runner.kv_blocks, timeout, max_message_bytes)
+        self._puller = KvPuller(core.runner.kv_blocks, timeout, max_message_bytes, dialer)
         self._pulls: dict[str, asyncio.Task[None]] = {}  # request id → its running pull (event loop)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -152,9 +156,10 @@ class AsyncEngine:
 
     async def close_transport(self) -> None:
         """Close the KV transport's channels (at shutdown, on the loop that used them)."""
-        for task in list(self._pulls.values()):
+        tasks = list(self._pulls.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._pulls.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._puller.close()
 
     async def run_sync(self, fn: Callable[[], Any]) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from conduit_common.engine_dialer import EngineDialer
 from conduit_engine.kv_transfer.cache_io import CacheBlockWriter, KvBlockStore
 from conduit_engine.kv_transfer.errors import KvTransferError, KvTransferNotFoundError
 from conduit_engine.kv_transfer.transport import KvPullResult, KvPullSpec, KvTransport, create_transport
@@ -24,9 +25,13 @@ log = logging.getLogger(__name__)
 class KvPuller:
     """Pulls transfers into `store`'s blocks; one per engine, used from one event loop."""
 
-    def __init__(self, store: KvBlockStore, timeout_s: float, max_message_bytes: int) -> None:
+    def __init__(
+        self, store: KvBlockStore, timeout_s: float, max_message_bytes: int | None, dialer: EngineDialer
+    ) -> None:
         self._store = store
-        self._options = {"timeout_s": timeout_s, "max_message_bytes": max_message_bytes}
+        self._options: dict[str, object] = {"timeout_s": timeout_s, "dialer": dialer}
+        if max_message_bytes is not None:
+            self._options["max_message_bytes"] = max_message_bytes
         self._transport: KvTransport | None = None
 
     @property

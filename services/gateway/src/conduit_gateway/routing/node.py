@@ -22,6 +22,7 @@ from collections.abc import Callable
 import grpc
 
 from conduit.engine.v1 import engine_pb2
+from conduit_common.engine_dialer import PLAINTEXT, EngineDialer
 from conduit_gateway.config import GatewayConfig
 from conduit_gateway.routing.client import EngineClient
 from conduit_gateway.routing.health import HealthWatch
@@ -64,6 +65,7 @@ class EngineNode:
         address: str,
         source: NodeSource,
         config: GatewayConfig,
+        dialer: EngineDialer = PLAINTEXT,
         role: NodeRole = NodeRole.COLOCATED,
         admission: Admission | None = None,
     ) -> None:
@@ -73,7 +75,7 @@ class EngineNode:
         self._admission = admission
         self.refusal: str | None = None  # why the pool's admission check keeps the engine out
         self._config = config
-        self.client = EngineClient(address, config)
+        self.client = EngineClient(address, config, dialer)
         self.serving = False
         self.draining = False
         self.model_info: engine_pb2.GetModelInfoResponse | None = None
@@ -86,6 +88,7 @@ class EngineNode:
         self.ejections = 0
         self._latency = TokenLatency()
         self._health: HealthWatch | None = None
+        self._last_check_failure: str | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._transition = asyncio.Lock()
         self._idle = asyncio.Event()
@@ -154,8 +157,14 @@ class EngineNode:
         try:
             serving = await self.client.check(timeout_s)
         except grpc.aio.AioRpcError as exc:
+            failure = f"health check failed: {exc.code().name}: {exc.details()}"
+            if failure != self._last_check_failure:
+                # Once per distinct failure: a TLS or token misconfiguration must be visible, not a flood.
+                log.warning("engine %s %s", self.address, failure)
+                self._last_check_failure = failure
             self.eject(f"health check failed: {exc.code().name}")
             return False
+        self._last_check_failure = None
         if serving:
             await self.set_health(True)
         else:
