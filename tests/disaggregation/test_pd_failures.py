@@ -34,14 +34,16 @@ from tests.support.stories import MODEL
 
 pytestmark = pytest.mark.integration
 
-# Two prefill engines (the second's leases last one second) and two `both` engines as the decode pool,
-# with small caches (24 blocks of 16 tokens) that transfers of their own can fill.
-P, P_SHORT, D1, D2 = range(4)
+# Two prefill engines (the second's leases last one second), two `both` engines as the decode pool with
+# small caches (24 blocks of 16 tokens) that transfers of their own can fill, and a decode engine with a
+# full-size cache, killed mid-stream.
+P, P_SHORT, D1, D2, D_VICTIM = range(5)
 FLAGS = [
     ("--role", "prefill"),
     ("--role", "prefill", "--kv-transfer-lease-seconds", "1"),
     ("--role", "both", "--kv-cache-blocks", "24"),
     ("--role", "both", "--kv-cache-blocks", "24"),
+    ("--role", "decode"),
 ]
 PROMPT = [1, *range(60, 119)]  # 60 tokens: 4 blocks
 
@@ -129,11 +131,12 @@ def retries(url: str, code: str) -> float:
 class SseReader:
     """A streamed completion read event by event over raw HTTP (closing it is the client going away)."""
 
-    def __init__(self, url: str, max_tokens: int) -> None:
+    def __init__(self, url: str, max_tokens: int, n: int = 1) -> None:
         body = {
             "model": MODEL,
             "prompt": PROMPT,
             "max_tokens": max_tokens,
+            "n": n,
             "temperature": 0,
             "ignore_eos": True,
         }
@@ -227,11 +230,14 @@ def test_a_client_gone_between_prefill_and_decode_releases_the_transfer(fleet, g
 
 
 def test_a_decode_engine_dying_mid_stream_ends_the_stream_with_an_error_event(fleet, gateways, healthy):
-    gateway = gateways(prefill=[P], decode=[D1])
-    events = SseReader(gateway.url, 300)
-    events.next(), events.next()  # the prefill's first token, then the decode engine's first
-    fleet.pause(D1)
-    fleet.kill(D1)
+    gateway = gateways(prefill=[P], decode=[D_VICTIM])
+    # Four choices of 440 tokens keep the decode engine busy for about a second: it is still generating
+    # when this client, however slow the machine, has read the first decode event.
+    events = SseReader(gateway.url, 440, n=4)
+    for _ in range(4 + 1):  # the prefill's four first tokens, then the decode engine's first event
+        events.next()
+    fleet.pause(D_VICTIM)
+    fleet.kill(D_VICTIM)
     rest = events.rest()
     events.close()
     error = rest[-2]["error"]
