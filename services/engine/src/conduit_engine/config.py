@@ -194,6 +194,6 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     server: ServerConfig = ServerConfig()
-    disaggregation: DisaggregationConfig = DisaggregationConfig()
     security: SecurityConfig = SecurityConfig()
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
     enforce_eager: bool = False
