@@ -14,7 +14,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from conduit_common.env_flags import apply_env_defaults, describe_env, env_name
-from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from conduit_engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
 from conduit_engine.errors import ModelLoadError
 
 
@@ -58,6 +65,13 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--enable-prefix-caching", _bool, True, "reuse cached KV blocks of shared prompt prefixes"),
     ("--enable-chunked-prefill", _bool, True, "split long prompts over several steps"),
     ("--enforce-eager", _bool, False, "on cuda: do not capture CUDA graphs"),
+    (
+        "--tensor-parallel-size",
+        int,
+        1,
+        "shard the model over this many worker processes (one per GPU on cuda; gloo between CPU processes)",
+    ),
+    ("--worker-process", _bool, False, "with --tensor-parallel-size 1: run the model in a worker process"),
     ("--drain-seconds", float, 30.0, "on SIGTERM, how long in-flight streams may finish"),
     ("--grpc-max-message-bytes", int, 64 * 1024 * 1024, "largest gRPC message sent or received"),
     ("--grpc-keepalive", float, 30.0, "HTTP/2 keepalive ping period towards clients, seconds"),
@@ -120,6 +134,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_message_bytes=args.grpc_max_message_bytes,
             keepalive_seconds=args.grpc_keepalive,
             min_ping_interval_seconds=args.grpc_min_ping_interval,
+        ),
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size, worker_process=args.worker_process
         ),
         enforce_eager=args.enforce_eager,
     )
