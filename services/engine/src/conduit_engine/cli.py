@@ -22,7 +22,7 @@ from conduit_engine.config import (
     SchedulerConfig,
     ServerConfig,
 )
-from conduit_engine.errors import ModelLoadError
+from conduit_engine.errors import ModelLoadError, WorkerFailedError
 
 
 def _bool(value: str) -> bool:
@@ -165,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ModelLoadError as exc:
         logging.getLogger("conduit_engine").error("cannot load the model: %s", exc)
         sys.exit(2)
+    except WorkerFailedError as exc:
+        # Non-zero, so that a supervisor (Kubernetes) restarts the engine with fresh workers.
+        logging.getLogger("conduit_engine").error("the engine stopped: %s", exc)
+        sys.exit(3)
 
 
 if __name__ == "__main__":
