@@ -5,7 +5,8 @@ sitecustomize module on the workers' PYTHONPATH) and one that dies while the eng
 the engine NOT_SERVING, end the live requests with FINISH_REASON_ERROR (an error event through the
 gateway), and make the engine exit with status 3; no process of the engine's tree survives it. A
 SIGKILLed engine takes its workers with it. A size that does not divide the model's heads fails at
-start (status 2) naming config.json's fields, leaving no worker behind.
+start (status 2) naming config.json's fields, leaving no worker behind. A SIGTERMed engine drains and
+stops its workers (status 0).
 """
 
 from __future__ import annotations
@@ -78,14 +79,20 @@ def long_request(n: int = 1) -> pb.GenerateRequest:
     )
 
 
-def test_workers_are_fresh_processes_without_grpc(stories_path):
-    with start_engine(stories_path, *TP2) as engine:
+def test_workers_are_fresh_processes_without_grpc_and_stop_with_the_engine(stories_path):
+    engine = start_engine(stories_path, *TP2)
+    try:
+        tree = descendants(engine.process.pid)
         workers = workers_of(engine)
         assert len(workers) == 2
         for pid in workers:
             maps = Path(f"/proc/{pid}/maps").read_text()
             assert "cygrpc" not in maps and "torch" in maps  # spawned (exec), not forked from gRPC's process
         assert "cygrpc" in Path(f"/proc/{engine.process.pid}/maps").read_text()
+    finally:
+        assert engine.stop() == 0  # SIGTERM: drain, then the workers are told to exit
+    assert "worker processes stopped: exit codes [0, 0]" in engine.output_tail()
+    assert_tree_gone(tree)
 
 
 def test_a_killed_worker_ends_the_stream_with_an_error_event_and_stops_the_engine(stories_path):

@@ -55,6 +55,13 @@ class LLMEngine:
         self.dtype = facts.dtype
         self.block_size = config.cache.block_size
         self.runner, self.num_blocks = runner_setup.build_runner(config, facts, workers)
+        try:
+            self._init_core(config, facts)
+        except BaseException:
+            self.runner.shutdown()  # no worker outlives an engine that failed to start
+            raise
+
+    def _init_core(self, config: EngineConfig, facts: model_setup.ModelFacts) -> None:
         self.block_manager = BlockManager(
             self.num_blocks,
             self.block_size,

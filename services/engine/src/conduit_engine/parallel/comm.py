@@ -10,6 +10,7 @@ single-process path pays nothing.
 from __future__ import annotations
 
 import datetime
+import os
 from abc import ABC, abstractmethod
 
 import torch
@@ -50,6 +51,9 @@ class TorchDistributed(Communicator):
         self.rank = rank
         self.world_size = world_size
         self.device = device
+        if backend == "gloo":
+            # Every rank runs on this host: loopback, whatever the hostname resolves to (or not).
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(
             backend,
             init_method=f"file://{store_path}",

@@ -142,16 +142,21 @@ class WorkerGroup:
         return f"worker rank {rank} (pid {process.pid}) {how}"
 
     def _fail(self, reason: str) -> WorkerFailedError:
-        """Record the group's first failure, tell the listeners; the error to raise carries `reason`."""
+        """Record the group's first failure, kill the surviving workers (they may be blocked in a
+        collective, or on a full pipe, with the failed one) and tell the listeners. The error to raise
+        carries the first failure's reason, whichever thread saw it."""
         with self._lock:
             first = self._failure is None and not self._closing
             if first:
                 self._failure = reason
         if first:
             log.error("%s: the engine cannot run the model any more", reason)
+            for process in self._processes:
+                if process.is_alive():
+                    process.kill()
             for listener in self._listeners:
                 listener()
-        return WorkerFailedError(reason)
+        return WorkerFailedError(self._failure or reason)
 
     def _watch(self) -> None:
         """Monitor thread: the first worker death while nobody waits for an answer (an idle engine)."""
