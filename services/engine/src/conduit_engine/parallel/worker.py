@@ -69,6 +69,19 @@ def worker_main(
     os._exit(0)  # no interpreter teardown: gloo/NCCL threads may still hold the group
 
 
+def _own_device(device: str, rank: int) -> torch.device:
+    """The CPU, or on CUDA this rank's GPU as the only one the process sees (before CUDA initialises):
+    torch and CuPy (the kernels' launcher) then agree that it is device 0."""
+    if device != "cuda":
+        return torch.device("cpu")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(rank + 1)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank]
+    own = torch.device("cuda", 0)
+    torch.cuda.set_device(own)
+    return own
+
+
 def _control(commands: Connection) -> Any:
     """The next start-up command's document; SHUTDOWN (the engine gave up starting) ends the process."""
     frame = receive(commands)
@@ -93,11 +106,7 @@ class Worker:
     def __init__(self, rank: int, world_size: int, init: dict[str, Any], store_path: str) -> None:
         self.rank = rank
         self.init = init
-        if init["device"] == "cuda":
-            self.device = torch.device("cuda", rank)
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
+        self.device = _own_device(init["device"], rank)
         arch = read_arch_config(Path(init["folder"]))
         self.comm: Communicator | None = None
         shard = None

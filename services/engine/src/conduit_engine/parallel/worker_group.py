@@ -84,9 +84,9 @@ class WorkerGroup:
             listener()
 
     # ----- commands and answers ----------------------------------------------------------------------
-    def send(self, data: bytes, ranks: Iterable[int] | None = None) -> None:
-        """Send one frame to every worker (or to `ranks`), in rank order."""
-        for rank in range(self.world_size) if ranks is None else ranks:
+    def send(self, data: bytes) -> None:
+        """Send one frame to every worker, in rank order."""
+        for rank in range(self.world_size):
             try:
                 self._commands[rank].send_bytes(data)
             except OSError as exc:
