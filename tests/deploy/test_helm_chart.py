@@ -20,7 +20,7 @@ pytestmark = pytest.mark.deploy
 VALUES = list(chart_render.VALUES_FILES)
 KUBERNETES_VERSIONS = chart_render.newest_kubernetes_versions(2)
 # Custom resources whose schemas kubernetes-validate cannot know; checked field by field below instead.
-CUSTOM_KINDS = {"ServiceMonitor"}
+CUSTOM_KINDS = {"ServiceMonitor", "Certificate"}
 
 
 @pytest.fixture(scope="module", params=VALUES)
@@ -36,48 +36,21 @@ def _container(obj):
     return container
 
 
+# What every release renders, and what each values file adds to it.
+BASE_KINDS = ["Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "PodDisruptionBudget"]
+BASE_KINDS += ["Service", "Service", "Service", "ServiceAccount", "StatefulSet"]
+ENVOY_KINDS = ["ConfigMap", "Deployment", "Service", "ServiceMonitor"]
+EXTRA_KINDS = {
+    "default": ["NetworkPolicy", "NetworkPolicy"],
+    "gpu": ["NetworkPolicy", "NetworkPolicy"],
+    "full": [*ENVOY_KINDS, "NetworkPolicy", "NetworkPolicy", "NetworkPolicy"],
+    "secure": [*ENVOY_KINDS, "NetworkPolicy", "NetworkPolicy", "NetworkPolicy", *["Certificate"] * 4],
+}
+
+
 def test_rendered_objects_per_values_file(release):
     name, _, _, objects = release
-    expected = {
-        "default": [
-            "Deployment",
-            "HorizontalPodAutoscaler",
-            "PodDisruptionBudget",
-            "PodDisruptionBudget",
-            "Service",
-            "Service",
-            "Service",
-            "ServiceAccount",
-            "StatefulSet",
-        ],
-        "gpu": [
-            "Deployment",
-            "HorizontalPodAutoscaler",
-            "PodDisruptionBudget",
-            "PodDisruptionBudget",
-            "Service",
-            "Service",
-            "Service",
-            "ServiceAccount",
-            "StatefulSet",
-        ],
-        "full": [
-            "ConfigMap",
-            "Deployment",
-            "Deployment",
-            "HorizontalPodAutoscaler",
-            "PodDisruptionBudget",
-            "PodDisruptionBudget",
-            "Service",
-            "Service",
-            "Service",
-            "Service",
-            "ServiceAccount",
-            "ServiceMonitor",
-            "StatefulSet",
-        ],
-    }[name]
-    assert chart_render.kinds(objects) == expected
+    assert chart_render.kinds(objects) == sorted(BASE_KINDS + EXTRA_KINDS[name])
 
 
 @pytest.mark.parametrize("kubernetes_version", KUBERNETES_VERSIONS)
@@ -143,12 +116,19 @@ def test_gateway_discovers_the_engine_replicas_through_the_headless_service(rele
 
 
 def test_engine_probes_use_grpc_health_and_startup_allows_model_loading(release):
-    _, _, _, objects = release
+    _, values, _, objects = release
     container = _container(find(objects, "StatefulSet"))
     port = container["ports"][0]["containerPort"]
+    tls = values.get("tls", {}).get("engine", {}).get("enabled", False)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        # A grpc probe calls grpc.health.v1.Health/Check, which SERVES only after load and warm-up.
-        assert container[probe]["grpc"] == {"port": port}
+        # grpc.health.v1.Health/Check SERVES only after load and warm-up. The kubelet's grpc probe is
+        # plaintext: a TLS engine is probed by conduit_engine.health_probe with its own certificate.
+        if tls:
+            command = container[probe]["exec"]["command"]
+            assert command[:3] == ["python", "-m", "conduit_engine.health_probe"]
+            assert command[command.index("--address") + 1] == f"127.0.0.1:{port}"
+        else:
+            assert container[probe]["grpc"] == {"port": port}
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
 
@@ -335,7 +315,8 @@ def test_notes_tell_how_to_call_it(release):
     notes = rendered["conduit/templates/NOTES.txt"]
     assert "port-forward service/" in notes
     assert "/v1/completions" in notes
-    assert ("conduit-envoy" in notes) == (name == "full")
+    assert ("conduit-envoy" in notes) == (name in ("full", "secure"))
+    assert ("https://127.0.0.1:8080/v1/completions" in notes) == (name == "secure")
 
 
 def test_shipped_values_files_satisfy_the_schema():
