@@ -175,6 +175,6 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     server: ServerConfig = ServerConfig()
-    parallel: ParallelConfig = ParallelConfig()
     security: SecurityConfig = SecurityConfig()
+    parallel: ParallelConfig = ParallelConfig()
     enforce_eager: bool = False
