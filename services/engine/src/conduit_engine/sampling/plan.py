@@ -69,24 +69,34 @@ class SamplingPlan:
 def plan_sampling(rows: Sequence[SamplingRow]) -> SamplingPlan:
     """The plan of `rows`, in order."""
     params = [row.params for row in rows]
-    bias = [(i, t, float(v)) for i, p in enumerate(params) for t, v in p.logit_bias.items()]
+    bias = [(i, t, float(v)) for i, p in enumerate(params) if p.logit_bias for t, v in p.logit_bias.items()]
     blocked = [(i, t) for i, row in enumerate(rows) for t in row.blocked_token_ids]
-    seen = _pairs(
-        (list(row.prompt_token_ids) + list(row.output_token_ids))
-        if row.params.repetition_penalty != 1.0
-        else ()
-        for row in rows
-    )
-    counts = _pairs(
-        row.output_token_ids if (row.params.presence_penalty or row.params.frequency_penalty) else ()
-        for row in rows
-    )
+    seen: tuple[list[int], list[int]] = ([], [])
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = _pairs(
+            (list(row.prompt_token_ids) + list(row.output_token_ids))
+            if row.params.repetition_penalty != 1.0
+            else ()
+            for row in rows
+        )
+    counts: tuple[list[int], list[int]] = ([], [])
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        counts = _pairs(
+            row.output_token_ids if (row.params.presence_penalty or row.params.frequency_penalty) else ()
+            for row in rows
+        )
     return SamplingPlan(
         temperature=[p.temperature for p in params],
         top_k=[p.top_k for p in params],
         top_p=[p.top_p for p in params],
         min_p=[p.min_p for p in params],
-        uniforms=[_uniform(row) for row in rows],
+        # A seeded row's draw; greedy rows draw nothing.
+        uniforms=[
+            UNSEEDED
+            if row.seed is None or p.temperature == 0.0
+            else seeded_uniform(row.seed, len(row.output_token_ids))
+            for row, p in zip(rows, params, strict=True)
+        ],
         repetition_penalty=[p.repetition_penalty for p in params],
         presence_penalty=[p.presence_penalty for p in params],
         frequency_penalty=[p.frequency_penalty for p in params],
@@ -101,12 +111,6 @@ def plan_sampling(rows: Sequence[SamplingRow]) -> SamplingPlan:
         count_rows=counts[0],
         count_ids=counts[1],
     )
-
-
-def _uniform(row: SamplingRow) -> float:
-    if row.seed is None or row.params.is_greedy:
-        return UNSEEDED
-    return seeded_uniform(row.seed, len(row.output_token_ids))
 
 
 def _pairs(per_row: Iterable[Sequence[int]]) -> tuple[list[int], list[int]]:
