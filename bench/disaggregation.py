@@ -204,7 +204,7 @@ def transfer_time_per_block(prefill: str, repeats: int, prompt_len: int) -> tupl
                 (message,) = list(stub.Generate(request, timeout=60))
                 spec = pull_spec_for(message.kv_handle, layout, 0)
                 started = time.perf_counter()
-                await transport.pull(spec, CacheBlockWriter(store, range(blocks), 0))
+                await transport.pull(spec, CacheBlockWriter(store, layout.block_bytes, range(blocks), 0))
                 seconds += time.perf_counter() - started
         await transport.close()
         return seconds / (repeats * blocks)

@@ -10,6 +10,7 @@ from conduit_engine.config import (
     DisaggregationConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from conduit_engine.engine import LLMEngine
@@ -40,8 +41,12 @@ def make_engine(
     dtype: str = "float32",
     generation_config: str = "auto",
     max_model_len: int | None = None,
+    tensor_parallel_size: int = 1,
+    worker_process: bool = False,
     role: str = "both",
 ) -> LLMEngine:
+    """An engine on `model`; with tensor_parallel_size > 1 or worker_process, its worker processes run
+    until `engine.shutdown()`."""
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(
@@ -55,6 +60,7 @@ def make_engine(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_queued_requests=max_queued_requests,
             ),
+            parallel=ParallelConfig(tensor_parallel_size, worker_process),
             disaggregation=DisaggregationConfig(role=role),
         )
     )

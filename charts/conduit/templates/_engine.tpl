@@ -8,6 +8,7 @@ replicas, resources and extra flags from .Values.disaggregation.<pool>.
 {{- $root := .root }}
 {{- $pool := .pool }}
 {{- $e := $root.Values.engine }}
+{{- $ranks := int $e.tensorParallelSize }}
 {{- $p := include "conduit.pool.settings" . | fromYaml }}
 apiVersion: apps/v1
 kind: StatefulSet
@@ -63,6 +64,8 @@ spec:
             - {{ $e.dtype | quote }}
             - --drain-seconds
             - {{ $e.drainSeconds | quote }}
+            - --tensor-parallel-size
+            - {{ $ranks | quote }}
             {{- with $e.servedModelName }}
             - --served-model-name
             - {{ . | quote }}
@@ -159,7 +162,7 @@ spec:
             {{- $resources := deepCopy $p.resources }}
             {{- if $e.gpu.enabled }}
             {{- $limits := default (dict) $resources.limits }}
-            {{- $_ := set $limits $e.gpu.resourceName $e.gpu.count }}
+            {{- $_ := set $limits $e.gpu.resourceName (ternary $ranks (int $e.gpu.count) (gt $ranks 1)) }}
             {{- $_ := set $resources "limits" $limits }}
             {{- end }}
             {{- toYaml $resources | nindent 12 }}
@@ -194,7 +197,7 @@ spec:
         - name: dshm
           emptyDir:
             medium: Memory
-            sizeLimit: {{ $e.shmSizeLimit }}
+            sizeLimit: {{ $e.shmSizeLimit | default (printf "%dGi" $ranks) }}
         {{- if $root.Values.tls.engine.enabled }}
         - name: tls
           secret:

@@ -7,6 +7,10 @@ The decode side of a disaggregated request pulls its prompt's KV on the event lo
 through `KvPuller`) between its admission and its first step; the engine thread is told when the pull
 ended. Aborting such a request cancels its pull; the engine frees the pull's blocks only once the pull
 has stopped writing into them. The loop thread ends expired KV transfer leases between steps.
+
+A runner whose worker process failed (WorkerFailedError from a step, or a worker that died while the
+engine idled) stops the engine for good: every live request ends with FinishReason.ERROR, new ones are
+refused, and `on_fatal` tells the server, which stops the process.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 
 from conduit_common.engine_dialer import PLAINTEXT, EngineDialer
 from conduit_engine.engine import EngineStats, LLMEngine
-from conduit_engine.errors import EngineUnavailableError
+from conduit_engine.errors import EngineUnavailableError, WorkerFailedError
 from conduit_engine.kv_transfer.consumer import PendingPull
 from conduit_engine.kv_transfer.puller import KvPuller
 from conduit_engine.kv_transfer.transport import KvPullResult
@@ -41,12 +45,19 @@ class AsyncEngine:
     """Owns the loop thread that steps `core`; the only object that touches `core` after start."""
 
     def __init__(
-        self, core: LLMEngine, max_message_bytes: int | None = None, dialer: EngineDialer = PLAINTEXT
+        self,
+        core: LLMEngine,
+        on_fatal: Callable[[str], None] | None = None,
+        max_message_bytes: int | None = None,
+        dialer: EngineDialer = PLAINTEXT,
     ) -> None:
-        """`max_message_bytes` and `dialer`: how KV pulls reach other engines (gRPC limit, TLS, token)."""
+        """`on_fatal(reason)` is called once, on the loop thread, when the model can no longer run.
+        `max_message_bytes` and `dialer`: how KV pulls reach other engines (gRPC limit, TLS, token)."""
         self.core = core
+        self._on_fatal = on_fatal
+        self.failure: str | None = None
         timeout = core.config.disaggregation.pull_timeout_seconds
-        self._puller = KvPuller(core.runner.kv_blocks, timeout, max_message_bytes, dialer)
+        self._puller = KvPuller(core.runner, timeout, max_message_bytes, dialer)
         self._pulls: dict[str, asyncio.Task[None]] = {}  # request id → its running pull (event loop)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -55,6 +66,7 @@ class AsyncEngine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="conduit-engine-loop", daemon=True)
         self._draining = False
+        core.runner.on_failure(self._wakeup.set)  # a worker dying while idle wakes the loop
         self._thread.start()
 
     # ----- public API --------------------------------------------------------------------------------
@@ -83,6 +95,8 @@ class AsyncEngine:
         request, which frees its blocks at the next step. A request that fails inside the engine ends
         with FinishReason.ERROR outputs, not an exception.
         """
+        if self.failure is not None:
+            raise EngineUnavailableError(f"the engine has stopped: {self.failure}")
         if self._draining or self._stopping:
             raise EngineUnavailableError("the engine is draining and accepts no new requests")
         loop = asyncio.get_running_loop()
@@ -91,6 +105,8 @@ class AsyncEngine:
 
         def add() -> None:
             try:
+                if self.failure is not None:
+                    raise EngineUnavailableError(f"the engine has stopped: {self.failure}")
                 with self._lock:
                     self.core.add_request(req, structure)
                     self._streams[req.request_id] = stream
@@ -185,6 +201,7 @@ class AsyncEngine:
         self._thread.join(timeout=10)
         self.core.structured.shutdown()
         self.core.kv_registry.release_all()
+        self.core.shutdown()
 
     # ----- loop thread -------------------------------------------------------------------------------
     def _submit(self, command: Callable[[], None]) -> None:
@@ -195,20 +212,36 @@ class AsyncEngine:
         while not self._stopping:
             self._drain_commands()
             self.core.expire_kv_transfers()
-            if not self.core.has_work():
+            if self.failure is None and (failure := self.core.runner_failure()) is not None:
+                self._stop_on_failure(failure)
+            if self.failure is not None or not self.core.has_work():
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue
-            try:
-                outputs = self.core.step()
-            except Exception as exc:
-                # A bug or a device fault, never a bad request (admission rules those out): every live
-                # request ends with FinishReason.ERROR and the loop goes on serving new ones.
-                log.exception("engine step failed; ending the live requests with an error")
-                outputs = self.core.fail_all(f"the engine step failed: {type(exc).__name__}")
-            self._deliver(outputs)
-            if not self.core.has_work():
-                self._check_integrity()
+            self._step()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except WorkerFailedError as exc:
+            self._stop_on_failure(str(exc))
+            return
+        except Exception as exc:
+            # A bug or a device fault, never a bad request (admission rules those out): every live
+            # request ends with FinishReason.ERROR and the loop goes on serving new ones.
+            log.exception("engine step failed; ending the live requests with an error")
+            outputs = self.core.fail_all(f"the engine step failed: {type(exc).__name__}")
+        self._deliver(outputs)
+        if not self.core.has_work():
+            self._check_integrity()
+
+    def _stop_on_failure(self, reason: str) -> None:
+        """The model is gone: fail every live request, refuse new ones, tell the server (once)."""
+        log.error("the model cannot run any more (%s): ending every live request with an error", reason)
+        self.failure = reason
+        self._deliver(self.core.fail_all(f"the engine failed: {reason}"))
+        if self._on_fatal is not None:
+            self._on_fatal(reason)
 
     def _drain_commands(self) -> None:
         while True:

@@ -20,11 +20,12 @@ from conduit_engine.config import (
     DisaggregationConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SecurityConfig,
     ServerConfig,
 )
-from conduit_engine.errors import ModelLoadError
+from conduit_engine.errors import ModelLoadError, WorkerFailedError
 
 
 def _bool(value: str) -> bool:
@@ -67,6 +68,13 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--enable-prefix-caching", _bool, True, "reuse cached KV blocks of shared prompt prefixes"),
     ("--enable-chunked-prefill", _bool, True, "split long prompts over several steps"),
     ("--enforce-eager", _bool, False, "on cuda: do not capture CUDA graphs"),
+    (
+        "--tensor-parallel-size",
+        int,
+        1,
+        "shard the model over this many worker processes (one per GPU on cuda; gloo between CPU processes)",
+    ),
+    ("--worker-process", _bool, False, "with --tensor-parallel-size 1: run the model in a worker process"),
     ("--drain-seconds", float, 30.0, "on SIGTERM, how long in-flight streams may finish"),
     ("--grpc-max-message-bytes", int, 64 * 1024 * 1024, "largest gRPC message sent or received"),
     ("--grpc-keepalive", float, 30.0, "HTTP/2 keepalive ping period towards clients, seconds"),
@@ -157,6 +165,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             chunk_bytes=args.kv_transfer_chunk_bytes,
             pull_timeout_seconds=args.kv_transfer_timeout,
         ),
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size, worker_process=args.worker_process
+        ),
         security=SecurityConfig(
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
@@ -198,6 +209,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(2)
     except SecretFileError as exc:
         parser.error(str(exc))
+    except WorkerFailedError as exc:
+        # Non-zero, so that a supervisor (Kubernetes) restarts the engine with fresh workers.
+        logging.getLogger("conduit_engine").error("the engine stopped: %s", exc)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

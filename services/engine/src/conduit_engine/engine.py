@@ -13,17 +13,18 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from conduit_engine import model_setup
+from conduit_engine import model_setup, runner_setup
 from conduit_engine.admission import Admission, Limits
 from conduit_engine.block_manager import BlockManager, BlockStats
 from conduit_engine.config import EngineConfig
 from conduit_engine.detokenizer import IncrementalDetokenizer
 from conduit_engine.kv_transfer.checks import KvTransferLimits, check_kv_transfer
 from conduit_engine.kv_transfer.consumer import KvConsumer, replay_first_tokens
+from conduit_engine.kv_transfer.layout import KvLayoutSpec
 from conduit_engine.kv_transfer.producer import KvProducer
 from conduit_engine.kv_transfer.registry import KvTransferRegistry
 from conduit_engine.kv_transfer.transport import KvPullResult
-from conduit_engine.model_runner import ModelRunner, SeqStepResult
+from conduit_engine.model_runner import SeqStepResult
 from conduit_engine.request import GenerationRequest, RequestOutput
 from conduit_engine.request_state import RequestState
 from conduit_engine.sampling_params import SamplingParams
@@ -33,6 +34,7 @@ from conduit_engine.stop_rules import StopRules
 from conduit_engine.structured.requests import StructuredOutputs
 
 if TYPE_CHECKING:
+    from conduit_engine.parallel.worker_group import WorkerGroup
     from conduit_engine.structured.compiler import CompiledStructure
 
 log = logging.getLogger(__name__)
@@ -51,29 +53,26 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, workers: WorkerGroup | None = None) -> None:
+        """`workers`: worker processes spawned beforehand (the server spawns them before gRPC starts);
+        with --tensor-parallel-size > 1 or --worker-process and None, they are spawned here."""
         self.config = config
-        loaded = model_setup.load(config)
-        self.model_name = loaded.name
-        self.arch = loaded.arch
-        self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = loaded.eos_token_ids
-        self.max_model_len = loaded.max_model_len
-        self.dtype = loaded.dtype
-        self.block_size = loaded.block_size
-        self.num_blocks = loaded.num_blocks
-        self.runner = ModelRunner(
-            loaded.model,
-            self.arch,
-            self.num_blocks,
-            self.block_size,
-            self.dtype,
-            config.model.device,
-            self.eos_token_ids,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            max_model_len=self.max_model_len,
-            use_cuda_graphs=not config.enforce_eager,
-        )
+        facts = model_setup.describe(config)
+        self.model_name = facts.name
+        self.arch = facts.arch
+        self.tokenizer = facts.tokenizer
+        self.eos_token_ids = facts.eos_token_ids
+        self.max_model_len = facts.max_model_len
+        self.dtype = facts.dtype
+        self.block_size = config.cache.block_size
+        self.runner, self.num_blocks = runner_setup.build_runner(config, facts, workers)
+        try:
+            self._init_core(config, facts)
+        except BaseException:
+            self.runner.shutdown()  # no worker outlives an engine that failed to start
+            raise
+
+    def _init_core(self, config: EngineConfig, facts: model_setup.ModelFacts) -> None:
         self.block_manager = BlockManager(
             self.num_blocks,
             self.block_size,
@@ -83,7 +82,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         limits = Limits(self.arch.vocab_size, self.max_model_len, self.num_blocks, self.block_size)
         self.admission = Admission(
-            self.tokenizer, limits, self.scheduler, config.scheduler, loaded.generation_defaults
+            self.tokenizer, limits, self.scheduler, config.scheduler, facts.generation_defaults
         )
         self.structured = StructuredOutputs(self.tokenizer.hf, self.arch.vocab_size, self.eos_token_ids)
         self._init_kv_transfer()
@@ -92,11 +91,12 @@ class LLMEngine:
         self._finished_requests = 0
         self._generated_tokens = 0
         log.info(
-            "loaded %s (%s, %s) on %s: %d KV blocks of %d tokens, max_model_len %d",
+            "loaded %s (%s, %s) on %s%s: %d KV blocks of %d tokens, max_model_len %d",
             self.model_name,
             self.arch.architecture,
             str(self.dtype).removeprefix("torch."),
             config.model.device,
+            _placement(config),
             self.num_blocks,
             self.block_size,
             self.max_model_len,
@@ -104,7 +104,12 @@ class LLMEngine:
 
     def _init_kv_transfer(self) -> None:
         config = self.config.disaggregation
-        self.kv_layout = self.runner.kv_layout(self.model_name)
+        # The payload layout every runner's gather/scatter uses: all of the model's KV heads.
+        arch = self.arch
+        dtype = str(self.dtype).removeprefix("torch.")
+        self.kv_layout = KvLayoutSpec(
+            self.model_name, dtype, self.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim
+        )
         self.kv_registry = KvTransferRegistry(self.block_manager, config.lease_seconds)
         self.kv_producer = KvProducer(self.kv_registry)
         self.kv_consumer = KvConsumer(self.block_manager, self.kv_layout)
@@ -238,6 +243,14 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def runner_failure(self) -> str | None:
+        """Why the model cannot run any more (a worker process failed), or None."""
+        return self.runner.failure()
+
+    def shutdown(self) -> None:
+        """Stop the runner's worker processes, if any (idempotent)."""
+        self.runner.shutdown()
+
     # ----- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
@@ -306,3 +319,10 @@ class LLMEngine:
         live += [s for s in self.kv_consumer.held_sequences() if s not in live]
         self.block_manager.check_integrity(live)
         self.kv_registry.check_integrity()
+
+
+def _placement(config: EngineConfig) -> str:
+    parallel = config.parallel
+    if parallel.tensor_parallel_size > 1:
+        return f" in {parallel.tensor_parallel_size} tensor-parallel worker processes"
+    return " in a worker process" if parallel.worker_process else ""

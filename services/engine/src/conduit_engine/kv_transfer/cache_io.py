@@ -1,10 +1,11 @@
 """Between the paged KV cache and KvChunk payload bytes: the source reads blocks, the destination writes.
 
 `KvBlockStore` is all a transfer asks of whoever owns the cache tensors: copy given blocks out as one
-payload, and a payload into given blocks. `LocalKvBlocks` implements it for caches in this process (the
-ModelRunner's), through the ops' gather/scatter (one kernel each on CUDA). A runner whose cache lives in
-worker processes (tensor parallelism) implements the same three members by asking its workers for their
-shards, so nothing above this interface changes.
+payload, and a payload into given blocks. It is the runner's own contract (`model_runner.Runner`): the
+in-process ModelRunner and the worker-backed runner (tensor parallelism: each rank holds a shard of the KV
+heads, and the runner assembles or splits the whole model's payload) both implement it, so the engine
+hands its runner to the transfer code as is. `LocalKvBlocks` implements it for cache tensors held by
+the caller (tests, benchmarks), through the ops' gather/scatter (one kernel each on CUDA).
 
 A payload is the ops' transfer buffer (`Ops.gather_kv_blocks`) as raw little-endian bytes, laid out
 [layer][k, v][block][block_size][kv_head][head_dim]. Reading gathers, copies to the host if needed and makes
@@ -33,18 +34,14 @@ KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
 class KvBlockStore(Protocol):
-    """The cache owner's side of a transfer: payloads of given block ids, out and in."""
+    """The cache owner's side of a transfer: payloads of given block ids, out and in (safe to call from
+    any thread for blocks no step reads or writes meanwhile)."""
 
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block (every layer's K and V) in a payload."""
-        ...
-
-    def read_blocks(self, block_ids: Sequence[int]) -> bytes:
+    def gather_kv_blocks(self, block_ids: Sequence[int]) -> bytes:
         """The payload of cache blocks `block_ids`, in that order."""
         ...
 
-    def write_blocks(self, block_ids: Sequence[int], data: bytes) -> None:
+    def scatter_kv_blocks(self, block_ids: Sequence[int], data: bytes) -> None:
         """Store a payload of len(block_ids) blocks into cache blocks `block_ids`, in that order."""
         ...
 
@@ -78,18 +75,13 @@ class LocalKvBlocks:
         first = kv_caches[0][0]
         self._device, self._dtype = first.device, first.dtype
         self._block_shape = tuple(first.shape[1:])
-        self._block_bytes = 2 * len(kv_caches) * first[0].numel() * first.element_size()
 
-    @property
-    def block_bytes(self) -> int:
-        return self._block_bytes
-
-    def read_blocks(self, block_ids: Sequence[int]) -> bytes:
+    def gather_kv_blocks(self, block_ids: Sequence[int]) -> bytes:
         ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self._device)
         buffer = self._ops.gather_kv_blocks(self._kv_caches, ids)
         return buffer.cpu().view(torch.uint8).numpy().tobytes()
 
-    def write_blocks(self, block_ids: Sequence[int], data: bytes) -> None:
+    def scatter_kv_blocks(self, block_ids: Sequence[int], data: bytes) -> None:
         shape = (len(self._kv_caches), 2, len(block_ids), *self._block_shape)
         buffer = _view_bytes(data, self._dtype).view(shape)
         if self._device.type != "cpu":
@@ -103,12 +95,16 @@ class LocalKvBlocks:
 class CacheBlockWriter:
     """Destination side (a KvBlockSink): payload bytes → the cache blocks a pull plan allocated.
 
-    `dest_block_ids[i]` receives transfer block `start_block + i`. Each write stores its payload before
-    returning (no await inside): a pull cancelled between chunks never leaves a write half done.
+    `dest_block_ids[i]` receives transfer block `start_block + i`; `block_bytes` is one block's share of a
+    payload (KvLayoutSpec.block_bytes). Each write stores its payload before returning (no await inside):
+    a pull cancelled between chunks never leaves a write half done.
     """
 
-    def __init__(self, store: KvBlockStore, dest_block_ids: Sequence[int], start_block: int) -> None:
+    def __init__(
+        self, store: KvBlockStore, block_bytes: int, dest_block_ids: Sequence[int], start_block: int
+    ) -> None:
         self._store = store
+        self._block_bytes = block_bytes
         self._dest = list(dest_block_ids)
         self._start = start_block
         self.blocks_written = 0
@@ -120,10 +116,10 @@ class CacheBlockWriter:
                 f"first_block: blocks [{first_block}, {first_block + num_blocks}) are outside the pull's "
                 f"[{self._start}, {self._start + len(self._dest)})"
             )
-        expected = num_blocks * self._store.block_bytes
+        expected = num_blocks * self._block_bytes
         if len(data) != expected:
             raise ValueError(f"data: {num_blocks} blocks take {expected} bytes, got {len(data)}")
-        self._store.write_blocks(self._dest[index : index + num_blocks], data)
+        self._store.scatter_kv_blocks(self._dest[index : index + num_blocks], data)
         self.blocks_written += num_blocks
 
 

@@ -1,5 +1,5 @@
 """The decode side on the event loop: one pull of a consume request, through a KvTransport, into this
-engine's cache blocks (a KvBlockStore).
+engine's cache blocks (its runner, a KvBlockStore).
 
 A pull never fails its request: every transfer error is logged and reported as None, and the engine then
 recomputes the prompt itself. After a failure other than NOT_FOUND (the source may still pin the blocks,
@@ -42,7 +42,7 @@ class KvPuller:
 
     async def pull(self, spec: KvPullSpec, dest_block_ids: Sequence[int]) -> KvPullResult | None:
         """Pull `spec`'s blocks into `dest_block_ids`; None when the transfer failed (logged)."""
-        writer = CacheBlockWriter(self._store, dest_block_ids, spec.start_block)
+        writer = CacheBlockWriter(self._store, spec.layout.block_bytes, dest_block_ids, spec.start_block)
         try:
             return await self.transport.pull(spec, writer)
         except KvTransferError as exc:

@@ -8,7 +8,8 @@ completed after the last chunk was handed to gRPC, failed if the puller went awa
 The registry belongs to the engine loop thread: every registry call goes through `run_on_engine`
 (AsyncEngine.run_sync in the engine) as a task that finishes even when the RPC is cancelled, and a pull
 whose start lands after its RPC was cancelled is finished too, so no pull is left holding its blocks.
-Gathering runs in a worker thread: pinned blocks are not written.
+Gathering runs in a worker thread: pinned blocks are not written (a worker-backed runner orders the
+gather with its steps itself).
 Errors abort the call with their status code here (the same codes server.status_for gives them).
 """
 
@@ -112,7 +113,7 @@ class KvTransferService:
                 yield pb.KvChunk(first_block=total, num_blocks=0, total_blocks=total)
             for first in range(request.start_block, total, self.blocks_per_chunk):
                 ids = transfer.block_ids[first : first + self.blocks_per_chunk]
-                data = await asyncio.to_thread(self._store.read_blocks, ids)
+                data = await asyncio.to_thread(self._store.gather_kv_blocks, ids)
                 yield pb.KvChunk(first_block=first, num_blocks=len(ids), total_blocks=total, data=data)
             completed = True
         finally:
