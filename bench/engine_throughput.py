@@ -1,38 +1,56 @@
 """Engine vs transformers generate() on the same weights, same requests, same run: output tokens/s.
 
     .venv/bin/python bench/engine_throughput.py [--model stories|110m|both] [--requests 64]
-                                                [--cpu-kernels auto torch]   # CPU ops side by side
+        [--tensor-parallel-size N] [--worker-process] [--num-threads T] [--skip-transformers]
+        [--cpu-kernels auto torch]   # CPU ops side by side
+    .venv/bin/python bench/engine_throughput.py --model 110m --compare-parallel [--requests 32] [--rounds 3]
 
-Also prints the share of engine step time spent in scheduling + block management (goal < 10%).
+Also prints the share of engine step time spent in scheduling + block management (goal < 10%), and,
+when the model runs in worker processes, the per-step cost of broadcasting the step to them.
+
+--compare-parallel runs, one after the other on the same requests: the model in process with two
+threads, in one worker process with two threads (the cost of the split), and two tensor-parallel
+workers with one thread each (TP=2 on two cores), interleaved over --rounds rounds, and prints the
+best and median of each and the ratios of the best runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from common import hf_static_batches, random_llama_110m, request_set, stories_path
 
-from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from conduit_engine.engine import LLMEngine
+from conduit_engine.parallel.worker_runner import BroadcastStats, WorkerRunner
 from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 
 
-def run_engine(folder, requests, max_num_seqs: int, cpu_kernels: str = "auto") -> tuple[int, float, float]:
-    engine = LLMEngine(
+def make_engine(
+    folder, max_num_seqs: int, parallel: ParallelConfig, threads: int, cpu_kernels: str = "auto"
+) -> LLMEngine:
+    return LLMEngine(
         EngineConfig(
-            model=ModelConfig(path=str(folder), cpu_kernels=cpu_kernels),
+            model=ModelConfig(path=str(folder), num_threads=threads, cpu_kernels=cpu_kernels),
             cache=CacheConfig(num_blocks=16 * max_num_seqs),  # 256 tokens per sequence
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
+            parallel=parallel,
         )
     )
-    # warm-up outside the timed region
+
+
+def run_engine(engine: LLMEngine, requests) -> tuple[int, float, float]:
+    """(output tokens, wall seconds, seconds outside the runner) for `requests`, after a warm-up."""
     engine.add_request(
         GenerationRequest("w", SamplingParams(max_tokens=4, temperature=0), token_ids=[1, 5, 6])
     )
     while engine.has_work():
         engine.step()
+    if isinstance(engine.runner, WorkerRunner):  # count the measured steps only
+        engine.runner.stats = BroadcastStats()
     start = time.perf_counter()
     for i, (prompt, max_tokens) in enumerate(requests):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -58,24 +76,84 @@ def run_engine(folder, requests, max_num_seqs: int, cpu_kernels: str = "auto") -
     return tokens, time.perf_counter() - start, step_time - model_time[0]
 
 
-def bench(name: str, folder, n: int, hf_batch: int, max_num_seqs: int, cpu_kernels: list[str]) -> None:
-    vocab = 512 if name == "stories260K" else 32000
-    requests = request_set(n, vocab)
-    h_tokens, h_time = hf_static_batches(folder, requests, hf_batch)
-    h_rate = h_tokens / h_time
-    print(
-        f"{name}: {n} requests, transformers generate() batch {hf_batch} {h_rate:,.0f} tok/s ({h_time:.1f} s)"
+def placement(parallel: ParallelConfig, threads: int, cpu_kernels: str) -> str:
+    per = f"{threads} thread{'s' if threads != 1 else ''}" if threads else "auto threads"
+    if parallel.tensor_parallel_size > 1:
+        where = f"TP={parallel.tensor_parallel_size} workers, {per} each"
+    else:
+        where = f"TP=1 {'worker process' if parallel.worker_process else 'in process'}, {per}"
+    return f"{where}, --cpu-kernels {cpu_kernels}"
+
+
+def measure(
+    folder, requests, max_num_seqs: int, parallel: ParallelConfig, threads: int, cpu_kernels: str
+) -> tuple[float, str]:
+    """(tok/s, a line describing the run) of one engine configuration."""
+    engine = make_engine(folder, max_num_seqs, parallel, threads, cpu_kernels)
+    try:
+        tokens, seconds, outside = run_engine(engine, requests)
+        stats = engine.runner.stats if isinstance(engine.runner, WorkerRunner) else None
+    finally:
+        engine.shutdown()
+    rate = tokens / seconds
+    line = (
+        f"{placement(parallel, threads, cpu_kernels)}: {rate:,.1f} tok/s ({tokens} tokens, {seconds:.1f} s); "
+        f"scheduling + block management + postprocess {100 * outside / seconds:.1f}% of engine time"
     )
-    first = None
-    for choice in cpu_kernels:
-        e_tokens, e_time, e_sched = run_engine(folder, requests, max_num_seqs, choice)
-        e_rate = e_tokens / e_time
-        first = first or e_rate
+    if stats is not None:
+        line += f"\n    step broadcast: {stats.describe()}"
+    return rate, line
+
+
+def bench(name: str, folder, args: argparse.Namespace) -> None:
+    """The engine once per --cpu-kernels choice (side by side), then transformers unless skipped."""
+    vocab = 512 if name == "stories260K" else 32000
+    requests = request_set(args.requests, vocab)
+    parallel = ParallelConfig(args.tensor_parallel_size, args.worker_process)
+    print(f"{name}: {args.requests} requests")
+    rates = []
+    for choice in args.cpu_kernels:
+        rate, line = measure(folder, requests, args.max_num_seqs, parallel, args.num_threads, choice)
+        rates.append(rate)
+        print(f"  engine {line} | ÷ first engine run {rate / rates[0]:.2f}x", flush=True)
+    if args.skip_transformers:
+        return
+    h_tokens, h_time = hf_static_batches(folder, requests, args.hf_batch)
+    h_rate = h_tokens / h_time
+    ratios = ", ".join(f"{k} {r / h_rate:.2f}x" for k, r in zip(args.cpu_kernels, rates, strict=True))
+    print(
+        f"  transformers generate() batch {args.hf_batch} {h_rate:,.1f} tok/s ({h_time:.1f} s) | "
+        f"engine / transformers: {ratios}"
+    )
+
+
+def compare_parallel(name: str, folder, args: argparse.Namespace) -> None:
+    """TP=1 in process (2 threads), TP=1 in a worker process (2 threads), TP=2 (1 thread per worker),
+    interleaved over `args.rounds` rounds (other load on the machine hits all three alike), on the first
+    --cpu-kernels choice."""
+    vocab = 512 if name == "stories260K" else 32000
+    requests = request_set(args.requests, vocab)
+    kernels = args.cpu_kernels[0]
+    runs = [(ParallelConfig(1, False), 2), (ParallelConfig(1, True), 2), (ParallelConfig(2, False), 1)]
+    rates: list[list[float]] = [[] for _ in runs]
+    print(f"{name}: {args.requests} requests, max_num_seqs {args.max_num_seqs}, {args.rounds} round(s)")
+    for round_index in range(args.rounds):
+        for i, (parallel, threads) in enumerate(runs):
+            rate, line = measure(folder, requests, args.max_num_seqs, parallel, threads, kernels)
+            rates[i].append(rate)
+            print(f"  round {round_index + 1}: {line}", flush=True)
+    # Other processes on the machine only ever slow a run down: the best run is the least disturbed.
+    best = [max(r) for r in rates]
+    for (parallel, threads), runs_of in zip(runs, rates, strict=True):
+        spread = ", ".join(f"{r:,.1f}" for r in runs_of)
         print(
-            f"  engine (--cpu-kernels {choice}) {e_rate:,.0f} tok/s ({e_tokens} tokens, {e_time:.1f} s) | "
-            f"÷ transformers {e_rate / h_rate:.2f}x | ÷ first engine run {e_rate / first:.2f}x | "
-            f"scheduling + block management + postprocess: {100 * e_sched / e_time:.1f}% of engine time"
+            f"  {placement(parallel, threads, kernels)}: best {max(runs_of):,.1f}, median "
+            f"{statistics.median(runs_of):,.1f} tok/s (runs: {spread})"
         )
+    print(
+        f"  best of each: worker process / in process {best[1] / best[0]:.3f}x | "
+        f"TP=2 (1 thread each) / TP=1 (2 threads) {best[2] / best[0]:.3f}x"
+    )
 
 
 def main() -> None:
@@ -84,15 +162,21 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--worker-process", action="store_true")
+    parser.add_argument("--num-threads", type=int, default=0, help="torch threads (per worker); 0 = auto")
+    parser.add_argument("--skip-transformers", action="store_true", help="the engine only")
+    parser.add_argument(
+        "--compare-parallel", action="store_true", help="TP=1, worker process, TP=2 side by side"
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="--compare-parallel: interleaved rounds")
     parser.add_argument("--cpu-kernels", nargs="+", default=["auto"], help="CPU ops to run, side by side")
     args = parser.parse_args()
-    kernels = args.cpu_kernels
+    run = compare_parallel if args.compare_parallel else bench
     if args.model in ("stories", "both"):
-        bench("stories260K", stories_path(), args.requests, args.hf_batch, args.max_num_seqs, kernels)
+        run("stories260K", stories_path(), args)
     if args.model in ("110m", "both"):
-        bench(
-            "random-llama-110M", random_llama_110m(), args.requests, args.hf_batch, args.max_num_seqs, kernels
-        )
+        run("random-llama-110M", random_llama_110m(), args)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,15 @@ from conduit_common.env_flags import apply_env_defaults, describe_env, env_name
 from conduit_common.secret_files import SecretFileError
 from conduit_engine.config import (
     CacheConfig,
+    DisaggregationConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SecurityConfig,
     ServerConfig,
 )
-from conduit_engine.errors import ModelLoadError
+from conduit_engine.errors import ModelLoadError, WorkerFailedError
 
 
 def _bool(value: str) -> bool:
@@ -66,10 +68,27 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--enable-prefix-caching", _bool, True, "reuse cached KV blocks of shared prompt prefixes"),
     ("--enable-chunked-prefill", _bool, True, "split long prompts over several steps"),
     ("--enforce-eager", _bool, False, "on cuda: do not capture CUDA graphs"),
+    (
+        "--tensor-parallel-size",
+        int,
+        1,
+        "shard the model over this many worker processes (one per GPU on cuda; gloo between CPU processes)",
+    ),
+    ("--worker-process", _bool, False, "with --tensor-parallel-size 1: run the model in a worker process"),
     ("--drain-seconds", float, 30.0, "on SIGTERM, how long in-flight streams may finish"),
     ("--grpc-max-message-bytes", int, 64 * 1024 * 1024, "largest gRPC message sent or received"),
     ("--grpc-keepalive", float, 30.0, "HTTP/2 keepalive ping period towards clients, seconds"),
     ("--grpc-min-ping-interval", float, 5.0, "clients may ping no more often than this, seconds"),
+    ("--role", str, "both", "both | prefill | decode: the sides of disaggregated requests it serves"),
+    (
+        "--advertise-address",
+        str,
+        None,
+        "HOST:PORT other engines pull KV from (default: --host:--port; the host name when --host is 0.0.0.0)",
+    ),
+    ("--kv-transfer-lease-seconds", float, 30.0, "how long a prefill's KV stays pinned for a decode engine"),
+    ("--kv-transfer-chunk-bytes", int, 4 * 1024 * 1024, "KV bytes per PullKv message (whole blocks)"),
+    ("--kv-transfer-timeout", float, 60.0, "deadline of one KV pull from a prefill engine, seconds"),
     ("--tls-cert", str, None, "PEM server certificate (chain): serve gRPC over TLS (with --tls-key)"),
     ("--tls-key", str, None, "PEM private key of --tls-cert"),
     ("--tls-client-ca", str, None, "PEM CA: require client certificates it signed (mTLS)"),
@@ -147,6 +166,16 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             keepalive_seconds=args.grpc_keepalive,
             min_ping_interval_seconds=args.grpc_min_ping_interval,
         ),
+        disaggregation=DisaggregationConfig(
+            role=args.role,
+            advertise_address=args.advertise_address,
+            lease_seconds=args.kv_transfer_lease_seconds,
+            chunk_bytes=args.kv_transfer_chunk_bytes,
+            pull_timeout_seconds=args.kv_transfer_timeout,
+        ),
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size, worker_process=args.worker_process
+        ),
         security=SecurityConfig(
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
@@ -188,6 +217,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(2)
     except SecretFileError as exc:
         parser.error(str(exc))
+    except WorkerFailedError as exc:
+        # Non-zero, so that a supervisor (Kubernetes) restarts the engine with fresh workers.
+        logging.getLogger("conduit_engine").error("the engine stopped: %s", exc)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

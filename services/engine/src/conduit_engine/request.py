@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from conduit_engine.kv_transfer.params import KvConsume
+from conduit_engine.kv_transfer.registry import KvTransfer
 from conduit_engine.sampling import TokenLogprobs
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.sequence import FinishReason
@@ -24,6 +26,14 @@ class GenerationRequest:
     tools: list[Any] | None = None  # with messages: given to the chat template as `tools`
     documents: list[Any] | None = None  # with messages: given to the chat template as `documents`
     priority: int = 0
+    # Disaggregation (at most one): run only the prefill side and hand the KV off, or only the decode side.
+    kv_produce: bool = False
+    kv_consume: KvConsume | None = None
+
+    @property
+    def num_choices(self) -> int:
+        """Choices this engine runs: all n, or on the decode side those the prefill left running."""
+        return len(self.kv_consume.first_tokens) if self.kv_consume is not None else self.params.n
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +60,7 @@ class RequestOutput:
     prompt_token_ids: list[int] | None = None  # on the first output of the request
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the first output, when asked for
     error: str | None = None  # with FinishReason.ERROR: what failed (a message, never a traceback)
+    kv_transfer: KvTransfer | None = None  # with FinishReason.KV_HANDOFF: the KV a decode engine pulls
 
     def merged_with(self, later: RequestOutput) -> RequestOutput:
         """This output followed by `later`, the next output of the same choice, as one output: what a
@@ -68,4 +79,5 @@ class RequestOutput:
             prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=self.prompt_logprobs,
             error=later.error,
+            kv_transfer=later.kv_transfer,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conduit_engine.kv_transfer.registry import KvTransfer
 from conduit_engine.request import RequestOutput, Usage
 from conduit_engine.sampling import TokenLogprobs
 from conduit_engine.sequence import Sequence
@@ -15,9 +16,11 @@ from conduit_engine.stop_rules import StopRules
 class RequestState:
     request_id: str
     prompt_token_ids: list[int]
-    seqs: list[Sequence]  # one per choice, indexed by choice
-    stop_rules: list[StopRules]  # one per choice
+    seqs: list[Sequence]  # one per choice this engine runs, by choice index (the decode side may skip some)
+    stop_rules: dict[int, StopRules]  # choice index → its stop rules
     sent_first: bool = False
+    kv_produce: bool = False  # prefill side of a disaggregated request: choices end at their first token
+    kv_transfer: KvTransfer | None = None  # the prompt's KV pinned for a decode engine (kv_produce)
     # Prompt logprobs computed so far (choice 0 computes them for all); sent on the first output.
     pending_prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
@@ -39,6 +42,7 @@ class RequestState:
         text: str,
         logprobs: list[TokenLogprobs],
         error: str | None = None,
+        kv_transfer: KvTransfer | None = None,
     ) -> RequestOutput:
         """The output of `seq`'s new tokens (final when the sequence has finished)."""
         finished = seq.is_finished
@@ -54,6 +58,7 @@ class RequestState:
             stop_string=seq.stop_string if finished else None,
             stop_token_id=seq.stop_token_id if finished else None,
             error=error,
+            kv_transfer=kv_transfer,
         )
         if not self.sent_first:
             self.sent_first = True

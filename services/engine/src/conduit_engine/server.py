@@ -1,4 +1,7 @@
-"""Thin grpc.aio servicer: proto → domain objects → engine → proto, plus health, reflection and drain."""
+"""Thin grpc.aio servicer: proto → domain objects → engine → proto, plus health, reflection and drain.
+
+PullKv and ReleaseKv (engine to engine, for disaggregation) delegate to `kv_transfer.service`.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import asyncio
 import gc
 import logging
 import signal
+import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -24,7 +28,13 @@ from conduit_engine.errors import (
     EngineUnavailableError,
     InvalidRequestError,
     QueueFullError,
+    WorkerFailedError,
 )
+from conduit_engine.kv_transfer.errors import KvTransferError
+from conduit_engine.kv_transfer.proto import handle_to_pb, layout_to_pb
+from conduit_engine.kv_transfer.registry import KvTransfer
+from conduit_engine.kv_transfer.service import KvTransferService
+from conduit_engine.parallel.worker_group import WorkerGroup
 from conduit_engine.proto_mapping import (
     messages_from_pb,
     output_to_pb,
@@ -33,12 +43,13 @@ from conduit_engine.proto_mapping import (
 )
 from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
-from conduit_engine.server_security import ServerSecurity
+from conduit_engine.server_security import ServerSecurity, engine_dialer
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Engine"].full_name
 _METHOD_PREFIX = f"/{SERVICE_NAME}/"
+_ROLES = {"both": pb.ENGINE_ROLE_BOTH, "prefill": pb.ENGINE_ROLE_PREFILL, "decode": pb.ENGINE_ROLE_DECODE}
 
 
 class ModelNotFoundError(EngineError):
@@ -47,6 +58,8 @@ class ModelNotFoundError(EngineError):
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The one place engine errors become gRPC status codes."""
+    if isinstance(exc, KvTransferError):
+        return grpc.StatusCode[exc.grpc_code]
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, QueueFullError):
@@ -143,9 +156,21 @@ class EngineServicer(pb_grpc.EngineServicer):
     def __init__(self, device: str) -> None:
         self.device = device
         self._async_engine: AsyncEngine | None = None
+        self._kv_service: KvTransferService | None = None
+        self.advertise_address = ""
         self.ready = False
 
-    def attach(self, async_engine: AsyncEngine) -> None:
+    def attach(self, async_engine: AsyncEngine, advertise_address: str, max_message_bytes: int) -> None:
+        core = async_engine.core
+        self._kv_service = KvTransferService(
+            core.kv_registry,
+            core.runner,
+            core.kv_layout,
+            run_on_engine=async_engine.run_sync,
+            chunk_bytes=core.config.disaggregation.chunk_bytes,
+            max_message_bytes=max_message_bytes,
+        )
+        self.advertise_address = advertise_address
         self._async_engine = async_engine
 
     @property
@@ -173,7 +198,28 @@ class EngineServicer(pb_grpc.EngineServicer):
             req.request_id = _metadata_request_id(context) or req.request_id
         decode = self.core.tokenizer.token_text
         async for out in self.async_engine.generate(req):
-            yield output_to_pb(out, decode)
+            yield output_to_pb(out, decode, self._handle)
+
+    def _handle(self, transfer: KvTransfer) -> pb.KvHandle:
+        return handle_to_pb(transfer, self.advertise_address, self.core.kv_layout)
+
+    @property
+    def kv_service(self) -> KvTransferService:
+        if self._kv_service is None:
+            raise EngineUnavailableError("the engine is still loading the model")
+        return self._kv_service
+
+    async def PullKv(
+        self, request: pb.PullKvRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KvChunk]:
+        # Served while draining too: decode engines still pull the transfers produced here.
+        async for chunk in self.kv_service.pull_kv(request, context):
+            yield chunk
+
+    async def ReleaseKv(
+        self, request: pb.ReleaseKvRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseKvResponse:
+        return await self.kv_service.release_kv(request, context)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:
@@ -214,6 +260,9 @@ class EngineServicer(pb_grpc.EngineServicer):
             max_num_seqs=core.config.scheduler.max_num_seqs,
             eos_token_ids=list(core.eos_token_ids),
             has_chat_template=core.tokenizer.chat_template is not None,
+            role=_ROLES[core.config.disaggregation.role],
+            kv_layout=layout_to_pb(core.kv_layout),
+            advertise_address=self.advertise_address,
         )
 
     async def GetLoad(
@@ -229,6 +278,10 @@ class EngineServicer(pb_grpc.EngineServicer):
             prefix_cache_hit_rate=stats.blocks.hit_rate,
             finished_requests=stats.finished_requests,
             generated_tokens=stats.generated_tokens,
+            kv_transfers_pending=stats.kv_transfers_pending,
+            kv_blocks_pinned=stats.blocks.pinned,
+            kv_bytes_pulled=stats.kv_bytes_pulled,
+            kv_bytes_saved=stats.kv_bytes_saved,
         )
 
 
@@ -246,11 +299,23 @@ async def warm_up(async_engine: AsyncEngine) -> None:
             raise EngineError(f"warm-up generation failed: {out.error}")
 
 
+# After a worker failure: how long the failed streams get to send their error before gRPC stops.
+_FAILED_STREAMS_GRACE_S = 2.0
+
+
 class EngineServer:
-    """Owns the grpc.aio server: start (NOT_SERVING) → load → warm up → SERVING → drain on signal."""
+    """Owns the grpc.aio server: start (NOT_SERVING) → load → warm up → SERVING → drain on signal.
+
+    With worker processes, they are spawned first, before this process creates any gRPC object. A
+    worker failure turns health to NOT_SERVING, lets the failed streams send their error, stops gRPC
+    and makes `serve` raise WorkerFailedError (the CLI then exits non-zero).
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        parallel = config.parallel
+        self.workers = WorkerGroup(parallel.tensor_parallel_size) if parallel.uses_workers else None
+        self.failure: str | None = None
         self.health = health.aio.HealthServicer()
         server = config.server
         options = [
@@ -261,6 +326,8 @@ class EngineServer:
             ("grpc.keepalive_permit_without_calls", 1),
         ]
         self.security = ServerSecurity(config.security)
+        # Towards other engines (PullKv, ReleaseKv): TLS and the token of the --engine-tls-* flags.
+        self.engine_dialer = engine_dialer(config.security)
         self.server = grpc.aio.server(
             interceptors=[*self.security.interceptors(), ErrorMappingInterceptor()], options=options
         )
@@ -281,6 +348,18 @@ class EngineServer:
         self.async_engine: AsyncEngine | None = None
         self._stop = asyncio.Event()
 
+    @property
+    def advertise_address(self) -> str:
+        """Where other engines reach this one (--advertise-address; else the bound host and port, with the
+        machine's host name for a wildcard host)."""
+        configured = self.config.disaggregation.advertise_address
+        if configured is not None:
+            return configured
+        host = self.config.server.host
+        if host in ("", "0.0.0.0", "::", "[::]"):
+            host = socket.gethostname()
+        return f"{host}:{self.port}"
+
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
@@ -296,14 +375,26 @@ class EngineServer:
         )
         loop = asyncio.get_running_loop()
         try:
-            core = await loop.run_in_executor(None, LLMEngine, self.config)
+            core = await loop.run_in_executor(None, LLMEngine, self.config, self.workers)
         except BaseException:
             # A model that cannot load ends the process with a message: stop gRPC cleanly first.
+            if self.workers is not None:
+                self.workers.shutdown()
             await self.server.stop(grace=None)
             raise
-        self.async_engine = AsyncEngine(core)
-        self.servicer.attach(self.async_engine)
-        await warm_up(self.async_engine)
+        self.async_engine = AsyncEngine(
+            core,
+            on_fatal=lambda reason: loop.call_soon_threadsafe(self._fatal, reason),
+            max_message_bytes=self.config.server.max_message_bytes,
+            dialer=self.engine_dialer,
+        )
+        self.servicer.attach(self.async_engine, self.advertise_address, self.config.server.max_message_bytes)
+        try:
+            await warm_up(self.async_engine)
+        except BaseException:
+            await self.server.stop(grace=None)
+            self.async_engine.shutdown()
+            raise
         # What is alive now (the model, torch, transformers) lives as long as the process: keep the
         # garbage collector from walking it again in every full collection during serving.
         gc.freeze()
@@ -317,18 +408,51 @@ class EngineServer:
         if self.async_engine is not None:
             self.async_engine.start_draining()
             deadline = asyncio.get_running_loop().time() + self.config.server.drain_seconds
-            while self.async_engine.num_active and asyncio.get_running_loop().time() < deadline:
+            while await self._busy() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.1)
+        await self.server.stop(grace=1.0)
+        if self.async_engine is not None:
+            await self.async_engine.close_transport()
+            self.async_engine.shutdown()
+
+    async def _busy(self) -> bool:
+        """Streams still running, or KV transfers produced here that a decode engine has yet to pull."""
+        assert self.async_engine is not None
+        if self.async_engine.num_active:
+            return True
+        return (await self.async_engine.stats()).kv_transfers_pending > 0
+
+    def _reload(self) -> None:
+        """SIGHUP: re-read this engine's certificate and token, and the token it presents to others."""
+        self.security.reload()
+        if self.engine_dialer.reload():
+            log.info("SIGHUP: re-read the token presented to other engines")
+
+    def _fatal(self, reason: str) -> None:
+        self.failure = reason
+        self._stop.set()
+
+    async def stop_after_failure(self) -> None:
+        """NOT_SERVING at once; the failed streams send their error (briefly); then stop everything."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _FAILED_STREAMS_GRACE_S
+        while self.async_engine is not None and self.async_engine.num_active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         await self.server.stop(grace=1.0)
         if self.async_engine is not None:
             self.async_engine.shutdown()
 
     async def serve(self) -> None:
+        """Serve until a signal (drain, then return) or a worker failure (raises WorkerFailedError)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
-        loop.add_signal_handler(signal.SIGHUP, self.security.reload)
+        loop.add_signal_handler(signal.SIGHUP, self._reload)
         await self.start()
         await self._stop.wait()
+        if self.failure is not None:
+            await self.stop_after_failure()
+            raise WorkerFailedError(self.failure)
         log.info("signal received: draining")
         await self.drain_and_stop()

@@ -1,15 +1,26 @@
-"""A linear projection through the ops backend, so a backend can run its own GEMM/GEMV kernels.
+"""Linear projections through the ops backend, so a backend can run its own GEMM/GEMV kernels (the CPU
+kernels prepack every weight once loading finishes: `Ops.prepare_linear`).
 
-Its parameters are named and shaped as nn.Linear's (`weight` [out, in], optional `bias` [out]), so
-checkpoints load into it unchanged; TorchOps computes it with F.linear, the reference.
+`Linear` is the plain projection, and the column-parallel one (qkv_proj, gate_up_proj): a sharded model
+builds it with this rank's output features, so it needs no communication. `RowParallelLinear` (o_proj,
+down_proj): each rank multiplies its slice of the input features, an all-reduce sums the partial outputs,
+then the bias is added once; without a communicator (the model runs whole) it is exactly `Linear`.
+
+Parameters are named and shaped as nn.Linear's (`weight` [out, in], optional `bias` [out]), so
+checkpoints load into them unchanged; TorchOps computes them with F.linear, the reference.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from conduit_engine.ops import Ops
+
+if TYPE_CHECKING:
+    from conduit_engine.parallel.comm import Communicator
 
 
 class Linear(nn.Module):
@@ -31,3 +42,20 @@ class Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         )
+
+
+class RowParallelLinear(Linear):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, ops: Ops, comm: Communicator | None = None
+    ) -> None:
+        super().__init__(in_features, out_features, bias, ops)
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            return self.ops.linear(x, self.weight, self.bias)
+        out = self.ops.linear(x, self.weight)
+        self.comm.all_reduce(out)
+        if self.bias is not None:
+            out += self.bias
+        return out

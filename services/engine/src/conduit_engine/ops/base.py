@@ -112,6 +112,10 @@ class Ops(ABC):
 
     name: str = "abstract"
 
+    def describe(self) -> str:
+        """How this backend runs, for the start-up log (and the workers' load reports)."""
+        return f"{self.name} ops"
+
     def begin_step(
         self, positions: torch.Tensor, meta: AttentionMetadata, cos_sin_cache: torch.Tensor
     ) -> StepContext:

@@ -4,12 +4,16 @@ The extension is compiled by `torch.utils.cpp_extension` (g++ and ninja) into a 
 digest of the sources, the torch version and the flags, inside the virtualenv (`<sys.prefix>/conduit-cpu-
 kernels`, else `~/.cache/conduit/cpu-kernels` when the environment is read-only). `make venv` builds it
 (`python -m conduit_engine.ops.cpu_kernels`); a later start only imports the built library, so a machine
-(or image) without a compiler runs it too. When it cannot be built or loaded, `CpuKernelsUnavailable`
-says why and the engine runs the torch ops instead.
+(or image) without a compiler runs it too. Processes that start at once on a fresh checkout (tensor-
+parallel workers, test servers) build it once between them: one compiles into a private folder under a
+file lock and publishes it with a rename, the others wait and import it. When it cannot be built or
+loaded, `CpuKernelsUnavailable` says why and the engine runs the torch ops instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -17,7 +21,9 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -79,15 +85,48 @@ def _writable(root: Path) -> bool:
     return os.access(root, os.W_OK)
 
 
-def _build(name: str, folder: Path) -> ModuleType:
-    missing = [tool for tool in ("g++",) if shutil.which(tool) is None]
-    if missing:
-        raise CpuKernelsUnavailable(f"no C++ compiler ({', '.join(missing)}) to build kernels/cpu")
+@contextlib.contextmanager
+def _build_lock(root: Path) -> Iterator[None]:
+    """One builder at a time per build folder, across processes (engines, tensor-parallel workers and
+    test servers may all start on a fresh checkout at once); the others wait, then import its build."""
+    with open(root / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build(name: str, root: Path) -> ModuleType:
+    """Build `name` into `root/name`: compiled in a private folder, then published by one rename, so
+    another process never sees a half-written library; under `_build_lock`, so it is built once."""
+    if shutil.which("g++") is None:
+        raise CpuKernelsUnavailable("no C++ compiler (g++) to build kernels/cpu")
+    with _build_lock(root):
+        folder = root / name
+        library = folder / f"{name}.so"
+        if library.is_file():  # another process built it while this one waited
+            return _import(name, library)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+        try:
+            module = _compile(name, scratch)
+            shutil.rmtree(folder, ignore_errors=True)  # what an interrupted build may have left
+            os.rename(scratch, folder)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        for stale in root.glob("conduit_cpu_kernels_*"):  # builds of earlier sources
+            if stale != folder:
+                shutil.rmtree(stale, ignore_errors=True)
+    return module
+
+
+def _compile(name: str, folder: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
-    folder.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    log.info("building the CPU kernels (kernels/cpu) into %s, once per version (about a minute)", folder)
+    log.info(
+        "building the CPU kernels (kernels/cpu) for %s, once per version (about a minute)", folder.parent
+    )
     path = os.environ.get("PATH", "")
     # ninja from the `ninja` wheel sits beside this interpreter, which may not be on PATH
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{path}"
@@ -104,9 +143,6 @@ def _build(name: str, folder: Path) -> ModuleType:
     finally:
         os.environ["PATH"] = path
     log.info("built the CPU kernels in %.0f s", time.monotonic() - started)
-    for stale in folder.parent.glob("conduit_cpu_kernels_*"):  # builds of earlier sources
-        if stale != folder:
-            shutil.rmtree(stale, ignore_errors=True)
     return module
 
 
@@ -132,7 +168,7 @@ def load(build: bool = True) -> ModuleType:
     root = next((r for r in _build_roots() if _writable(r)), None)
     if root is None:
         raise CpuKernelsUnavailable(f"no writable folder to build kernels/cpu in ({_build_roots()})")
-    return _build(name, root / name)
+    return _build(name, root)
 
 
 def supported_isas() -> tuple[str, ...]:

@@ -42,6 +42,9 @@ class CpuOps(TorchOps):
         # Prepacked linear weights (kernels/cpu/common.h panels), by the address of the weight's data.
         self._packed: dict[int, object] = {}
 
+    def describe(self) -> str:
+        return f"cpu kernels ({self.isa}), {len(self._packed)} weights prepacked"
+
     def compile_decoder(self, layers: Sequence[DecoderLayerSpec]) -> DecoderRunner:
         """All layers as one C++ call per step (kernels/cpu/decoder.cpp), composing these same kernels."""
         stack = self._k.decoder_stack([self._layer_weights(spec) for spec in layers])
