@@ -20,8 +20,9 @@ from test_ops_emulated import (
     TOL,
     PagedBatch,
     _check_attention,
+    _check_rotary_on_fused_qkv,
+    _check_write_kv,
     _cos_sin_cache,
-    _meta_for_tokens,
     _rand,
     step,
 )
@@ -193,16 +194,7 @@ def test_gated_activations_match_reference(ops, op, dtype, tokens, inter):
     "tokens,heads,kv_heads,head_dim", [(1, 8, 4, 8), (9, 4, 1, 64), (3, 8, 8, 128), (2, 2, 1, 6)]
 )
 def test_rotary_on_fused_qkv_views_matches_reference(ops, dtype, tokens, heads, kv_heads, head_dim):
-    gen = torch.Generator().manual_seed(tokens + heads + head_dim)
-    qkv = _rand(gen, tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
-    positions = torch.randint(0, 300, (tokens,), generator=gen)
-    cache = _cos_sin_cache(300, head_dim)
-    ref_qkv = qkv.clone()
-    for buf, backend in ((qkv, ops), (ref_qkv, REF)):
-        q = buf[:, : heads * head_dim].view(tokens, heads, head_dim)
-        k = buf[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-        backend.rotary_embedding(q, k, backend.begin_step(positions, _meta_for_tokens(tokens), cache))
-    torch.testing.assert_close(qkv, ref_qkv, **TOL[dtype])  # v is untouched in both
+    _check_rotary_on_fused_qkv(ops, dtype, tokens, heads, kv_heads, head_dim)
 
 
 def test_rotary_refuses_positions_outside_the_table(ops):
@@ -213,17 +205,7 @@ def test_rotary_refuses_positions_outside_the_table(ops):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_write_kv_skips_negative_slots_and_reads_strided_views(ops, dtype):
-    gen = torch.Generator().manual_seed(11)
-    num_blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 2, 16, 7
-    kv = _rand(gen, tokens, 2 * kv_heads * head_dim, dtype=dtype)
-    k = kv[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
-    v = kv[:, kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
-    slots = torch.tensor([0, 5, -1, 23, 12, -1, 3])
-    caches = [_rand(gen, num_blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2)]
-    ref = [c.clone() for c in caches]
-    ops.write_kv(k, v, caches[0], caches[1], slots)
-    REF.write_kv(k, v, ref[0], ref[1], slots)
-    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+    k, v, caches = _check_write_kv(ops, dtype)
     with pytest.raises(RuntimeError, match=r"write_kv: slot 24 outside \[-1, 24\)"):
         ops.write_kv(k[:1], v[:1], caches[0], caches[1], torch.tensor([24]))
 

@@ -108,23 +108,29 @@ def _cos_sin_cache(max_positions: int, head_dim: int) -> torch.Tensor:
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 8, 4, 8), (9, 4, 1, 64), (3, 8, 8, 128)])
-def test_rotary_on_fused_qkv_views_matches_reference(launcher, dtype, tokens, heads, kv_heads, head_dim):
+def _check_rotary_on_fused_qkv(ops: Ops, dtype, tokens: int, heads: int, kv_heads: int, head_dim: int):
+    """`ops.rotary_embedding` on q/k views of a fused qkv row against TorchOps' (also run by test_cpu_ops)."""
     gen = torch.Generator().manual_seed(tokens + heads + head_dim)
     qkv = _rand(gen, tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
     positions = torch.randint(0, 300, (tokens,), generator=gen)
     cache = _cos_sin_cache(300, head_dim)
     ref_qkv = qkv.clone()
-    for buf, ops in ((qkv, _ops(launcher)), (ref_qkv, REF)):
+    for buf, backend in ((qkv, ops), (ref_qkv, REF)):
         q = buf[:, : heads * head_dim].view(tokens, heads, head_dim)
         k = buf[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-        ops.rotary_embedding(q, k, ops.begin_step(positions, _meta_for_tokens(tokens), cache))
+        backend.rotary_embedding(q, k, backend.begin_step(positions, _meta_for_tokens(tokens), cache))
     torch.testing.assert_close(qkv, ref_qkv, **TOL[dtype])  # v is untouched in both
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_write_kv_skips_negative_slots_and_reads_strided_views(launcher, dtype):
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 8, 4, 8), (9, 4, 1, 64), (3, 8, 8, 128)])
+def test_rotary_on_fused_qkv_views_matches_reference(launcher, dtype, tokens, heads, kv_heads, head_dim):
+    _check_rotary_on_fused_qkv(_ops(launcher), dtype, tokens, heads, kv_heads, head_dim)
+
+
+def _check_write_kv(ops: Ops, dtype) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """`ops.write_kv` of strided k/v views, some slots -1, against TorchOps' (also run by test_cpu_ops);
+    returns k, v and the caches written."""
     gen = torch.Generator().manual_seed(11)
     num_blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 2, 16, 7
     kv = _rand(gen, tokens, 2 * kv_heads * head_dim, dtype=dtype)
@@ -133,9 +139,15 @@ def test_write_kv_skips_negative_slots_and_reads_strided_views(launcher, dtype):
     slots = torch.tensor([0, 5, -1, 23, 12, -1, 3])
     caches = [_rand(gen, num_blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2)]
     ref = [c.clone() for c in caches]
-    _ops(launcher).write_kv(k, v, caches[0], caches[1], slots)
+    ops.write_kv(k, v, caches[0], caches[1], slots)
     REF.write_kv(k, v, ref[0], ref[1], slots)
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+    return k, v, caches
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_write_kv_skips_negative_slots_and_reads_strided_views(launcher, dtype):
+    _check_write_kv(_ops(launcher), dtype)
 
 
 # ---- attention -----------------------------------------------------------------------------------------

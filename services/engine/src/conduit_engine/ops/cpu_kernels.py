@@ -110,6 +110,7 @@ def _build(name: str, root: Path) -> ModuleType:
         scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
         try:
             module = _compile(name, scratch)
+            scratch.chmod(0o755)  # mkdtemp's 0700 would hide it from an image's non-root runtime user
             shutil.rmtree(folder, ignore_errors=True)  # what an interrupted build may have left
             os.rename(scratch, folder)
         finally:
