@@ -132,14 +132,42 @@ def request(url: str, endpoint: str, arguments: dict[str, Any]) -> Any:
         return _comparable(result.model_dump())
 
 
-def _by_choice(chunks: list[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]]:
-    """Streamed chunks per choice, in order (how choices interleave depends on batching), and the usage
-    chunk."""
+def _by_choice(chunks: list[dict[str, Any]]) -> dict[Any, dict[str, Any]]:
+    """Streamed chunks per choice, each choice's joined into one (`_joined`), and the usage chunk. How
+    choices interleave depends on batching, and how a choice's tokens split into chunks on how fast this
+    client reads (the engine merges what waits for a slow reader: async_engine), so neither is compared;
+    everything the chunks say is."""
     grouped: dict[Any, list[dict[str, Any]]] = {}
     for chunk in chunks:
         key = chunk["choices"][0]["index"] if chunk["choices"] else "usage"
         grouped.setdefault(key, []).append(chunk)
-    return grouped
+    return {key: _joined(group) for key, group in grouped.items()}
+
+
+def _joined(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One choice's chunks (or the usage chunk) as one chunk: their choice's strings (text, delta content,
+    role, the one finish reason) and lists (logprobs) concatenated in order, dicts joined key by key, any
+    other value the same in every chunk; outside the choice every chunk is the same."""
+    outside = [{key: value for key, value in chunk.items() if key != "choices"} for chunk in chunks]
+    assert all(fields == outside[0] for fields in outside), outside
+    choices = [chunk["choices"] for chunk in chunks]
+    joined = choices[0]
+    for more in choices[1:]:
+        joined = [_join(a, b) for a, b in zip(joined, more, strict=True)]
+    return {**chunks[0], "choices": joined}
+
+
+def _join(a: Any, b: Any) -> Any:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {key: _join(a.get(key), b.get(key)) for key in dict.fromkeys([*a, *b])}
+    if isinstance(a, list) and isinstance(b, list):
+        return a + b
+    if a is None or b is None:
+        return a if b is None else b
+    if isinstance(a, str) and isinstance(b, str):
+        return a + b
+    assert a == b, (a, b)
+    return a
 
 
 def _comparable(body: dict[str, Any]) -> dict[str, Any]:

@@ -95,7 +95,6 @@ class LongStream:
     def __init__(self, url: str) -> None:
         self.tokens: int | None = None
         self.finish_reason: str | None = None
-        self.started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(url,), daemon=True)
         self._thread.start()
 
@@ -111,7 +110,6 @@ class LongStream:
                 extra_body={"ignore_eos": True},
             )
             for chunk in stream:
-                self.started.set()
                 if chunk.choices and chunk.choices[0].finish_reason:
                     self.finish_reason = chunk.choices[0].finish_reason
                 if chunk.usage is not None:
@@ -123,25 +121,31 @@ class LongStream:
         return self.tokens, self.finish_reason
 
 
-def _streaming_node(url: str, stream: LongStream, fleet) -> str:
-    """The node serving `stream`, paused (SIGSTOP) so that the stream stays open however fast the
-    engine is; the other engines are paused only while it is found."""
-    assert stream.started.wait(timeout=60)
+def _streaming_node(url: str, fleet) -> tuple[LongStream, str]:
+    """A long stream and the node serving it, paused (SIGSTOP) from before the stream was sent, so that
+    the stream stays open however fast the engine is (on the CPU kernels it can finish 480 tokens before
+    a pause sent after its first token lands); the other engines are paused only while it is found."""
     for index in range(len(fleet.addresses)):
         fleet.pause(index)
-    (address,) = [address for address, node in nodes(url).items() if node["in_flight"] == 1]
+    try:
+        stream = LongStream(url)
+        wait_for(lambda: any(node["in_flight"] == 1 for node in nodes(url).values()), "the stream routed")
+        (address,) = [address for address, node in nodes(url).items() if node["in_flight"] == 1]
+    except BaseException:
+        for index in range(len(fleet.addresses)):
+            fleet.resume(index)
+        raise
     for index in range(len(fleet.addresses)):
         if index != fleet.index_of(address):
             fleet.resume(index)
-    return address
+    return stream, address
 
 
 @pytest.mark.parametrize("how", ["drain", "remove"])
 def test_drained_or_removed_node_finishes_its_stream_and_gets_no_new_requests(fleet, make_gateway, how):
     gateway = make_gateway(fleet.addresses)
     before = fleet.finished()
-    stream = LongStream(gateway.url)
-    address = _streaming_node(gateway.url, stream, fleet)
+    stream, address = _streaming_node(gateway.url, fleet)
     index = fleet.index_of(address)
     try:
         with admin(gateway.url) as client:

@@ -76,7 +76,9 @@ def _common_length(a: list[int], b: list[int]) -> int:
 def test_least_load_sends_no_new_requests_to_a_busy_engine(fleet, make_gateway):
     gateway = make_gateway(fleet.addresses, routing="least_load", load_interval_s=0.2)
     busy = fleet.addresses[0]
-    # Six long generations straight to engine 0: two run, four wait (it batches two sequences).
+    # Sixteen long generations straight to engine 0: two run, fourteen wait (it batches two sequences);
+    # on the CPU kernels one pair of 480 tokens takes a fraction of a second, so eight pairs keep it
+    # visibly busy through the gateway's load polls and the eight requests below.
     calls = [
         fleet.stub(0).Generate(
             engine_pb2.GenerateRequest(
@@ -85,7 +87,7 @@ def test_least_load_sends_no_new_requests_to_a_busy_engine(fleet, make_gateway):
             ),
             timeout=300,
         )
-        for _ in range(6)
+        for _ in range(16)
     ]
     readers = [threading.Thread(target=_drain, args=(call,), daemon=True) for call in calls]
     for reader in readers:

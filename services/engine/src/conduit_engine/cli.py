@@ -129,23 +129,27 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
+def _model_config(args: argparse.Namespace) -> ModelConfig:
     if not args.model:
         raise ValueError("--model is required (or CONDUIT_MODEL)")
+    return ModelConfig(
+        path=args.model,
+        served_name=args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        num_threads=args.num_threads,
+        revision=args.revision,
+        download_dir=args.download_dir,
+        generation_config=args.generation_config,
+        cpu_kernels=args.cpu_kernels,
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(
-            path=args.model,
-            served_name=args.served_model_name,
-            device=args.device,
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            seed=args.seed,
-            num_threads=args.num_threads,
-            revision=args.revision,
-            download_dir=args.download_dir,
-            generation_config=args.generation_config,
-            cpu_kernels=args.cpu_kernels,
-        ),
+        model=_model_config(args),
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.kv_cache_blocks,
