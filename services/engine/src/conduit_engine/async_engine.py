@@ -7,6 +7,7 @@ synchronous engine is only ever touched by one thread. Outputs cross back in one
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -16,6 +17,7 @@ from typing import Any
 
 from conduit_engine.engine import EngineStats, LLMEngine
 from conduit_engine.errors import EngineUnavailableError
+from conduit_engine.observer import clock
 from conduit_engine.request import GenerationRequest, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,8 @@ class AsyncEngine:
         """
         if self._draining or self._stopping:
             raise EngineUnavailableError("the engine is draining and accepts no new requests")
+        if req.arrival_time is None:
+            req.arrival_time = clock()  # queue and first-token times count from here
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), open_choices=req.params.n)
         admitted: asyncio.Future[None] = loop.create_future()
@@ -118,17 +122,33 @@ class AsyncEngine:
 
     async def run_sync(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread between steps (for reads that must not race a step)."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
+        return await asyncio.wrap_future(self.call_soon(fn))
+
+    def call_soon(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run `fn` on the engine thread between steps; any thread may wait for the future's result.
+
+        `fn` runs even if the future was cancelled meanwhile (a command submitted is a command run).
+        After shutdown nothing runs it: wait with a timeout.
+        """
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def call() -> None:
             try:
-                loop.call_soon_threadsafe(_set_result, fut, fn())
+                result = fn()
             except BaseException as exc:
-                loop.call_soon_threadsafe(_set_exception, fut, exc)
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(exc)
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_result(result)
 
         self._submit(call)
-        return await fut
+        return future
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop thread still runs commands (false once shutdown began)."""
+        return not self._stopping and self._thread.is_alive()
 
     async def stats(self) -> EngineStats:
         return await self.run_sync(self.core.stats)

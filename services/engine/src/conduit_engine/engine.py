@@ -1,7 +1,8 @@
 """The synchronous engine: admits requests and runs each step as schedule → run → postprocess.
 
 Model and cache setup live in `model_setup`, request validation in `admission`, the stop rules in
-`stop_rules`. Not thread-safe by itself; `AsyncEngine` drives it from one thread.
+`stop_rules`. Not thread-safe by itself; `AsyncEngine` drives it from one thread. What it reports about
+its work goes to the attached `observer.EngineObserver`s (metrics, tracing), if any.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from conduit_common.logs import request_extra
 from conduit_engine import model_setup
 from conduit_engine.admission import Admission, Limits
 from conduit_engine.block_manager import BlockManager, BlockStats
 from conduit_engine.config import EngineConfig
 from conduit_engine.detokenizer import IncrementalDetokenizer
 from conduit_engine.model_runner import ModelRunner, SeqStepResult
+from conduit_engine.observer import EngineObserver, StepRecord, clock, request_record
 from conduit_engine.request import GenerationRequest, RequestOutput
 from conduit_engine.request_state import RequestState
 from conduit_engine.sampling_params import SamplingParams
@@ -80,6 +83,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._finished_requests = 0
         self._generated_tokens = 0
+        self._log_prompts = config.telemetry.log_prompts
+        # Attach on the engine thread (AsyncEngine.run_sync), between steps.
+        self.observers: list[EngineObserver] = []
         log.info(
             "loaded %s (%s, %s) on %s: %d KV blocks of %d tokens, max_model_len %d",
             self.model_name,
@@ -124,14 +130,21 @@ class LLMEngine:
             ):
                 seq.grammar = grammar
         self._requests[req.request_id] = RequestState(
-            req.request_id, prompt, seqs, [self._stop_rules(prompt, params) for _ in seqs]
+            req.request_id,
+            prompt,
+            seqs,
+            [self._stop_rules(prompt, params) for _ in seqs],
+            arrival=clock() if req.arrival_time is None else req.arrival_time,
+            trace_context=req.trace_context,
         )
         log.info(
-            "request %s queued: %d prompt tokens, n=%d, max_tokens=%d",
+            "request %s queued: %d prompt tokens, n=%d, max_tokens=%d%s",
             req.request_id,
             len(prompt),
             params.n,
             params.max_tokens,
+            f", prompt {self.tokenizer.decode(prompt, False)!r}" if self._log_prompts else "",
+            extra=request_extra(req.request_id),
         )
         for seq in seqs:
             self.scheduler.add(seq)
@@ -150,14 +163,14 @@ class LLMEngine:
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Stop a request; returns the final outputs of its unfinished choices (empty if unknown)."""
         if request_id in self._requests:
-            log.info("request %s aborted", request_id)
+            log.info("request %s aborted", request_id, extra=request_extra(request_id))
         return self._end(request_id, FinishReason.ABORT)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every live request with FinishReason.ERROR (the step failed); frees all their blocks."""
         outputs: list[RequestOutput] = []
         for request_id in list(self._requests):
-            log.error("request %s failed: %s", request_id, error)
+            log.error("request %s failed: %s", request_id, error, extra=request_extra(request_id))
             outputs.extend(self._end(request_id, FinishReason.ERROR, error))
         return outputs
 
@@ -173,6 +186,7 @@ class LLMEngine:
             self.scheduler.finish(seq)
             outputs.append(req.output(seq, [], "", [], error))
         self._finished_requests += 1
+        self._report_request(req, reason)
         return outputs
 
     def has_request(self, request_id: str) -> bool:
@@ -183,14 +197,25 @@ class LLMEngine:
 
     # ----- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = clock() if self.observers else 0.0
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
+        record = StepRecord.begin(started, scheduled, self._requests) if self.observers else None
         results = self.runner.execute(scheduled)
         self.scheduler.update_after_step(scheduled)
-        return self._postprocess(scheduled, results)
+        if record is None:
+            return self._postprocess(scheduled, results, None)
+        record.sampled_at = clock()
+        outputs = self._postprocess(scheduled, results, record)
+        record.finished = clock()
+        for observer in self.observers:
+            observer.on_step(record)
+        return outputs
 
-    def _postprocess(self, scheduled: SchedulerOutput, results: list[SeqStepResult]) -> list[RequestOutput]:
+    def _postprocess(
+        self, scheduled: SchedulerOutput, results: list[SeqStepResult], record: StepRecord | None
+    ) -> list[RequestOutput]:
         for seq in scheduled.preempted:
             req = self._requests.get(seq.request_id)
             if req is not None and seq.index == 0 and not req.sent_first:
@@ -207,6 +232,8 @@ class LLMEngine:
             if result.token_id is None:
                 continue
             self._generated_tokens += 1
+            if record is not None:
+                record.token(req, seq)
             text = req.stop_rules[seq.index].accept(seq, result.token_id)
             if seq.is_finished:
                 self.scheduler.finish(seq)
@@ -221,12 +248,23 @@ class LLMEngine:
         self._finished_requests += 1
         usage = req.usage()
         log.info(
-            "request %s finished (%s): %d completion tokens, %d cached prompt tokens",
+            "request %s finished (%s): %d completion tokens, %d cached prompt tokens%s",
             req.request_id,
             ",".join(s.finish_reason.value for s in req.seqs if s.finish_reason is not None),
             usage.completion_tokens,
             usage.cached_tokens,
+            f", completion {[r.detokenizer.output_text for r in req.stop_rules]!r}"
+            if self._log_prompts
+            else "",
+            extra=request_extra(req.request_id),
         )
+        self._report_request(req, None)
+
+    def _report_request(self, req: RequestState, reason: FinishReason | None) -> None:
+        if self.observers:
+            record = request_record(req, reason, clock())
+            for observer in self.observers:
+                observer.on_request_end(record)
 
     # ----- introspection ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:

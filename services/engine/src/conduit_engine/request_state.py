@@ -1,5 +1,6 @@
-"""One admitted request inside the engine: its choices (sequences), their stop rules, and how their new
-tokens become `RequestOutput`s (usage, prompt ids and prompt logprobs on the request's first output)."""
+"""One admitted request inside the engine: its choices (sequences), their stop rules, how their new
+tokens become `RequestOutput`s (usage, prompt ids and prompt logprobs on the request's first output), and
+the times its observers report (`observer.StepRecord` fills them only while an observer is attached)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ class RequestState:
     sent_first: bool = False
     # Prompt logprobs computed so far (choice 0 computes them for all); sent on the first output.
     pending_prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    arrival: float = 0.0  # observer.clock() when the request reached the engine
+    trace_context: object | None = None  # GenerationRequest.trace_context, for the request's spans
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(init=False)  # per choice: its latest token's time (0.0: none yet)
+
+    def __post_init__(self) -> None:
+        self.token_times = [0.0] * len(self.seqs)
 
     @property
     def finished(self) -> bool:

@@ -12,9 +12,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.sdk.trace import TracerProvider
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc as pb_grpc
+from conduit_common.logs import current_request_id
 from conduit_engine.async_engine import AsyncEngine
 from conduit_engine.config import EngineConfig
 from conduit_engine.engine import LLMEngine
@@ -32,6 +34,7 @@ from conduit_engine.proto_mapping import (
 )
 from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
+from conduit_engine.telemetry import EngineTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +127,9 @@ class EngineServicer(pb_grpc.EngineServicer):
     converts messages and refuses what is gRPC-specific (a wrong model name, warm-up not done).
     """
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, telemetry: EngineTelemetry) -> None:
         self.device = device
+        self.telemetry = telemetry
         self._async_engine: AsyncEngine | None = None
         self.ready = False
 
@@ -155,6 +159,8 @@ class EngineServicer(pb_grpc.EngineServicer):
         req = request_from_pb(request)
         if not request.request_id:
             req.request_id = _metadata_request_id(context) or req.request_id
+        current_request_id.set(req.request_id)  # this call's log lines carry it
+        req.trace_context = self.telemetry.request_trace(context.invocation_metadata())
         decode = self.core.tokenizer.token_text
         async for out in self.async_engine.generate(req):
             yield output_to_pb(out, decode)
@@ -233,8 +239,10 @@ async def warm_up(async_engine: AsyncEngine) -> None:
 class EngineServer:
     """Owns the grpc.aio server: start (NOT_SERVING) → load → warm up → SERVING → drain on signal."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tracer_provider: TracerProvider | None = None) -> None:
+        """`tracer_provider` replaces the one --otlp-endpoint would make (tests read spans in memory)."""
         self.config = config
+        self.telemetry = EngineTelemetry(config.telemetry, config.server.host, tracer_provider)
         self.health = health.aio.HealthServicer()
         server = config.server
         options = [
@@ -257,7 +265,7 @@ class EngineServer:
             ),
             self.server,
         )
-        self.servicer = EngineServicer(config.model.device)
+        self.servicer = EngineServicer(config.model.device, self.telemetry)
         pb_grpc.add_EngineServicer_to_server(self.servicer, self.server)
         self.async_engine: AsyncEngine | None = None
         self._stop = asyncio.Event()
@@ -276,21 +284,26 @@ class EngineServer:
         )
         loop = asyncio.get_running_loop()
         try:
+            self.telemetry.start_endpoint()
             core = await loop.run_in_executor(None, LLMEngine, self.config)
         except BaseException:
             # A model that cannot load ends the process with a message: stop gRPC cleanly first.
             await self.server.stop(grace=None)
+            self.telemetry.shutdown()
             raise
         self.async_engine = AsyncEngine(core)
         self.servicer.attach(self.async_engine)
         await warm_up(self.async_engine)
+        await self.telemetry.attach(self.async_engine)
         self.servicer.ready = True
+        self.telemetry.set_state("serving")
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("SERVING %s", core.model_name)
 
     async def drain_and_stop(self) -> None:
         """Stop taking requests, let in-flight streams finish (up to drain_seconds), then stop."""
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.telemetry.set_state("draining")
         if self.async_engine is not None:
             self.async_engine.start_draining()
             deadline = asyncio.get_running_loop().time() + self.config.server.drain_seconds
@@ -299,6 +312,7 @@ class EngineServer:
         await self.server.stop(grace=1.0)
         if self.async_engine is not None:
             self.async_engine.shutdown()
+        self.telemetry.shutdown()
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()

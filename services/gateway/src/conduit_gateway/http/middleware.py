@@ -15,6 +15,7 @@ import uuid
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from conduit_common.logs import current_request_id
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.http.metrics import GatewayMetrics
 
@@ -50,7 +51,8 @@ class HttpMiddleware:
 
 
 class RequestIdMiddleware(HttpMiddleware):
-    """Echo the client's X-Request-Id (or make one) in every response and in `request.state.request_id`."""
+    """Echo the client's X-Request-Id (or make one) in every response and in `request.state.request_id`;
+    every log line of the request (uvicorn's access line included) carries it."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = Headers(scope=scope).get("x-request-id", "")
@@ -62,7 +64,11 @@ class RequestIdMiddleware(HttpMiddleware):
                 MutableHeaders(scope=message)["x-request-id"] = request_id
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        token = current_request_id.set(request_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            current_request_id.reset(token)
 
 
 class MetricsMiddleware(HttpMiddleware):
