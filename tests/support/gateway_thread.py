@@ -8,6 +8,8 @@ import time
 
 import uvicorn
 
+from opentelemetry.sdk.trace import TracerProvider
+
 from conduit_gateway.config import GatewayConfig
 from conduit_gateway.http.app import create_app
 from conduit_gateway.routing.discovery import Resolver
@@ -17,12 +19,21 @@ __all__ = ["GatewayThread"]
 
 
 class GatewayThread:
-    """The gateway for `engines` with any GatewayConfig overrides; `url` is its base URL."""
+    """The gateway for `engines` with any GatewayConfig overrides; `url` is its base URL.
 
-    def __init__(self, engines: list[str], resolver: Resolver | None = None, **overrides: object) -> None:
+    `tracer_provider`: the app's spans go there (tests read them with an in-memory exporter).
+    """
+
+    def __init__(
+        self,
+        engines: list[str],
+        resolver: Resolver | None = None,
+        tracer_provider: TracerProvider | None = None,
+        **overrides: object,
+    ) -> None:
         self.port = free_port()
         self.config = GatewayConfig(engines=tuple(engines), host="127.0.0.1", port=self.port, **overrides)
-        self.app = create_app(self.config, resolver=resolver)
+        self.app = create_app(self.config, resolver=resolver, tracer_provider=tracer_provider)
         self._server = uvicorn.Server(
             uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="asyncio", log_level="warning")
         )

@@ -72,11 +72,11 @@ def inject(context: Context) -> list[tuple[str, str]]:
     return list(carrier.items())
 
 
-def trace_headers(pairs: Iterable[tuple[str, str | bytes]]) -> dict[str, str]:
-    """The W3C trace headers among `pairs` (HTTP headers or gRPC metadata), keys lower-cased."""
+def trace_headers(pairs: Iterable[tuple[str | bytes, str | bytes]]) -> dict[str, str]:
+    """The W3C trace headers among `pairs` (ASGI headers in bytes, or gRPC metadata), keys lower-cased."""
     found: dict[str, str] = {}
     for key, value in pairs:
-        key = key.lower()
-        if key in TRACE_HEADERS:
-            found[key] = value.decode("latin-1") if isinstance(value, bytes) else value
+        name = (key.decode("latin-1") if isinstance(key, bytes) else key).lower()
+        if name in TRACE_HEADERS:
+            found[name] = value.decode("latin-1") if isinstance(value, bytes) else value
     return found
