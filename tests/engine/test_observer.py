@@ -45,7 +45,9 @@ def recorder(engine):
 
 
 def _submit(engine, request_id: str, max_tokens: int, **params: object) -> None:
-    engine.add_request(GenerationRequest(request_id, greedy(max_tokens, ignore_eos=True, **params), text=PROMPT))
+    engine.add_request(
+        GenerationRequest(request_id, greedy(max_tokens, ignore_eos=True, **params), text=PROMPT)
+    )
 
 
 def test_five_requests_of_sixteen_tokens(engine, recorder):
@@ -130,7 +132,9 @@ def test_without_observers_the_engine_keeps_no_times(engine):
 
 
 def test_step_record_groups_tokens_by_their_previous_token_time():
-    record = StepRecord(started=1.0, phase="decode", num_seqs=3, num_tokens=3, num_preemptions=0, queue_times=[])
+    record = StepRecord(
+        started=1.0, phase="decode", num_seqs=3, num_tokens=3, num_preemptions=0, queue_times=[]
+    )
     record.sampled_at = 2.0
 
     class Req:

@@ -7,7 +7,6 @@ import threading
 import time
 
 import uvicorn
-
 from opentelemetry.sdk.trace import TracerProvider
 
 from conduit_gateway.config import GatewayConfig
