@@ -156,6 +156,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     logs.configure(args.log_level, config.telemetry.log_format)
+    if config.telemetry.log_format == "json":
+        # Progress bars are not log records: stderr stays one JSON object per line.
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
     from conduit_engine.server import EngineServer
 
     async def run() -> None:

@@ -124,7 +124,7 @@ class GenerationHandler(ABC):
             self.n,
             bool(self.body.stream),
             self.body.user,
-            f" input={self.body.model_dump_json(include=_PROMPT_FIELDS)}"
+            f" input={self.body.model_dump_json(include=_PROMPT_FIELDS, exclude_none=True)}"
             if self.ctx.config.log_prompts
             else "",
         )
