@@ -98,3 +98,13 @@ fsGroup: {{ . }}
 seccompProfile:
   type: RuntimeDefault
 {{- end }}
+
+{{/* Log and trace flags both services take, from .Values.logging and .Values.tracing. */}}
+{{- define "conduit.observabilityArgs" -}}
+- --log-format
+- {{ .Values.logging.format | quote }}
+{{- if .Values.tracing.otlpEndpoint }}
+- --otlp-endpoint
+- {{ .Values.tracing.otlpEndpoint | quote }}
+{{- end }}
+{{- end }}
