@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from conduit_common.metric_buckets import TOKEN_GAP_SECONDS
 from conduit_engine.engine import EngineStats
 from conduit_engine.observer import RequestRecord, StepRecord
 from conduit_engine.sequence import FinishReason
@@ -22,44 +23,8 @@ STATES = ("loading", "serving", "draining")
 ABORT_STAGES = ("queued", "prefill", "decode")
 
 _TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1,
-    2.5,
-    5,
-    7.5,
-    10,
-    20,
-    40,
-    80,
-)
-_ITL_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    0.75,
-    1,
-    2.5,
-    5,
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5),
+    *(0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
 )
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 240, 480, 960, 1920, 7680)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -75,13 +40,19 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         self.state = EngineStateCollector(vllm_compat)
         self.registry.register(self.state)
-        r = self.registry
         self._status = Gauge(
             "conduit_engine_state",
             "1 for the engine's state: loading, serving or draining.",
             ["state"],
-            registry=r,
+            registry=self.registry,
         )
+        self._define_counters()
+        self._define_request_histograms()
+        self._define_step_histograms()
+        self.set_state("loading")
+
+    def _define_counters(self) -> None:
+        r = self.registry
         self.prompt_tokens = Counter(
             "conduit_engine_prompt_tokens",
             "Prompt tokens of the requests that got their first token (prefix-cached ones included).",
@@ -90,7 +61,7 @@ class EngineMetrics:
         self.generation_tokens = Counter("conduit_engine_generation_tokens", "Tokens sampled.", registry=r)
         self.preemptions = Counter(
             "conduit_engine_preemptions",
-            "Sequences preempted: their KV blocks freed, to be recomputed later.",
+            "Sequences preempted: their KV blocks freed, to be recomputed.",
             registry=r,
         )
         finished = Counter(
@@ -105,8 +76,12 @@ class EngineMetrics:
             ["stage"],
             registry=r,
         )
+        # Every label value exists from the start, so rates and dashboards see zeros, not gaps.
         self._finished = {reason: finished.labels(reason.value) for reason in FinishReason}
         self._aborts = {stage: aborts.labels(stage) for stage in ABORT_STAGES}
+
+    def _define_request_histograms(self) -> None:
+        r = self.registry
         self.ttft = Histogram(
             "conduit_engine_time_to_first_token_seconds",
             "Arrival at the engine to the request's first token.",
@@ -116,7 +91,7 @@ class EngineMetrics:
         self.itl = WeightedHistogram(
             "conduit_engine_inter_token_latency_seconds",
             "Time between consecutive tokens of a choice.",
-            _ITL_BUCKETS,
+            TOKEN_GAP_SECONDS,
         )
         r.register(self.itl)
         self.e2e = Histogram(
@@ -131,6 +106,21 @@ class EngineMetrics:
             buckets=_REQUEST_BUCKETS,
             registry=r,
         )
+        self.prompt_length = Histogram(
+            "conduit_engine_request_prompt_tokens",
+            "Prompt length of the requests that ended.",
+            buckets=_LENGTH_BUCKETS,
+            registry=r,
+        )
+        self.output_length = Histogram(
+            "conduit_engine_request_generation_tokens",
+            "Tokens generated for the requests that ended (all choices).",
+            buckets=_LENGTH_BUCKETS,
+            registry=r,
+        )
+
+    def _define_step_histograms(self) -> None:
+        r = self.registry
         step = Histogram(
             "conduit_engine_step_duration_seconds",
             "Wall time of one engine step (schedule, model, postprocess), by phase: prefill when the step "
@@ -149,19 +139,6 @@ class EngineMetrics:
             buckets=_STEP_TOKEN_BUCKETS,
             registry=r,
         )
-        self.prompt_length = Histogram(
-            "conduit_engine_request_prompt_tokens",
-            "Prompt length of the requests that ended.",
-            buckets=_LENGTH_BUCKETS,
-            registry=r,
-        )
-        self.output_length = Histogram(
-            "conduit_engine_request_generation_tokens",
-            "Tokens generated for the requests that ended (all choices).",
-            buckets=_LENGTH_BUCKETS,
-            registry=r,
-        )
-        self.set_state("loading")
 
     def set_state(self, state: str) -> None:
         for name in STATES:

@@ -8,27 +8,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from conduit_common.metric_buckets import TOKEN_GAP_SECONDS
 from conduit_gateway.routing.node import EngineNode
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-_TOKEN_GAP_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    1,
-    2.5,
-    5,
-)
 
 
 class GatewayMetrics:
@@ -61,7 +44,7 @@ class GatewayMetrics:
             "conduit_gateway_inter_token_latency_seconds",
             "Time between consecutive token messages of a choice from the engine, by model.",
             ["model"],
-            buckets=_TOKEN_GAP_BUCKETS,
+            buckets=TOKEN_GAP_SECONDS,
             registry=self.registry,
         )
         self.generations_in_flight = Gauge(

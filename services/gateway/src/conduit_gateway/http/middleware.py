@@ -33,6 +33,21 @@ async def send_error(send: Send, error: OpenAIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+class ResponseStatus:
+    """Wraps `send` to see the response start: `code` stays 499 until then (the client left first)."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.code = 499
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.code = message["status"]
+        await self._send(message)
+
+
 class HttpMiddleware:
     """Middleware for HTTP requests: `handle` sees every HTTP request; other scopes (the lifespan) pass
     through untouched."""
@@ -80,22 +95,15 @@ class MetricsMiddleware(HttpMiddleware):
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
-        status = 499  # stays so when the client left before any response started
-
-        async def send_and_watch(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        status = ResponseStatus(send)
         try:
-            await self.app(scope, receive, send_and_watch)
+            await self.app(scope, receive, status.send)
         except Exception:
-            status = 500
+            status.code = 500
             raise
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
+            self.metrics.requests.labels(route, scope["method"], str(status.code)).inc()
             self.metrics.request_seconds.labels(route).observe(time.perf_counter() - started)
 
 
@@ -104,18 +112,12 @@ class InternalErrorMiddleware(HttpMiddleware):
     so even that response carries X-Request-Id)."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
-
-        async def send_and_watch(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        status = ResponseStatus(send)
         try:
-            await self.app(scope, receive, send_and_watch)
+            await self.app(scope, receive, status.send)
         except Exception:
             log.exception("unhandled error in %s %s", scope["method"], scope["path"])
-            if started:
+            if status.started:
                 raise
             await send_error(send, OpenAIError(500, "Internal server error.", type="server_error"))
 

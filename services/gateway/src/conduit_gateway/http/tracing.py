@@ -12,10 +12,10 @@ from contextvars import ContextVar
 
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, set_span_in_context
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from conduit_common import tracing
-from conduit_gateway.http.middleware import HttpMiddleware
+from conduit_gateway.http.middleware import HttpMiddleware, ResponseStatus
 
 # The W3C headers the current request's engine calls send (empty: none).
 _engine_trace_metadata: ContextVar[tuple[tuple[str, str], ...]] = ContextVar(
@@ -62,18 +62,11 @@ class TracingMiddleware(HttpMiddleware):
         inside = set_span_in_context(span)
         attached = otel_context.attach(inside)
         metadata = _engine_trace_metadata.set(tuple(tracing.inject(inside)))
-        status = 499  # stays so when the client left before any response started
-
-        async def send_and_watch(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        status = ResponseStatus(send)
         try:
-            await self.app(scope, receive, send_and_watch)
+            await self.app(scope, receive, status.send)
         except Exception as exc:
-            status = 500
+            status.code = 500
             span.record_exception(exc)
             raise
         finally:
@@ -81,8 +74,8 @@ class TracingMiddleware(HttpMiddleware):
             if route is not None:
                 span.update_name(f"{method} {route}")
                 span.set_attribute("http.route", route)
-            span.set_attribute("http.response.status_code", status)
-            if status >= 500:
+            span.set_attribute("http.response.status_code", status.code)
+            if status.code >= 500:
                 span.set_status(Status(StatusCode.ERROR))
             span.end()
             _engine_trace_metadata.reset(metadata)
