@@ -4,6 +4,7 @@ driven by the openai SDK. Asserts the trace id, the parent/child structure and t
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -177,3 +178,14 @@ def test_a_refused_request_has_only_the_gateway_span(traced_gateway, engine_span
     (http,) = gateway_spans.spans()
     assert http.attributes["http.response.status_code"] == 400
     assert engine_spans.spans(GENERATE) == []
+
+
+def test_probes_and_scrapes_are_not_traced(traced_gateway, gateway_spans):
+    for path in ("/health", "/metrics"):
+        assert (
+            httpx.get(f"{traced_gateway.url}{path}", headers={"traceparent": TRACEPARENT}).status_code == 200
+        )
+    with _client(traced_gateway) as client:
+        client.models.list()
+    wait_for(lambda: len(gateway_spans.spans()) == 1, "the span of GET /v1/models")
+    assert [s.name for s in gateway_spans.spans()] == ["GET /v1/models"]
