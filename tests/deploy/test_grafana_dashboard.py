@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, TelemetryConfig
+from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig, TelemetryConfig
 from tests.deploy import chart_render
 from tests.deploy.chart_render import find
 from tests.deploy.paths import CHART
@@ -71,6 +71,7 @@ def exported(stories_path) -> set[str]:
     config = EngineConfig(
         model=ModelConfig(path=str(stories_path)),
         cache=CacheConfig(num_blocks=64),
+        server=ServerConfig(host="127.0.0.1", port=0),
         telemetry=TelemetryConfig(metrics_port=0),
     )
     engine = ServerThread(config).start()

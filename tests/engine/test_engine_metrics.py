@@ -4,6 +4,8 @@ vLLM's names with vLLM's meanings, and an endpoint that answers while loading an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import socket
 import threading
 
 import grpc
@@ -14,7 +16,14 @@ from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc
 from conduit_engine import server as server_module
 from conduit_engine import telemetry
-from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TelemetryConfig
+from conduit_engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    TelemetryConfig,
+)
 from tests.engine.server_thread import ServerThread
 from tests.support.polling import wait_for
 from tests.support.prometheus import scrape
@@ -30,6 +39,7 @@ def _config(stories_path, *, vllm_compat: bool = True) -> EngineConfig:
         model=ModelConfig(path=str(stories_path)),
         cache=CacheConfig(num_blocks=NUM_BLOCKS),
         scheduler=SchedulerConfig(max_num_seqs=8),
+        server=ServerConfig(host="127.0.0.1", port=0, drain_seconds=10),
         telemetry=TelemetryConfig(metrics_port=0, metrics_vllm_compat=vllm_compat),
     )
 
@@ -229,3 +239,16 @@ def test_endpoint_answers_while_draining_and_closes_after(engine, monkeypatch):
         httpx.get(engine.metrics_url, timeout=5)
     with pytest.raises(grpc.RpcError):
         _load(stub)
+
+
+def test_a_taken_metrics_port_stops_the_start_naming_the_flag(stories_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = dataclasses.replace(
+            _config(stories_path),
+            telemetry=TelemetryConfig(metrics_port=port),
+        )
+        with pytest.raises(OSError, match=f"--metrics-port: cannot listen on 127.0.0.1:{port}"):
+            ServerThread(config).start()

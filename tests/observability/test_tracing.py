@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from conduit_common import tracing
-from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig
+from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
 from tests.engine.server_thread import ServerThread
 from tests.support.gateway_thread import GatewayThread
 from tests.support.polling import wait_for
@@ -56,7 +56,11 @@ def gateway_spans():
 
 @pytest.fixture(scope="module")
 def engine(stories_path, engine_spans):
-    config = EngineConfig(model=ModelConfig(path=str(stories_path)), cache=CacheConfig(num_blocks=64))
+    config = EngineConfig(
+        model=ModelConfig(path=str(stories_path)),
+        cache=CacheConfig(num_blocks=64),
+        server=ServerConfig(host="127.0.0.1", port=0),
+    )
     thread = ServerThread(config, tracer_provider=engine_spans.provider).start()
     yield thread
     thread.stop()

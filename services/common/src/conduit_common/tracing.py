@@ -12,10 +12,8 @@ from collections.abc import Iterable, Mapping
 from urllib.parse import urlsplit
 
 from opentelemetry.context import Context
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 TRACE_HEADERS = ("traceparent", "tracestate")
@@ -52,6 +50,10 @@ def otlp_tracer_provider(service_name: str, endpoint: str) -> TracerProvider:
     `service_name` is the resource's service.name unless OTEL_SERVICE_NAME sets another;
     OTEL_RESOURCE_ATTRIBUTES adds attributes as usual.
     """
+    # Imported here: a service without --otlp-endpoint never loads the exporter.
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
     detected = OTELResourceDetector().detect()
     name = detected.attributes.get(SERVICE_NAME) or service_name
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))

@@ -58,9 +58,11 @@ class EngineTelemetry:
         """Serve /metrics (raises OSError when the port is taken)."""
         if self.metrics is None or self.config.metrics_port is None:
             return
-        self._http = start_http_server(
-            self.config.metrics_port, addr=self.host, registry=self.metrics.registry
-        )
+        port = self.config.metrics_port
+        try:
+            self._http = start_http_server(port, addr=self.host, registry=self.metrics.registry)
+        except OSError as exc:
+            raise OSError(f"--metrics-port: cannot listen on {self.host}:{port}: {exc}") from exc
         self.metrics_port = self._http[0].server_port
         log.info("Prometheus metrics on http://%s:%d/metrics", self.host, self.metrics_port)
 
