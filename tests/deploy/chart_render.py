@@ -14,11 +14,13 @@ from tests.deploy.paths import CHART
 
 RELEASE = "demo"
 NAMESPACE = "llm"
-# The values files every check runs on: the defaults, a GPU install, and every optional part switched on.
+# The values files every check runs on: the defaults, a GPU install, every optional part switched on, and
+# every secure boundary switched on (TLS everywhere, cert-manager, token, keys file, admin port).
 VALUES_FILES: dict[str, Path | None] = {
     "default": None,
     "gpu": CHART / "ci" / "gpu-values.yaml",
     "full": CHART / "ci" / "full-values.yaml",
+    "secure": CHART / "ci" / "secure-values.yaml",
 }
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -62,11 +65,17 @@ class EnvoyProxy:
         self.process.stop()
 
 
-def start_envoy(directory: Path, *, gateway_port: int, engine_port: int) -> EnvoyProxy:
-    """Envoy on the shipped config: listeners and admin on free loopback ports, upstreams on given ones."""
+def start_envoy(
+    directory: Path, *, gateway_port: int, engine_port: int, config: dict[str, Any] | None = None
+) -> EnvoyProxy:
+    """Envoy on the shipped config (or `config`, e.g. the chart's): listeners and admin on free loopback
+    ports, upstreams on the given ones."""
     ports = {"http_port": free_port(), "grpc_port": free_port(), "admin_port": free_port()}
     config = envoy_config.loopback(
-        envoy_config.load(), gateway_port=gateway_port, engine_port=engine_port, **ports
+        config if config is not None else envoy_config.load(),
+        gateway_port=gateway_port,
+        engine_port=engine_port,
+        **ports,
     )
     path = directory / "envoy.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -95,3 +104,28 @@ def start_envoy(directory: Path, *, gateway_port: int, engine_port: int) -> Envo
         process.stop()
         raise
     return proxy
+
+
+@contextmanager
+def stack_behind_envoy(
+    directory: Path,
+    start_engine: Callable[[], ManagedProcess],
+    start_gateway: Callable[[ManagedProcess], ManagedProcess],
+    config: dict[str, Any] | None = None,
+) -> Iterator[tuple[ManagedProcess, ManagedProcess, EnvoyProxy]]:
+    """An engine, a gateway in front of it, and Envoy (`config`, default the shipped one) in front of
+    both, once Envoy's health checks pass for each; everything is stopped at the end."""
+    started: list[ManagedProcess | EnvoyProxy] = []
+    try:
+        engine = start_engine()
+        started.append(engine)
+        gateway = start_gateway(engine)
+        started.append(gateway)
+        envoy = start_envoy(directory, gateway_port=gateway.port, engine_port=engine.port, config=config)
+        started.append(envoy)
+        envoy.wait_for_health("engine", engine.address, "healthy")
+        envoy.wait_for_health("gateway", gateway.address, "healthy")
+        yield engine, gateway, envoy
+    finally:
+        for process in reversed(started):
+            process.stop()

@@ -17,7 +17,7 @@ import pytest
 
 from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
 from tests.deploy import dockerfiles
-from tests.deploy.envoy_process import start_envoy
+from tests.deploy.envoy_process import stack_behind_envoy
 from tests.deploy.paths import ENGINE_DOCKERFILE, GATEWAY_DOCKERFILE
 from tests.support.processes import free_port, require_shared, start_engine, start_gateway
 from tests.support.stories import MODEL, PROMPT, PROMPT_IDS
@@ -31,20 +31,12 @@ STREAM_TOKENS = 400
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     model = require_shared(f"models/{MODEL}")
-    engine = start_engine(model, "--max-num-seqs", "4")
-    gateway = envoy = None
-    try:
-        gateway = start_gateway(engine.address)
-        envoy = start_envoy(
-            tmp_path_factory.mktemp("envoy"), gateway_port=gateway.port, engine_port=engine.port
-        )
-        envoy.wait_for_health("engine", engine.address, "healthy")
-        envoy.wait_for_health("gateway", gateway.address, "healthy")
-        yield engine, gateway, envoy
-    finally:
-        for process in (envoy, gateway, engine):
-            if process is not None:
-                process.stop()
+    with stack_behind_envoy(
+        tmp_path_factory.mktemp("envoy"),
+        lambda: start_engine(model, "--max-num-seqs", "4"),
+        lambda engine: start_gateway(engine.address),
+    ) as processes:
+        yield processes
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.deploy
 VALUES = list(chart_render.VALUES_FILES)
 KUBERNETES_VERSIONS = chart_render.newest_kubernetes_versions(2)
 # Custom resources whose schemas kubernetes-validate cannot know; checked field by field below instead.
-CUSTOM_KINDS = {"ServiceMonitor"}
+CUSTOM_KINDS = {"ServiceMonitor", "Certificate"}
 
 
 @pytest.fixture(scope="module", params=VALUES)
@@ -36,50 +36,23 @@ def _container(obj):
     return container
 
 
+# What every release renders, and what each values file adds to it.
+BASE_KINDS = ["Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "PodDisruptionBudget"]
+BASE_KINDS += ["Service", "Service", "Service", "ServiceAccount", "StatefulSet"]
+ENVOY_KINDS = ["ConfigMap", "Deployment", "Service"]
+MONITOR_KINDS = ["ServiceMonitor", "ServiceMonitor"]  # the gateways' and the engines'
+DASHBOARD_KINDS = ["ConfigMap"]
+EXTRA_KINDS = {
+    "default": ["NetworkPolicy", "NetworkPolicy"],
+    "gpu": ["NetworkPolicy", "NetworkPolicy"],
+    "full": [*ENVOY_KINDS, *MONITOR_KINDS, *DASHBOARD_KINDS, *["NetworkPolicy"] * 3],
+    "secure": [*ENVOY_KINDS, *MONITOR_KINDS, *["NetworkPolicy"] * 3, *["Certificate"] * 4],
+}
+
+
 def test_rendered_objects_per_values_file(release):
     name, _, _, objects = release
-    expected = {
-        "default": [
-            "Deployment",
-            "HorizontalPodAutoscaler",
-            "PodDisruptionBudget",
-            "PodDisruptionBudget",
-            "Service",
-            "Service",
-            "Service",
-            "ServiceAccount",
-            "StatefulSet",
-        ],
-        "gpu": [
-            "Deployment",
-            "HorizontalPodAutoscaler",
-            "PodDisruptionBudget",
-            "PodDisruptionBudget",
-            "Service",
-            "Service",
-            "Service",
-            "ServiceAccount",
-            "StatefulSet",
-        ],
-        "full": [
-            "ConfigMap",
-            "ConfigMap",
-            "Deployment",
-            "Deployment",
-            "HorizontalPodAutoscaler",
-            "PodDisruptionBudget",
-            "PodDisruptionBudget",
-            "Service",
-            "Service",
-            "Service",
-            "Service",
-            "ServiceAccount",
-            "ServiceMonitor",
-            "ServiceMonitor",
-            "StatefulSet",
-        ],
-    }[name]
-    assert chart_render.kinds(objects) == expected
+    assert chart_render.kinds(objects) == sorted(BASE_KINDS + EXTRA_KINDS[name])
 
 
 @pytest.mark.parametrize("kubernetes_version", KUBERNETES_VERSIONS)
@@ -145,12 +118,19 @@ def test_gateway_discovers_the_engine_replicas_through_the_headless_service(rele
 
 
 def test_engine_probes_use_grpc_health_and_startup_allows_model_loading(release):
-    _, _, _, objects = release
+    _, values, _, objects = release
     container = _container(find(objects, "StatefulSet"))
     port = container["ports"][0]["containerPort"]
+    tls = values.get("tls", {}).get("engine", {}).get("enabled", False)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        # A grpc probe calls grpc.health.v1.Health/Check, which SERVES only after load and warm-up.
-        assert container[probe]["grpc"] == {"port": port}
+        # grpc.health.v1.Health/Check SERVES only after load and warm-up. The kubelet's grpc probe is
+        # plaintext: a TLS engine is probed by conduit_engine.health_probe with its own certificate.
+        if tls:
+            command = container[probe]["exec"]["command"]
+            assert command[:3] == ["python", "-m", "conduit_engine.health_probe"]
+            assert command[command.index("--address") + 1] == f"127.0.0.1:{port}"
+        else:
+            assert container[probe]["grpc"] == {"port": port}
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
 
@@ -309,15 +289,35 @@ def test_service_monitors_scrape_the_gateway_and_every_engine(
     assert ports[service_port["targetPort"]] == container_port
 
 
+def test_an_https_gateway_is_scraped_over_https_checking_its_certificate():
+    objects = chart_render.manifests(chart_render.render(chart_render.values("secure")))
+    (gateway_endpoint,) = find(objects, "ServiceMonitor", "conduit-gateway")["spec"]["endpoints"]
+    (certificate,) = [
+        c for c in objects if c["kind"] == "Certificate" and c["metadata"]["name"].endswith("-gateway")
+    ]
+    assert gateway_endpoint["scheme"] == "https"
+    assert gateway_endpoint["tlsConfig"] == {
+        "serverName": f"conduit-gateway.{NAMESPACE}.svc.cluster.local",
+        "ca": {"secret": {"name": certificate["spec"]["secretName"], "key": "ca.crt"}},
+    }
+    assert gateway_endpoint["tlsConfig"]["serverName"] in certificate["spec"]["dnsNames"]
+    # The engines' metrics port is plain HTTP whatever their gRPC uses (the NetworkPolicy guards it).
+    (engine_endpoint,) = find(objects, "ServiceMonitor", "conduit-engine")["spec"]["endpoints"]
+    assert "scheme" not in engine_endpoint and "tlsConfig" not in engine_endpoint
+    full = chart_render.manifests(chart_render.render(chart_render.values("full")))
+    assert "scheme" not in find(full, "ServiceMonitor", "conduit-gateway")["spec"]["endpoints"][0]
+
+
 def test_engine_metrics_port_and_observability_flags_reach_both_clis(release):
     name, values, _, objects = release
     engine = engine_cli.config_from_args(
         engine_cli.build_parser().parse_args(_container(find(objects, "StatefulSet"))["args"])
     ).telemetry
-    gateway = gateway_cli.config_from_args(
-        _container(component(objects, "Deployment", "gateway"))["args"], {}
-    )
-    assert engine.metrics_port == (9500 if name == "full" else 9400)
+    gateway_container = _container(component(objects, "Deployment", "gateway"))
+    # Variables from Secrets get a stand-in value each (the admin key must differ from the API keys).
+    env = {e["name"]: e.get("value", f"from-secret-{e['name']}") for e in gateway_container.get("env", [])}
+    gateway = gateway_cli.config_from_args(gateway_container["args"], env)
+    assert engine.metrics_port == {"full": 9500, "secure": 9090}.get(name, 9400)
     assert engine.metrics_vllm_compat is (name == "full")
     otlp = "http://otel-collector.observability:4317" if name == "full" else None
     assert engine.otlp_endpoint == gateway.otlp_endpoint == otlp
@@ -330,7 +330,8 @@ def test_notes_tell_how_to_call_it(release):
     notes = rendered["conduit/templates/NOTES.txt"]
     assert "port-forward service/" in notes
     assert "/v1/completions" in notes
-    assert ("conduit-envoy" in notes) == (name == "full")
+    assert ("conduit-envoy" in notes) == (name in ("full", "secure"))
+    assert ("https://127.0.0.1:8080/v1/completions" in notes) == (name == "secure")
 
 
 def test_shipped_values_files_satisfy_the_schema():

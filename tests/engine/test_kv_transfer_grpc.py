@@ -61,7 +61,8 @@ def caches(dtype: torch.dtype, seed: int | None) -> list[tuple[torch.Tensor, tor
 class Source:
     """A prefill engine's transfer side: BlockManager, registry, caches, and PullKv on a real server."""
 
-    def __init__(self, dtype: torch.dtype, chunk_blocks: int = 2) -> None:
+    def __init__(self, dtype: torch.dtype, chunk_blocks: int = 2, security=None) -> None:
+        """`security`: a ServerSecurity for the port (TLS, token); None is plaintext."""
         self.clock = ManualClock()
         self.bm = BlockManager(NUM_BLOCKS, BLOCK)
         self.registry = KvTransferRegistry(self.bm, LEASE, self.clock)
@@ -74,9 +75,12 @@ class Source:
             on_this_thread,
             chunk_bytes=chunk_blocks * self.layout.block_bytes,
         )
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(interceptors=security.interceptors() if security else [])
         pb_grpc.add_EngineServicer_to_server(self.servicer(), self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        if security is not None:
+            self.port = security.add_port(self.server, "127.0.0.1:0")
+        else:
+            self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.address = f"127.0.0.1:{self.port}"
 
     def servicer(self) -> pb_grpc.EngineServicer:

@@ -15,6 +15,7 @@ from conduit_engine.sampling.grammar_mask import StepBitmask, apply_grammar_mask
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.structured.batch_mask import BitmaskBuilder
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
+from conduit_engine.structured.state import GrammarState
 from tests.engine.structured_support import compile_spec, spell, stories_vocab
 
 pytestmark = pytest.mark.unit
@@ -120,3 +121,28 @@ def test_mask_needs_float32_logits(digit_states):
         apply_grammar_mask(torch.zeros(1, VOCAB, dtype=torch.float16), mask, TorchOps())
     empty = StepBitmask(torch.zeros((0, 16), dtype=torch.int32), torch.zeros(0, dtype=torch.int64))
     apply_grammar_mask(torch.zeros(1, VOCAB, dtype=torch.float16), empty, TorchOps())
+
+
+def test_batched_fill_equals_one_row_at_a_time(stories_path, digit_states):
+    vocab = stories_vocab(stories_path)
+    for token in spell(vocab, "12"):
+        digit_states[1].accept(token)  # rows at different places in the grammar
+    for token in spell(vocab, "123"):
+        digit_states[2].accept(token)  # complete: only EOS is left
+    one_by_one = torch.zeros((3, 16), dtype=torch.int32)
+    for row, state in enumerate(digit_states):
+        state.fill_bitmask(one_by_one, row)
+    batched = torch.full((4, 16), 7, dtype=torch.int32)
+    GrammarState.fill_bitmasks(digit_states, batched)
+    assert torch.equal(batched[:3], one_by_one)
+    assert batched[3].tolist() == [7] * 16  # rows past the states are not written
+
+
+def test_termination_follows_eos_through_rollback(stories_path, digit_states):
+    state = digit_states[0]
+    for token in spell(stories_vocab(stories_path), "7") + [2]:
+        assert state.accept(token)
+    assert state.is_terminated and not state.is_active
+    state.rollback(1)
+    assert not state.is_terminated and state.is_active and state.accepts_eos
+    assert state.fork().accept(2) and not state.is_terminated

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conduit.engine.v1 import engine_pb2 as pb
+from conduit_common.structured import MAX_STRUCTURED_SPEC_BYTES
 from conduit_engine.errors import InvalidRequestError
 from conduit_engine.proto_mapping import request_from_pb, sampling_from_pb, structured_from_pb
 from conduit_engine.structured.spec import MAX_SPEC_BYTES, StructuredKind, StructuredSpec
@@ -40,6 +41,8 @@ def test_bad_specs_name_their_field(kwargs, field, message):
 
 
 def test_size_limit_counts_utf8_bytes():
+    # The gateway's limit: no spec passes one side and fails the other.
+    assert MAX_SPEC_BYTES == MAX_STRUCTURED_SPEC_BYTES
     at_limit = "a" * (MAX_SPEC_BYTES - 2) + "é"  # 2 bytes: exactly the limit
     assert StructuredSpec(StructuredKind.REGEX, text=at_limit).text == at_limit
     with pytest.raises(
@@ -47,7 +50,8 @@ def test_size_limit_counts_utf8_bytes():
     ):
         StructuredSpec(StructuredKind.GRAMMAR, text=at_limit + "a")
     with pytest.raises(InvalidRequestError, match="in all"):
-        StructuredSpec(StructuredKind.CHOICE, choices=["a" * 40000, "b" * 40000])
+        half = MAX_SPEC_BYTES // 2
+        StructuredSpec(StructuredKind.CHOICE, choices=["a" * half, "b" * (half + 1)])
 
 
 def test_cache_key_is_what_the_compile_depends_on():

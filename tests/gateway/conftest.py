@@ -1,4 +1,5 @@
-"""Fixtures of the gateway tests: a scriptable fake engine and in-process gateways in front of it."""
+"""Fixtures of the gateway tests: a scriptable fake engine and in-process gateways in front of it, and
+the real stack (engine and gateway subprocesses on stories260K) for the modules that drive it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 
 from tests.support.fake_engine import FakeEngine
 from tests.support.gateway_thread import GatewayThread
+from tests.support.processes import require_shared, start_engine, start_gateway
+from tests.support.stories import MODEL as STORIES
 
 MODEL = "fake-model"
 
@@ -72,3 +75,24 @@ def make_gateway():
     yield make
     for gw in started:
         gw.stop()
+
+
+@pytest.fixture(scope="module")
+def stories_engine(request):
+    """The real engine on stories260K (a subprocess); a module passes flags with ENGINE_ARGS."""
+    args = getattr(request.module, "ENGINE_ARGS", ())
+    with start_engine(require_shared(f"models/{STORIES}"), *args) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def stories_gateway(stories_engine):
+    """The real gateway (a subprocess, no parsers) in front of `stories_engine`."""
+    with start_gateway(stories_engine.address) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def stories_sdk(stories_gateway):
+    with openai.OpenAI(base_url=f"{stories_gateway.url}/v1", api_key="unused", max_retries=0) as client:
+        yield client

@@ -6,7 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import httpx
+
 from conduit_gateway.parsers.chat_output import ChatOutputParser
+from tests.gateway.sse import post_stream
 
 
 def run_pieces(output: ChatOutputParser, pieces: Sequence[str]) -> dict[str, Any]:
@@ -93,3 +96,22 @@ def message_view(message: dict[str, Any]) -> dict[str, Any]:
             for call in message.get("tool_calls") or ()
         ],
     }
+
+
+def chat_streamed_and_not(http: httpx.Client, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """POST a chat request twice, plain and streamed: (the non-streamed choice 0, its message in the
+    reassembled layout). Asserts that the streamed deltas add up to the same message and finish reason
+    (call ids aside: each request mints its own)."""
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    _, events = post_stream(http, "/v1/chat/completions", {**body, "stream": True})
+    streamed = reassemble_chat_stream(events)[0]
+    assert streamed.pop("finish_reason") == choice["finish_reason"]
+    message = message_view(choice["message"])
+    assert _without_call_ids(streamed) == _without_call_ids(message)
+    return choice, message
+
+
+def _without_call_ids(message: dict[str, Any]) -> dict[str, Any]:
+    return {**message, "tool_calls": [{**call, "id": None} for call in message["tool_calls"]]}

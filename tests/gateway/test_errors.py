@@ -151,6 +151,7 @@ def test_engine_field_names_become_openai_names(client, fake):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt=[9999])
     assert caught.value.body["param"] == "prompt"
+    assert caught.value.body["message"] == "prompt: token id 9999 outside the vocabulary [0, 512)"
     fake.script.error_message = "max_tokens: prompt (500 tokens) + max_tokens (100) exceeds max_model_len 512"
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(**CHAT, max_completion_tokens=100)

@@ -11,7 +11,7 @@ import pytest
 from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
 from tests.gateway.sse import parse_events
 from tests.support.polling import wait_for
-from tests.support.processes import require_shared, start_engine, start_gateway
+from tests.support.processes import require_shared, start_gateway
 from tests.support.stories import KNOWN_STORY, KNOWN_STORY_TOKENS, MODEL, PROMPT, PROMPT_IDS
 
 pytestmark = pytest.mark.integration
@@ -28,22 +28,22 @@ def model_path():
     return require_shared(f"models/{MODEL}")
 
 
-@pytest.fixture(scope="module")
-def engine(model_path):
-    with start_engine(model_path, "--max-num-seqs", "8") as process:
-        yield process
+ENGINE_ARGS = ("--max-num-seqs", "8")  # read by the stories_engine fixture (conftest)
 
 
 @pytest.fixture(scope="module")
-def gateway(engine):
-    with start_gateway(engine.address) as process:
-        yield process
+def engine(stories_engine):
+    return stories_engine
 
 
 @pytest.fixture(scope="module")
-def sdk(gateway):
-    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
-        yield client
+def gateway(stories_gateway):
+    return stories_gateway
+
+
+@pytest.fixture(scope="module")
+def sdk(stories_sdk):
+    return stories_sdk
 
 
 @pytest.fixture(scope="module")

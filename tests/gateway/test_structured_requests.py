@@ -366,20 +366,34 @@ def test_bad_tools_are_400_naming_the_parameter(http, fake, extra, param, words)
 
 
 @pytest.mark.parametrize(
-    ("extra", "param"),
+    ("extra", "param", "engine_message"),
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"guided_regex": "a+"}, "guided_regex"),
-        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+        (
+            {"response_format": {"type": "json_object"}},
+            "response_format",
+            "sampling.structured: structured outputs are not supported yet",
+        ),
+        # The engine's own spelling of a compile failure (the real engine names `sampling.<member>`).
+        ({"guided_regex": "a+"}, "guided_regex", "sampling.regex: does not compile: lookbehind"),
+        (
+            {"structured_outputs": {"grammar": "root ::= x"}},
+            "structured_outputs.grammar",
+            "sampling.grammar: does not compile: Rule x is not defined",
+        ),
+        (
+            {"tools": [WEATHER], "tool_choice": "required"},
+            "tool_choice",
+            "sampling.json_schema: does not compile: unsupported",
+        ),
     ],
 )
-def test_engine_refusals_of_the_constraint_name_the_request_field(http, fake, extra, param):
+def test_engine_refusals_of_the_constraint_name_the_request_field(http, fake, extra, param, engine_message):
     fake.script.error_before = grpc.StatusCode.INVALID_ARGUMENT
-    fake.script.error_message = "sampling.structured: structured outputs are not supported yet"
+    fake.script.error_message = engine_message
     response = post_json(http, "/v1/chat/completions", {**CHAT, **extra})
     assert response.status_code == 400
     assert error_of(response) == {
-        "message": "sampling.structured: structured outputs are not supported yet",
+        "message": f"{param}: {engine_message.partition(': ')[2]}",
         "type": "invalid_request_error",
         "param": param,
         "code": None,

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conduit_engine.ops.cuda_ops import _nvrtc_options
+from conduit_engine.ops.cuda_ops import nvrtc_options
 from conduit_engine.ops.kernel_loader import KERNEL_SOURCES, all_specializations, compile_unit, kernels_dir
 from tests.support.shared import skip_or_fail
 
@@ -68,7 +68,7 @@ def test_nvrtc_compiles_every_specialisation(nvrtc, source):
     try:
         for ref in refs:
             assert nvrtc.nvrtcAddNameExpression(prog, ref.name.encode()) == 0
-        options = [o.encode() for o in (*_nvrtc_options(), f"--gpu-architecture={ARCH}")]
+        options = [o.encode() for o in (*nvrtc_options(), f"--gpu-architecture={ARCH}")]
         rc = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
         size = ctypes.c_size_t()
         nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))

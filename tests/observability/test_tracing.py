@@ -1,6 +1,8 @@
 """One trace across the gateway and the engine: the real gateway app and the real engine server in this
 process, each with its own TracerProvider and the SDK's in-memory exporter (as two services would have),
-driven by the openai SDK. Asserts the trace id, the parent/child structure and the attributes."""
+driven by the openai SDK. Asserts the trace id, the parent/child structure and the attributes. The engine
+requires a bearer token and the gateways an API key, so the trace context travels beside the token
+through the engine's auth interceptor and the gateway's key check."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from conduit_common import tracing
-from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SecurityConfig, ServerConfig
 from tests.engine.server_thread import ServerThread
 from tests.support.gateway_thread import GatewayThread
 from tests.support.polling import wait_for
@@ -27,6 +29,7 @@ CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"
 GENERATE = "conduit.engine.v1.Engine/Generate"
+API_KEY = "sk-trace-test"
 
 
 class Collector:
@@ -55,11 +58,19 @@ def gateway_spans():
 
 
 @pytest.fixture(scope="module")
-def engine(stories_path, engine_spans):
+def token_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("token") / "token"
+    path.write_text("engine-token-of-the-trace-tests\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def engine(stories_path, engine_spans, token_file):
     config = EngineConfig(
         model=ModelConfig(path=str(stories_path)),
         cache=CacheConfig(num_blocks=64),
         server=ServerConfig(host="127.0.0.1", port=0),
+        security=SecurityConfig(auth_token_file=token_file),
     )
     thread = ServerThread(config, tracer_provider=engine_spans.provider).start()
     yield thread
@@ -67,14 +78,19 @@ def engine(stories_path, engine_spans):
 
 
 @pytest.fixture(scope="module")
-def traced_gateway(engine, gateway_spans):
-    with GatewayThread([engine.address], tracer_provider=gateway_spans.provider) as gateway:
+def traced_gateway(engine, gateway_spans, token_file):
+    with GatewayThread(
+        [engine.address],
+        tracer_provider=gateway_spans.provider,
+        api_keys=(API_KEY,),
+        engine_auth_token_file=token_file,
+    ) as gateway:
         yield gateway
 
 
 @pytest.fixture(scope="module")
-def untraced_gateway(engine):
-    with GatewayThread([engine.address]) as gateway:
+def untraced_gateway(engine, token_file):
+    with GatewayThread([engine.address], api_keys=(API_KEY,), engine_auth_token_file=token_file) as gateway:
         yield gateway
 
 
@@ -84,8 +100,11 @@ def fresh(engine_spans, gateway_spans):
     gateway_spans.clear()
 
 
-def _client(gateway: GatewayThread, headers: dict[str, str] | None = None) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0, default_headers=headers)
+def _client(
+    gateway: GatewayThread, headers: dict[str, str] | None = None, api_key: str = API_KEY
+) -> openai.OpenAI:
+    url = f"{gateway.url}/v1"
+    return openai.OpenAI(base_url=url, api_key=api_key, max_retries=0, default_headers=headers)
 
 
 def _complete(gateway: GatewayThread, headers: dict[str, str] | None = None, stream: bool = False):
@@ -181,6 +200,17 @@ def test_a_refused_request_has_only_the_gateway_span(traced_gateway, engine_span
     wait_for(lambda: len(gateway_spans.spans()) == 1, "the gateway's span")
     (http,) = gateway_spans.spans()
     assert http.attributes["http.response.status_code"] == 400
+    assert engine_spans.spans(GENERATE) == []
+
+
+def test_a_request_without_a_valid_key_is_traced_as_401_and_never_reaches_the_engine(
+    traced_gateway, engine_spans, gateway_spans
+):
+    with _client(traced_gateway, api_key="sk-wrong") as client, pytest.raises(openai.AuthenticationError):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8)
+    wait_for(lambda: len(gateway_spans.spans()) == 1, "the gateway's span")
+    (http,) = gateway_spans.spans()
+    assert http.attributes["http.response.status_code"] == 401
     assert engine_spans.spans(GENERATE) == []
 
 

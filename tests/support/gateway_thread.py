@@ -1,5 +1,6 @@
 """The real gateway app (uvicorn on 127.0.0.1, a free port) in a background thread, built from a
-GatewayConfig plus what only an in-process app can take: an injected DNS resolver."""
+GatewayConfig plus what only an in-process app can take: an injected DNS resolver, clock and tracer
+provider."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from conduit_gateway.config import GatewayConfig
 from conduit_gateway.http.app import create_app
+from conduit_gateway.keys.rate_limit import Clock
 from conduit_gateway.routing.discovery import Resolver
 from tests.support.processes import free_port
 
@@ -18,21 +20,21 @@ __all__ = ["GatewayThread"]
 
 
 class GatewayThread:
-    """The gateway for `engines` with any GatewayConfig overrides; `url` is its base URL.
-
-    `tracer_provider`: the app's spans go there (tests read them with an in-memory exporter).
-    """
+    """The gateway for `engines` with any GatewayConfig overrides; `url` is its base URL."""
 
     def __init__(
         self,
         engines: list[str],
         resolver: Resolver | None = None,
+        clock: Clock = time.monotonic,
         tracer_provider: TracerProvider | None = None,
         **overrides: object,
     ) -> None:
+        """`clock` replaces the rate limits' time source (a ManualClock drives them exactly);
+        `tracer_provider` receives the app's spans (tests read them with an in-memory exporter)."""
         self.port = free_port()
         self.config = GatewayConfig(engines=tuple(engines), host="127.0.0.1", port=self.port, **overrides)
-        self.app = create_app(self.config, resolver=resolver, tracer_provider=tracer_provider)
+        self.app = create_app(self.config, resolver=resolver, clock=clock, tracer_provider=tracer_provider)
         self._server = uvicorn.Server(
             uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="asyncio", log_level="warning")
         )

@@ -9,12 +9,15 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+
+import grpc
 
 from tests.support.health import engine_serving, gateway_health
 from tests.support.shared import REPO_ROOT, require_shared, shared_dir
@@ -55,6 +58,7 @@ class ManagedProcess:
         self.args = list(args)
         self.port = port
         self.host = "127.0.0.1"
+        self.scheme = "http"
         self._log = tempfile.NamedTemporaryFile(prefix=f"conduit-{name}-", suffix=".log", delete=False)
         self.log_path = Path(self._log.name)
         full_env = dict(os.environ)
@@ -74,7 +78,7 @@ class ManagedProcess:
 
     @property
     def url(self) -> str:
-        return f"http://{self.address}"
+        return f"{self.scheme}://{self.address}"
 
     def output_tail(self, max_chars: int = 4000) -> str:
         if not self._log.closed:  # still usable after stop(), which closes the log
@@ -127,22 +131,26 @@ def start_engine(
     *extra_args: str,
     env: Mapping[str, str] | None = None,
     timeout_s: float = ENGINE_START_TIMEOUT_S,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> ManagedProcess:
-    """`python -m conduit_engine.cli --model MODEL --host 127.0.0.1 --port <free> [extra_args]`, SERVING."""
+    """`python -m conduit_engine.cli --model MODEL --host 127.0.0.1 --port <free> [extra_args]`, SERVING.
+
+    `credentials`: how the readiness probe reaches an engine started with --tls-cert.
+    """
     port = free_port()
     args = [sys.executable, "-m", "conduit_engine.cli", "--model", str(model), "--host", "127.0.0.1"]
     args += ["--port", str(port), *extra_args]
     process = ManagedProcess("engine", args, port, env)
     try:
-        process.wait_ready(lambda: engine_serving(process.address), timeout_s)
+        process.wait_ready(lambda: engine_serving(process.address, credentials=credentials), timeout_s)
     except BaseException:
         process.stop()
         raise
     return process
 
 
-def _gateway_ready(url: str, healthy: bool) -> bool:
-    status = gateway_health(url)
+def _gateway_ready(url: str, healthy: bool, verify: ssl.SSLContext | bool) -> bool:
+    status = gateway_health(url, verify=verify)
     return status == 200 if healthy else status is not None
 
 
@@ -152,18 +160,24 @@ def start_gateway(
     env: Mapping[str, str] | None = None,
     wait_healthy: bool = True,
     timeout_s: float = GATEWAY_START_TIMEOUT_S,
+    https_ca: Path | None = None,
 ) -> ManagedProcess:
     """`python -m conduit_gateway.cli --engine A,B --host 127.0.0.1 --port <free> [extra_args]`.
 
     Waits for GET /health 200 (an engine is SERVING); with wait_healthy=False, for any answer.
+    `https_ca`: the gateway serves HTTPS (--tls-cert) with a certificate this CA signed.
     """
     engines = engine_addresses if isinstance(engine_addresses, str) else ",".join(engine_addresses)
     port = free_port()
     args = [sys.executable, "-m", "conduit_gateway.cli", "--engine", engines, "--host", "127.0.0.1"]
     args += ["--port", str(port), *extra_args]
     process = ManagedProcess("gateway", args, port, env)
+    verify: ssl.SSLContext | bool = True
+    if https_ca is not None:
+        process.scheme = "https"
+        verify = ssl.create_default_context(cafile=str(https_ca))
     try:
-        process.wait_ready(lambda: _gateway_ready(process.url, wait_healthy), timeout_s)
+        process.wait_ready(lambda: _gateway_ready(process.url, wait_healthy, verify), timeout_s)
     except BaseException:
         process.stop()
         raise

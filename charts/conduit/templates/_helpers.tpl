@@ -108,3 +108,63 @@ seccompProfile:
 - {{ .Values.tracing.otlpEndpoint | quote }}
 {{- end }}
 {{- end }}
+
+{{/* Secure boundaries: the Secrets each part reads (an existing one, or the one cert-manager writes). */}}
+{{- define "conduit.tlsSecret" -}}
+{{- $part := index .root.Values.tls .part }}
+{{- if $part.existingSecret }}
+{{- $part.existingSecret }}
+{{- else if .root.Values.certManager.enabled }}
+{{- printf "%s-%s-tls" (include "conduit.fullname" .root) .part }}
+{{- else }}
+{{- fail (printf "tls.%s.existingSecret: name a Secret with tls.crt, tls.key and ca.crt (or enable certManager)" .part) }}
+{{- end }}
+{{- end }}
+
+{{/* The client certificate the gateway and Envoy present to mTLS engines. */}}
+{{- define "conduit.engineClientSecret" -}}
+{{- if .Values.tls.engine.clientSecret }}
+{{- .Values.tls.engine.clientSecret }}
+{{- else if .Values.certManager.enabled }}
+{{- printf "%s-engine-client-tls" (include "conduit.fullname" .) }}
+{{- else }}
+{{- fail "tls.engine.clientSecret: name a Secret with the client tls.crt and tls.key (or enable certManager)" }}
+{{- end }}
+{{- end }}
+
+{{/* The name the engines' certificate carries, checked by every client (they dial pod addresses). */}}
+{{- define "conduit.engineServerName" -}}
+{{- default (include "conduit.engine.headlessHost" .) .Values.tls.engine.serverName }}
+{{- end }}
+
+{{/* Engine probes: the kubelet's gRPC probe is plaintext, so a TLS engine is probed by an exec of
+conduit_engine.health_probe with the engine's own CA and certificate. */}}
+{{- define "conduit.engine.probe" -}}
+{{- $e := .root.Values.engine }}
+{{- $t := .root.Values.tls.engine }}
+{{- if $t.enabled }}
+exec:
+  command:
+    - python
+    - -m
+    - conduit_engine.health_probe
+    - --address
+    - {{ printf "127.0.0.1:%d" (int $e.port) | quote }}
+    - --ca
+    - /etc/conduit/tls/ca.crt
+    - --server-name
+    - {{ include "conduit.engineServerName" .root | quote }}
+    {{- if $t.mtls }}
+    - --cert
+    - /etc/conduit/tls/tls.crt
+    - --key
+    - /etc/conduit/tls/tls.key
+    {{- end }}
+{{- else }}
+grpc:
+  port: {{ $e.port }}
+{{- end }}
+periodSeconds: {{ .probe.periodSeconds }}
+failureThreshold: {{ .probe.failureThreshold }}
+timeoutSeconds: {{ .probe.timeoutSeconds }}
+{{- end }}

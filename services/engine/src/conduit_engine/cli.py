@@ -15,11 +15,13 @@ from typing import Any
 
 from conduit_common import logs
 from conduit_common.env_flags import add_bool_flag, apply_env_defaults, describe_env, env_name, flag_bool
+from conduit_common.secret_files import SecretFileError
 from conduit_engine.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SecurityConfig,
     ServerConfig,
     TelemetryConfig,
 )
@@ -60,6 +62,16 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--grpc-max-message-bytes", int, 64 * 1024 * 1024, "largest gRPC message sent or received"),
     ("--grpc-keepalive", float, 30.0, "HTTP/2 keepalive ping period towards clients, seconds"),
     ("--grpc-min-ping-interval", float, 5.0, "clients may ping no more often than this, seconds"),
+    ("--tls-cert", str, None, "PEM server certificate (chain): serve gRPC over TLS (with --tls-key)"),
+    ("--tls-key", str, None, "PEM private key of --tls-cert"),
+    ("--tls-client-ca", str, None, "PEM CA: require client certificates it signed (mTLS)"),
+    ("--auth-token-file", str, None, "file holding the bearer token every RPC but health must present"),
+    ("--reflection-public", flag_bool, False, "with --auth-token-file: serve reflection without the token"),
+    ("--engine-tls-ca", str, None, "towards other engines (PullKv): PEM CA their certificates chain to"),
+    ("--engine-tls-cert", str, None, "towards other engines: PEM client certificate (mTLS)"),
+    ("--engine-tls-key", str, None, "towards other engines: PEM private key of --engine-tls-cert"),
+    ("--engine-tls-server-name", str, None, "towards other engines: name their certificates carry"),
+    ("--engine-auth-token-file", str, None, "towards other engines: file holding their bearer token"),
     ("--seed", int, 0, "seed of the engine's unseeded random draws"),
     ("--num-threads", int, 0, "torch CPU threads; 0 = auto (1 for models under 20M parameters)"),
     ("--log-level", str, "INFO", "logging level"),
@@ -144,6 +156,18 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             log_format=args.log_format,
             log_prompts=args.log_prompts,
         ),
+        security=SecurityConfig(
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+            auth_token_file=args.auth_token_file,
+            reflection_public=args.reflection_public,
+            engine_tls_ca=args.engine_tls_ca,
+            engine_tls_cert=args.engine_tls_cert,
+            engine_tls_key=args.engine_tls_key,
+            engine_tls_server_name=args.engine_tls_server_name,
+            engine_auth_token_file=args.engine_auth_token_file,
+        ),
         enforce_eager=args.enforce_eager,
     )
 
@@ -172,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ModelLoadError as exc:
         logging.getLogger("conduit_engine").error("cannot load the model: %s", exc)
         sys.exit(2)
+    except SecretFileError as exc:
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":

@@ -147,10 +147,41 @@ class TelemetryConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    """Who may call this engine (TLS, mTLS, a bearer token) and how it calls other engines (PullKv).
+
+    Paths only: the files are read (and re-read on SIGHUP) by `server_security`.
+    """
+
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # set: mTLS, clients need a certificate this CA signed
+    auth_token_file: str | None = None  # set: every RPC but health needs `authorization: Bearer <token>`
+    reflection_public: bool = False  # reflection without the token (it is always open without one)
+    # Towards other engines (disaggregation's PullKv): the gateway's flags of the same names.
+    engine_tls_ca: str | None = None
+    engine_tls_cert: str | None = None
+    engine_tls_key: str | None = None
+    engine_tls_server_name: str | None = None
+    engine_auth_token_file: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            (self.tls_cert is None) == (self.tls_key is None),
+            "--tls-cert and --tls-key: give both (the server certificate and its key) or neither",
+        )
+        _require(
+            self.tls_client_ca is None or self.tls_cert is not None,
+            "--tls-client-ca: needs --tls-cert and --tls-key (mTLS is TLS with client certificates)",
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     server: ServerConfig = ServerConfig()
+    security: SecurityConfig = SecurityConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     enforce_eager: bool = False

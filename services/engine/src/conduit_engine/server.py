@@ -34,6 +34,7 @@ from conduit_engine.proto_mapping import (
 )
 from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
+from conduit_engine.server_security import ServerSecurity
 from conduit_engine.telemetry import EngineTelemetry
 
 log = logging.getLogger(__name__)
@@ -92,12 +93,22 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext) -> None:
     await context.abort(code, str(exc))
 
 
+async def _abort_unexpected(context: grpc.aio.ServicerContext) -> None:
+    # The traceback goes to the log only: clients get a generic INTERNAL, never internals.
+    log.exception("unexpected error in an Engine RPC")
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error in the engine (details are in its log)")
+
+
 def _wrap_unary(inner: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await inner(request, context)
         except (EngineError, ValueError) as exc:
             await _abort_for(exc, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await _abort_unexpected(context)
 
     return call
 
@@ -109,6 +120,10 @@ def _wrap_stream(inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., Asyn
                 yield item
         except (EngineError, ValueError) as exc:
             await _abort_for(exc, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await _abort_unexpected(context)
 
     return call
 
@@ -252,8 +267,11 @@ class EngineServer:
             ("grpc.http2.min_ping_interval_without_data_ms", int(server.min_ping_interval_seconds * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),
         ]
-        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=options)
-        self.port = self.server.add_insecure_port(f"{config.server.host}:{config.server.port}")
+        self.security = ServerSecurity(config.security)
+        self.server = grpc.aio.server(
+            interceptors=[*self.security.interceptors(), ErrorMappingInterceptor()], options=options
+        )
+        self.port = self.security.add_port(self.server, f"{config.server.host}:{config.server.port}")
         if self.port == 0:
             raise OSError(f"cannot bind {config.server.host}:{config.server.port}")
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -278,9 +296,10 @@ class EngineServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         log.info(
-            "gRPC listening on %s:%d (NOT_SERVING until the model is loaded)",
+            "gRPC listening on %s:%d (%s; NOT_SERVING until the model is loaded)",
             self.config.server.host,
             self.port,
+            self.security.describe(),
         )
         loop = asyncio.get_running_loop()
         try:
@@ -318,6 +337,7 @@ class EngineServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.security.reload)
         await self.start()
         await self._stop.wait()
         log.info("signal received: draining")

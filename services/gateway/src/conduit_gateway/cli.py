@@ -40,6 +40,49 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted API key (Authorization: Bearer KEY); repeat or comma-separate for several",
     )
     parser.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="YAML or JSON list of keys with a name and per-minute limits (requests, tokens); re-read on "
+        "SIGHUP",
+    )
+    parser.add_argument(
+        "--tls-cert", default=None, help="PEM certificate chain: serve HTTPS (with --tls-key)"
+    )
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--engine-tls-ca", default=None, help="PEM CA of the engines' certificates: dial TLS")
+    parser.add_argument(
+        "--engine-tls-cert", default=None, help="PEM client certificate towards engines (mTLS)"
+    )
+    parser.add_argument("--engine-tls-key", default=None, help="PEM private key of --engine-tls-cert")
+    parser.add_argument(
+        "--engine-tls-server-name",
+        default=None,
+        help="name the engines' certificates carry when not the dialled host (engines found by DNS are IPs)",
+    )
+    parser.add_argument(
+        "--engine-auth-token-file",
+        default=None,
+        help="file holding the engines' bearer token (SIGHUP re-reads)",
+    )
+    parser.add_argument(
+        "--admin-port", type=int, default=None, help="serve the admin API on this port only (not on --port)"
+    )
+    parser.add_argument(
+        "--max-header-bytes", type=int, default=16 * 1024, help="request line + headers limit; more get 431"
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's line and headers may take to arrive (slow clients get 408; default 10)",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request body may take to arrive (slow clients get 408; default 30)",
+    )
+    parser.add_argument(
         "--routing",
         default="round_robin",
         choices=ROUTING_STRATEGIES,
@@ -181,6 +224,18 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> Gateway
         host=args.host,
         port=args.port,
         api_keys=_split(args.api_key or [from_env.get("api_key", "")]),
+        api_keys_file=args.api_keys_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        engine_tls_ca=args.engine_tls_ca,
+        engine_tls_cert=args.engine_tls_cert,
+        engine_tls_key=args.engine_tls_key,
+        engine_tls_server_name=args.engine_tls_server_name,
+        engine_auth_token_file=args.engine_auth_token_file,
+        admin_port=args.admin_port,
+        max_header_bytes=args.max_header_bytes,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
         routing=args.routing,
         engine_dns=args.engine_dns,
         dns_interval_s=args.dns_interval,
@@ -218,22 +273,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = config_from_args(sys.argv[1:] if argv is None else argv, os.environ)
     except ConfigError as exc:
         build_parser().error(str(exc))
-    import uvicorn
-
+    from conduit_common.secret_files import SecretFileError
     from conduit_gateway.http.app import create_app
+    from conduit_gateway.http.server import serve
+    from conduit_gateway.keys.keys_file import KeysFileError
 
     logs.configure("DEBUG" if config.log_level == "trace" else config.log_level, config.log_format)
-    uvicorn.run(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        # grpc.aio runs on the standard asyncio loop; uvloop is not a supported grpc.aio loop.
-        loop="asyncio",
-        timeout_graceful_shutdown=config.shutdown_grace_s,
-        # uvicorn's loggers go to the root handler, in --log-format like every other line.
-        log_config=None,
-    )
+    try:
+        app = create_app(config)
+        serve(config, app)
+    except (SecretFileError, KeysFileError) as exc:
+        build_parser().error(str(exc))
 
 
 if __name__ == "__main__":

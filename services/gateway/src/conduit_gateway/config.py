@@ -6,7 +6,7 @@ The CLI and the CONDUIT_* environment variables map onto it in `cli.py`; nothing
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from conduit_common.logs import LOG_FORMATS
 from conduit_common.tracing import check_otlp_endpoint
@@ -43,13 +43,18 @@ class GatewayConfig:
     engines: tuple[str, ...]
     host: str = "0.0.0.0"
     port: int = 8000
-    api_keys: tuple[str, ...] = ()
+    # Keys are secrets: never in a repr (and so never in a log line that prints the config).
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # YAML or JSON keys with names and per-minute limits (keys/keys_file.py); re-read on SIGHUP.
+    api_keys_file: str | None = None
     routing: str = "round_robin"
     # HOST:PORT whose every A record is an engine (a Kubernetes headless Service), re-resolved periodically.
     engine_dns: str | None = None
     dns_interval_s: float = 10.0
     # Keys of the /admin API; none means the admin API does not exist.
-    admin_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)
+    # Serve /admin on this port only (not on `port`); None: /admin is on `port`.
+    admin_port: int | None = None
     # How often each SERVING engine is asked for its load (GetLoad).
     load_interval_s: float = 1.0
     # Extra attempts on other engines for a request refused (UNAVAILABLE, RESOURCE_EXHAUSTED) before output.
@@ -84,6 +89,21 @@ class GatewayConfig:
     # On SIGTERM, how long open HTTP connections (streams included) may finish before they are closed.
     shutdown_grace_s: float = 10.0
     log_level: str = "info"
+    # HTTPS for clients: PEM certificate chain and key (re-read on SIGHUP).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    # Towards the engines: TLS trusting engine_tls_ca (a client certificate for mTLS), the name the engines'
+    # certificates carry when it is not the dialled host, and the bearer token file (re-read on SIGHUP).
+    engine_tls_ca: str | None = None
+    engine_tls_cert: str | None = None
+    engine_tls_key: str | None = None
+    engine_tls_server_name: str | None = None
+    engine_auth_token_file: str | None = None
+    # Slow or oversized clients: a request's line and headers must arrive within header_timeout_s and fit
+    # max_header_bytes (else 408 / 431), its body within body_timeout_s (else 408).
+    max_header_bytes: int = 16 * 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
     # How `tool_choice: auto` finds tool calls in the model's text; None: auto is refused (400).
     tool_call_parser: str | None = None
     # How reasoning is split from the answer (reasoning_content); None: the text is all content.
@@ -100,6 +120,7 @@ class GatewayConfig:
         self._check_routing()
         self._check_engine_calls()
         self._check_parsers()
+        self._check_security()
         self._check_telemetry()
 
     def _check_telemetry(self) -> None:
@@ -184,6 +205,26 @@ class GatewayConfig:
                 f"reasoning_parser: must be one of {', '.join(REASONING_PARSERS)}, "
                 f"got {self.reasoning_parser!r}"
             )
+
+    def _check_security(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert: give both tls_cert and tls_key (the HTTPS certificate and its key)")
+        if self.engine_tls_ca is None:
+            for name in ("engine_tls_cert", "engine_tls_key", "engine_tls_server_name"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{name}: needs engine_tls_ca (TLS towards the engines)")
+        if (self.engine_tls_cert is None) != (self.engine_tls_key is None):
+            raise ConfigError("engine_tls_cert: give both engine_tls_cert and engine_tls_key (mTLS)")
+        if self.admin_port is not None:
+            if not 1 <= self.admin_port <= 65535 or self.admin_port == self.port:
+                raise ConfigError(
+                    f"admin_port: must be in [1, 65535] and differ from port, got {self.admin_port}"
+                )
+            if not self.admin_keys:
+                raise ConfigError("admin_port: needs admin_key (without admin keys there is no admin API)")
+        _positive("max_header_bytes", self.max_header_bytes)
+        _positive("header_timeout", self.header_timeout_s)
+        _positive("body_timeout", self.body_timeout_s)
 
 
 def _positive(name: str, value: float) -> None:

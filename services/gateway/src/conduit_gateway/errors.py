@@ -6,9 +6,12 @@ Every error the gateway returns has the body `{"error": {"message", "type", "par
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import grpc
+
+log = logging.getLogger(__name__)
 
 # gRPC status → (HTTP status, OpenAI error type, error code). Anything not listed is a server error.
 _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
@@ -88,7 +91,7 @@ def from_rpc_error(
 
     The engine's INVALID_ARGUMENT messages start with the field name and ": " (e.g. "temperature: must be
     >= 0, got -1.0"); that field becomes `param`, renamed through `param_aliases` where the OpenAI name
-    differs from the proto's (e.g. token_ids → prompt).
+    differs from the proto's (e.g. token_ids → prompt), and the message then starts with the new name.
     """
     code = error.code()
     details = error.details() or code.name
@@ -96,11 +99,17 @@ def from_rpc_error(
     param = None
     headers: dict[str, str] = {}
     if status == 400:
-        field, sep, _ = details.partition(": ")
+        field, sep, reason = details.partition(": ")
         if sep and field and " " not in field:
             param = (param_aliases or {}).get(field, field)
+            if param != field:  # the message names the field the client sent, as `param` does
+                details = f"{param}: {reason}"
     elif status == 404:
         param = "model"
     elif status == 429:
         headers["Retry-After"] = str(retry_after_s)
+    elif status == 500:
+        # What an engine says about its own failure (UNKNOWN, INTERNAL...) stays in the gateway's log.
+        log.warning("engine error %s: %s", code.name, details)
+        details = "The engine failed to process the request."
     return OpenAIError(status, details, type=type_, param=param, code=err_code, headers=headers)

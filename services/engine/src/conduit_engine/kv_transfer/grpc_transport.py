@@ -12,6 +12,7 @@ import grpc
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc as pb_grpc
+from conduit_common.engine_dialer import PLAINTEXT, EngineDialer
 from conduit_engine.kv_transfer.errors import (
     KvLayoutMismatchError,
     KvSourceUnavailableError,
@@ -32,13 +33,18 @@ _ERRORS: dict[grpc.StatusCode, type[KvTransferError]] = {
 
 
 class GrpcKvTransport(KvTransport):
-    """Pulls over engine.proto's PullKv; `timeout_s` bounds a whole pull (None: no deadline)."""
+    """Pulls over engine.proto's PullKv; `timeout_s` bounds a whole pull (None: no deadline).
+
+    `dialer` is how this engine reaches the sources: TLS/mTLS and the bearer token of its
+    --engine-tls-* / --engine-auth-token-file flags (`server_security.engine_dialer(config.security)`).
+    """
 
     def __init__(
         self,
         *,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        dialer: EngineDialer = PLAINTEXT,
     ) -> None:
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0 or None, got {timeout_s}")
@@ -48,6 +54,7 @@ class GrpcKvTransport(KvTransport):
             ("grpc.max_send_message_length", max_message_bytes),
         ]
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._dialer = dialer
 
     async def pull(self, spec: KvPullSpec, sink: KvBlockSink) -> KvPullResult:
         request = pb.PullKvRequest(
@@ -56,7 +63,7 @@ class GrpcKvTransport(KvTransport):
             layout_fingerprint=spec.layout.fingerprint,
         )
         stub = pb_grpc.EngineStub(self._channel(spec.source_address))
-        call = stub.PullKv(request, timeout=self._timeout_s)
+        call = stub.PullKv(request, timeout=self._timeout_s, metadata=self._dialer.metadata())
         next_block, num_bytes = spec.start_block, 0
         try:
             async for chunk in call:
@@ -84,7 +91,7 @@ class GrpcKvTransport(KvTransport):
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            channel = self._dialer.dial(address, self._options)
             self._channels[address] = channel
         return channel
 

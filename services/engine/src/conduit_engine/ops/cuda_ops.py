@@ -561,12 +561,12 @@ def _cupy_function(kernel: KernelRef) -> object:
     import cupy
 
     module = cupy.RawModule(
-        code=kl.compile_unit(kernel.source), options=_nvrtc_options(), name_expressions=(kernel.name,)
+        code=kl.compile_unit(kernel.source), options=nvrtc_options(), name_expressions=(kernel.name,)
     )
     return module.get_function(kernel.name)
 
 
-def _nvrtc_options() -> tuple[str, ...]:
+def nvrtc_options() -> tuple[str, ...]:
     """NVRTC flags: kernels/ on the include path; no toolkit headers are needed (see dtypes.cuh)."""
     return ("-std=c++17", f"-I{kl.kernels_dir()}")
 

@@ -7,6 +7,7 @@ Modules, each with one job:
 - `after_gate`: when the constraint starts (after a text such as `</think>` has appeared).
 - `vocabulary`: the grammar backend's view of the model's tokenizer (`GrammarVocab`).
 - `backend`: the one place xgrammar is chosen and its errors are read; the reasons for the choice.
+- `schema_support`: the JSON Schema keywords the backend does not enforce (such schemas are refused).
 - `compiler`: compiles specs on a worker thread, cached by spec (`StructuredCompiler`).
 - `state`: one sequence's progress through its compiled structure (`GrammarState`).
 - `batch_mask`: fills one int32 token bitmask for the constrained rows of a step (`BitmaskBuilder`).

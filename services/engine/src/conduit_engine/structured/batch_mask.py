@@ -42,8 +42,7 @@ class BitmaskBuilder:
         count = len(active)
         self._reserve(count)
         host, host_rows = self._host[:count], self._host_rows[:count]
-        for i, (_, state) in enumerate(active):
-            state.fill_bitmask(host, i)
+        GrammarState.fill_bitmasks([state for _, state in active], host)
         host_rows.numpy()[:] = [row for row, _ in active]
         if self.device.type == "cpu":
             return StepBitmask(bitmask=host, rows=host_rows)

@@ -5,7 +5,8 @@ the compiler's own thread pool (the backend releases the GIL while compiling, so
 running). Futures are cached by `spec.cache_key` in a bounded LRU, so concurrent requests with one spec
 share one compile and later ones get the same `CompiledStructure` object; a failed compile is not kept.
 A spec that does not compile fails its future with `InvalidRequestError` naming the request field and
-the backend's reason (→ INVALID_ARGUMENT).
+the backend's reason (→ INVALID_ARGUMENT); so does a JSON schema using a keyword the backend would
+silently ignore (`schema_support`).
 
 JSON whitespace: `any_whitespace=False` (the default) compiles with the backend's
 `any_whitespace=False`, as vLLM's `disable_any_whitespace`: exactly one space after `,` and `:`, no
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from conduit_engine.errors import InvalidRequestError
 from conduit_engine.structured.backend import reason
 from conduit_engine.structured.backend import xgrammar as xgr
+from conduit_engine.structured.schema_support import unenforced_keyword
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
 from conduit_engine.structured.state import GrammarState
 from conduit_engine.structured.vocabulary import GrammarVocab
@@ -97,6 +99,10 @@ class StructuredCompiler:
                     del self._cache[key]
 
     def _compile(self, spec: StructuredSpec) -> CompiledStructure:
+        if spec.kind is StructuredKind.JSON_SCHEMA:
+            unenforced = unenforced_keyword(json.loads(spec.text))
+            if unenforced is not None:
+                raise InvalidRequestError(spec.field, unenforced)
         try:
             grammar = self._compile_grammar(spec)
         except (RuntimeError, ValueError) as exc:  # what xgrammar raises for a bad spec

@@ -4,10 +4,10 @@ Plain Python: no torch and no grammar backend, so `SamplingParams` and the engin
 Errors are `InvalidRequestError` naming the proto field (`sampling.json_schema`, `sampling.choice`, ...).
 
 Size limit: the schema, regex or grammar text, or all choices together, may take at most
-`MAX_SPEC_BYTES` (64 KiB) of UTF-8. Compile time and memory grow with the grammar, and compiling happens
-in the engine process, so an unbounded spec would let one request stall every other request's grammar;
-64 KiB holds any hand-written or generated (pydantic, tool-parameter) schema seen in practice, with
-room to spare, and is the same order as the schema limits of hosted APIs.
+`MAX_SPEC_BYTES` of UTF-8: `conduit_common.structured.MAX_STRUCTURED_SPEC_BYTES` (128 KiB), the one
+constant the gateway checks too, so a spec the gateway lets through is never refused here for its size.
+Compile time and memory grow with the grammar, and compiling happens in the engine process, so an
+unbounded spec would let one request stall every other request's grammar.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from conduit_common.structured import MAX_STRUCTURED_SPEC_BYTES
 from conduit_engine.errors import InvalidRequestError
 
-MAX_SPEC_BYTES = 64 * 1024
+MAX_SPEC_BYTES = MAX_STRUCTURED_SPEC_BYTES
 MAX_CHOICES = 1024
 MAX_AFTER_BYTES = 256  # a reasoning end tag such as `</think>`, not a document
 

@@ -11,7 +11,8 @@ Used by one thread at a time (the step loop): the backend's matcher is not threa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -33,13 +34,16 @@ class GrammarState:
         self._tokens: list[int] = []  # every accepted output token, before and after the gate
         self._start = 0 if self._gate is None else None  # index in _tokens where the matcher starts
         self._failed = False
+        # Whether the matcher accepted EOS (it terminates exactly then); kept here because the step asks
+        # for every row every step and a call into the backend costs more than the flag.
+        self._terminated = False
 
     # ----- what the step loop asks ---------------------------------------------------------------------
     @property
     def is_active(self) -> bool:
         """Whether this step's logits row must be masked: the gate is open, and the grammar has neither
         terminated nor failed."""
-        return self._start is not None and not self._failed and not self._matcher.is_terminated()
+        return self._start is not None and not self._failed and not self._terminated
 
     @property
     def accepts_eos(self) -> bool:
@@ -50,7 +54,7 @@ class GrammarState:
     @property
     def is_terminated(self) -> bool:
         """The grammar accepted EOS: the output is complete."""
-        return self._start is not None and self._matcher.is_terminated()
+        return self._start is not None and self._terminated
 
     @property
     def is_finished(self) -> bool:
@@ -80,6 +84,12 @@ class GrammarState:
         """Write the allowed next tokens into bitmask[row] (int32 [R, words] on the CPU)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    @staticmethod
+    def fill_bitmasks(states: Sequence[GrammarState], bitmask: torch.Tensor) -> None:
+        """`fill_bitmask` of every state into bitmask[0 : len(states)] in one backend call: half the
+        time of a Python loop over the rows at batch 64 (bench/structured.py)."""
+        _batch_matcher().batch_fill_next_token_bitmask([state._matcher for state in states], bitmask)
+
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False (and `has_failed`) if the grammar rejects it."""
         if self._failed:
@@ -94,6 +104,7 @@ class GrammarState:
             self._failed = True
             return False
         self._tokens.append(token_id)
+        self._terminated = token_id in self._vocab.eos_token_ids
         return True
 
     # ----- re-deriving the state -------------------------------------------------------------------------
@@ -101,7 +112,7 @@ class GrammarState:
         """Reset, then accept every token; False if the tokens do not fit the grammar."""
         self._matcher.reset()
         self._gate = AfterGate(self._after) if self._after else None
-        self._tokens, self._failed = [], False
+        self._tokens, self._failed, self._terminated = [], False, False
         self._start = 0 if self._gate is None else None
         return all(self.accept(t) for t in output_ids)
 
@@ -113,6 +124,7 @@ class GrammarState:
         if num_tokens <= in_matcher and not self._failed:
             self._matcher.rollback(num_tokens)
             del self._tokens[len(self._tokens) - num_tokens :]
+            self._terminated = self._matcher.is_terminated()
         else:  # the gate must close again (or the state failed): rebuild it
             self.replay(self._tokens[: len(self._tokens) - num_tokens])
 
@@ -123,4 +135,11 @@ class GrammarState:
         twin._matcher = self._matcher.fork()
         twin._gate = self._gate.copy() if self._gate is not None else None
         twin._tokens, twin._start, twin._failed = list(self._tokens), self._start, self._failed
+        twin._terminated = self._terminated
         return twin
+
+
+@functools.cache
+def _batch_matcher() -> xgr.BatchGrammarMatcher:
+    """The backend's batched filler (its threads: half the cores, as the backend chooses)."""
+    return xgr.BatchGrammarMatcher(max_threads="auto")

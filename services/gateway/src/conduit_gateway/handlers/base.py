@@ -28,6 +28,8 @@ from conduit_gateway.handlers.choices import (
 )
 from conduit_gateway.handlers.streams import PromptStream, close_all, open_streams, read_messages
 from conduit_gateway.http.sse import DONE_EVENT, ChunkEncoder, EventStreamResponse, error_event
+from conduit_gateway.keys.keys_file import ApiKey
+from conduit_gateway.keys.rate_limit import Admission
 from conduit_gateway.schemas.common import SamplingRequest, Usage
 from conduit_gateway.structured.constraints import Constraint
 
@@ -46,8 +48,13 @@ class GenerationHandler(ABC):
     # model_dump `exclude` dropping the response's prompt_logprobs field(s) when they were not asked for.
     absent_prompt_logprobs: ClassVar[dict[str, Any]]
 
-    def __init__(self, ctx: GatewayContext, body: SamplingRequest, request_id: str) -> None:
+    def __init__(
+        self, ctx: GatewayContext, body: SamplingRequest, request_id: str, api_key: ApiKey | None = None
+    ) -> None:
         self.ctx = ctx
+        # The caller's key (None: no keys configured) and, once admitted, its share of the key's limits.
+        self.api_key = api_key
+        self.admission: Admission | None = None
         self.body = body
         self.request_id = request_id
         self.response_id = f"{self.id_prefix}-{request_id}"
@@ -115,20 +122,9 @@ class GenerationHandler(ABC):
             request.sampling.CopyFrom(sampling)
             if self.body.priority is not None:
                 request.priority = fields.int32("priority", self.body.priority)
-        log.info(
-            "request %s: %s model=%s prompts=%d n=%d stream=%s user=%s%s",
-            self.request_id,
-            self.endpoint,
-            self.body.model,
-            len(requests),
-            self.n,
-            bool(self.body.stream),
-            self.body.user,
-            f" input={self.body.model_dump_json(include=_PROMPT_FIELDS, exclude_none=True)}"
-            if self.ctx.config.log_prompts
-            else "",
-        )
-        trace.get_current_span().set_attribute(tracing.MODEL, self.body.model)
+        self._log_start(len(requests))
+        if self.api_key is not None:
+            self.admission = self.ctx.rate_limiter.admit(self.api_key)  # 429 when the key is spent
         limiter = self.ctx.limiter
         if not limiter.try_acquire():
             self.ctx.metrics.rejected.inc()
@@ -148,17 +144,47 @@ class GenerationHandler(ABC):
             )
             for stream in streams:
                 stream.token_gaps = metrics.inter_token_seconds.labels(self.body.model)
+            # The engine admitted the prompts: they count against the key's tokens now.
+            self._charge(sum(stream.first.usage.prompt_tokens for stream in streams))
             choices = ChoiceSet(self.n, self.new_choice)
             usage = UsageTotals(len(requests))
             if self.body.stream:
                 streaming = True
-                return EventStreamResponse(
-                    self._events(streams, choices, usage), on_close=lambda: self._release(streams)
-                )
-            return await self._accumulate(streams, choices, usage)
+                events = self._events(streams, choices, usage)
+                response = EventStreamResponse(events, on_close=lambda: self._release(streams))
+                return self._with_limit_headers(response)
+            return self._with_limit_headers(await self._accumulate(streams, choices, usage))
         finally:
             if not streaming:
                 self._release(streams)
+
+    def _log_start(self, prompts: int) -> None:
+        """The request's log line (its prompt text only with --log-prompts) and its span's model."""
+        log.info(
+            "request %s: %s model=%s prompts=%d n=%d stream=%s user=%s%s",
+            self.request_id,
+            self.endpoint,
+            self.body.model,
+            prompts,
+            self.n,
+            bool(self.body.stream),
+            self.body.user,
+            f" input={self.body.model_dump_json(include=_PROMPT_FIELDS, exclude_none=True)}"
+            if self.ctx.config.log_prompts
+            else "",
+        )
+        trace.get_current_span().set_attribute(tracing.MODEL, self.body.model)
+
+    def _charge(self, tokens: int) -> None:
+        """The request has used `tokens` (prompt + output) so far: the key's limits count them."""
+        if self.admission is not None:
+            self.admission.charge_total(tokens)
+
+    def _with_limit_headers(self, response: Response) -> Response:
+        """OpenAI's x-ratelimit-* headers of the key, as they stand when the response starts."""
+        if self.admission is not None:
+            response.headers.update(self.admission.headers())
+        return response
 
     def _release(self, streams: list[PromptStream]) -> None:
         # Also here, not only where the events end: a response closed before its first event never runs
@@ -230,6 +256,7 @@ class GenerationHandler(ABC):
         try:
             async for prompt_index, message in read_messages(streams):
                 usage.update(prompt_index, message.usage)
+                self._charge(usage.prompt_tokens + usage.completion_tokens)
                 choice, _ = self._choice(choices, prompt_index, message)
                 choice.add(message)
                 if message.prompt_logprobs:
@@ -322,6 +349,7 @@ class GenerationHandler(ABC):
             # Usage as it was before this message: the opening chunk precedes its tokens.
             events = encoder.chunk([opening], usage.as_dict)
         usage.update(prompt_index, message.usage)
+        self._charge(usage.prompt_tokens + usage.completion_tokens)
         if message.text or message.logprobs:
             delta = self.delta_choice(choice, message.text, message.logprobs)
             if delta is not None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,6 +22,7 @@ from conduit_gateway.config import GatewayConfig
 from conduit_gateway.context import GatewayContext
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.http import admin
+from conduit_gateway.http.admin_port import AdminPortMiddleware
 from conduit_gateway.http.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -28,18 +33,23 @@ from conduit_gateway.http.middleware import (
 from conduit_gateway.http.routes import router
 from conduit_gateway.http.tracing import TracingMiddleware
 from conduit_gateway.http.validation import validation_error
+from conduit_gateway.keys.rate_limit import Clock
 from conduit_gateway.routing.discovery import Resolver
 
 
 def create_app(
-    config: GatewayConfig, resolver: Resolver | None = None, tracer_provider: TracerProvider | None = None
+    config: GatewayConfig,
+    resolver: Resolver | None = None,
+    clock: Clock = time.monotonic,
+    tracer_provider: TracerProvider | None = None,
 ) -> FastAPI:
     """The gateway app for `config`; engine channels open when the app starts (its lifespan).
 
-    `resolver` replaces the DNS lookups of --engine-dns (tests inject one they control);
-    `tracer_provider` replaces the one --otlp-endpoint would make (tests read spans in memory).
+    `resolver` replaces the DNS lookups of --engine-dns, `clock` the rate limits' time, `tracer_provider`
+    the one --otlp-endpoint would make (tests inject them; they read spans in memory). Reads the keys
+    file and the engines' TLS and token files now (KeysFileError, SecretFileError).
     """
-    ctx = GatewayContext.create(config, resolver)
+    ctx = GatewayContext.create(config, resolver, clock)
     owned_provider = None
     if tracer_provider is None and config.otlp_endpoint is not None:
         tracer_provider = owned_provider = otlp_tracer_provider("conduit-gateway", config.otlp_endpoint)
@@ -47,6 +57,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if threading.current_thread() is threading.main_thread():
+            # Signals reach the main thread only (an app served from a test's thread has no SIGHUP).
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, ctx.reload)
         await ctx.pool.start()
         try:
             yield
@@ -69,9 +82,11 @@ def create_app(
         app.include_router(admin.router)
     _add_error_handlers(app)
     # add_middleware wraps: the last one added runs first.
-    app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes)
-    app.add_middleware(ApiKeyMiddleware, api_keys=config.api_keys)
-    app.add_middleware(ApiKeyMiddleware, api_keys=config.admin_keys, prefix="/admin")
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    app.add_middleware(ApiKeyMiddleware, keys=ctx.api_keys)
+    app.add_middleware(ApiKeyMiddleware, keys=ctx.admin_keys, prefix="/admin")
+    if config.admin_port is not None:
+        app.add_middleware(AdminPortMiddleware, admin_port=config.admin_port)
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     app.add_middleware(TracingMiddleware, tracer=tracer)

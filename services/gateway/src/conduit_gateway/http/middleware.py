@@ -6,7 +6,7 @@ disconnect still reaches the SSE response's receive().
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import logging
 import re
 import time
@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from conduit_common.logs import current_request_id
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.http.metrics import GatewayMetrics
+from conduit_gateway.keys.store import ApiKeyStore
 
 log = logging.getLogger(__name__)
 
@@ -123,19 +124,20 @@ class InternalErrorMiddleware(HttpMiddleware):
 
 
 class ApiKeyMiddleware(HttpMiddleware):
-    """Require `Authorization: Bearer <key>` on paths under `prefix` when keys are configured
-    (constant-time compare). The API keys guard /v1; the admin keys, in a second instance, guard /admin."""
+    """Require `Authorization: Bearer <key>` on paths under `prefix` when keys are configured; the key
+    is looked up by its SHA-256 digest and the matched ApiKey (name, limits) goes to
+    `request.state.api_key`. The API keys guard /v1; the admin keys, in a second instance, guard /admin."""
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], prefix: str = "/v1") -> None:
+    def __init__(self, app: ASGIApp, keys: ApiKeyStore, prefix: str = "/v1") -> None:
         super().__init__(app)
-        self._keys = [key.encode("utf-8") for key in api_keys]
+        self._keys = keys
         self._prefix = prefix
 
     def _guards(self, path: str) -> bool:
         return path == self._prefix or path.startswith(self._prefix + "/")
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self._keys or not self._guards(scope["path"]):
+        if not self._keys.enabled or not self._guards(scope["path"]):
             await self.app(scope, receive, send)
             return
         authorization = Headers(scope=scope).get("authorization", "")
@@ -145,17 +147,12 @@ class ApiKeyMiddleware(HttpMiddleware):
                 send, _unauthorized("You didn't provide an API key (Authorization: Bearer KEY).")
             )
             return
-        if not self._matches(token.strip().encode("utf-8")):
+        key = self._keys.lookup(token.strip())
+        if key is None:
             await send_error(send, _unauthorized("Incorrect API key provided."))
             return
+        scope.setdefault("state", {})["api_key"] = key
         await self.app(scope, receive, send)
-
-    def _matches(self, token: bytes) -> bool:
-        # Compare against every key without stopping early, so timing says nothing about which matched.
-        matched = False
-        for key in self._keys:
-            matched |= hmac.compare_digest(key, token)
-        return matched
 
 
 def _unauthorized(message: str) -> OpenAIError:
@@ -163,11 +160,13 @@ def _unauthorized(message: str) -> OpenAIError:
 
 
 class BodyLimitMiddleware(HttpMiddleware):
-    """Refuse request bodies over `limit` bytes with 413 before the app parses them."""
+    """Refuse request bodies over `limit` bytes with 413, and bodies that take longer than `timeout_s` to
+    arrive with 408 (a client trickling its body must not hold a connection), before the app parses them."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, timeout_s: float = 30.0) -> None:
         super().__init__(app)
         self.limit = limit
+        self.timeout_s = timeout_s
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -177,22 +176,17 @@ class BodyLimitMiddleware(HttpMiddleware):
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             await send_error(send, self._too_large())
             return
-        # Read the body here (bounded), then replay it: chunked uploads have no length to check up front.
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                await send_error(send, self._too_large())
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                body = await self._read_body(receive)
+        except TimeoutError:
+            await send_error(send, self._too_slow())
+            return
+        except _BodyTooLarge:
+            await send_error(send, self._too_large())
+            return
+        if body is None:
+            return  # the client left
         replayed = False
 
         async def replay() -> Message:
@@ -205,9 +199,37 @@ class BodyLimitMiddleware(HttpMiddleware):
 
         await self.app(scope, replay, send)
 
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        # Read the body here (bounded), then replay it: chunked uploads have no length to check up front.
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                raise _BodyTooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _too_slow(self) -> OpenAIError:
+        return OpenAIError(
+            408,
+            f"The request body did not arrive within {self.timeout_s:g} seconds.",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        )
+
     def _too_large(self) -> OpenAIError:
         return OpenAIError(
             413,
             f"Request body is larger than the limit of {self.limit} bytes.",
             code="request_too_large",
         )
+
+
+class _BodyTooLarge(Exception):
+    pass

@@ -15,6 +15,7 @@ from conduit_gateway.errors import model_not_found
 from conduit_gateway.handlers.chat import ChatHandler
 from conduit_gateway.handlers.completions import CompletionsHandler
 from conduit_gateway.http.sse import wait_for_disconnect
+from conduit_gateway.keys.keys_file import ApiKey
 from conduit_gateway.race import finished_first
 from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.pool import require_serving
@@ -35,6 +36,11 @@ def _ctx(request: Request) -> GatewayContext:
     return request.app.state.ctx
 
 
+def _api_key(request: Request) -> ApiKey | None:
+    """The key ApiKeyMiddleware matched (None when no keys are configured)."""
+    return getattr(request.state, "api_key", None)
+
+
 @router.post(
     "/v1/chat/completions",
     response_model=ChatCompletion,
@@ -42,7 +48,7 @@ def _ctx(request: Request) -> GatewayContext:
     | _GENERATION_ERRORS,
 )
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    handler = ChatHandler(_ctx(request), body, request.state.request_id)
+    handler = ChatHandler(_ctx(request), body, request.state.request_id, _api_key(request))
     return await _until_disconnect(request, handler.handle())
 
 
@@ -53,7 +59,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     | _GENERATION_ERRORS,
 )
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    handler = CompletionsHandler(_ctx(request), body, request.state.request_id)
+    handler = CompletionsHandler(_ctx(request), body, request.state.request_id, _api_key(request))
     return await _until_disconnect(request, handler.handle())
 
 

@@ -1,4 +1,8 @@
-"""The transport to one engine replica: a shared grpc.aio channel and the RPCs the gateway makes on it."""
+"""The transport to one engine replica: a shared grpc.aio channel and the RPCs the gateway makes on it.
+
+The channel is plaintext or TLS and every call carries the engines' bearer token, as the EngineDialer
+(--engine-tls-*, --engine-auth-token-file) says.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
+from conduit_common.engine_dialer import PLAINTEXT, EngineDialer
 from conduit_gateway.config import GatewayConfig
 
 
@@ -36,15 +41,18 @@ def _ms(seconds: float) -> int:
 class EngineClient:
     """One channel to `address` and typed calls on it; it keeps no state about the engine."""
 
-    def __init__(self, address: str, config: GatewayConfig) -> None:
+    def __init__(self, address: str, config: GatewayConfig, dialer: EngineDialer = PLAINTEXT) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options(config))
+        self._dialer = dialer
+        self._channel = dialer.dial(address, channel_options(config))
         self._engine = engine_pb2_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def check(self, timeout_s: float) -> bool:
         """grpc.health.v1 Check: True when the engine says SERVING (raises AioRpcError when unreachable)."""
-        reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        reply = await self._health.Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout_s, metadata=self._dialer.metadata()
+        )
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def watch(self) -> grpc.aio.UnaryStreamCall:
@@ -53,13 +61,19 @@ class EngineClient:
         wait_for_ready: while the engine is down the call waits for the channel to reconnect (with the
         channel's own backoff) instead of failing at once.
         """
-        return self._health.Watch(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True)
+        return self._health.Watch(
+            health_pb2.HealthCheckRequest(service=""), wait_for_ready=True, metadata=self._dialer.metadata()
+        )
 
     async def model_info(self, timeout_s: float) -> engine_pb2.GetModelInfoResponse:
-        return await self._engine.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=timeout_s)
+        return await self._engine.GetModelInfo(
+            engine_pb2.GetModelInfoRequest(), timeout=timeout_s, metadata=self._dialer.metadata()
+        )
 
     async def load(self, timeout_s: float) -> engine_pb2.GetLoadResponse:
-        return await self._engine.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout_s)
+        return await self._engine.GetLoad(
+            engine_pb2.GetLoadRequest(), timeout=timeout_s, metadata=self._dialer.metadata()
+        )
 
     def generate(
         self,
@@ -67,7 +81,7 @@ class EngineClient:
         metadata: Sequence[tuple[str, str]],
         timeout_s: float | None,
     ) -> grpc.aio.UnaryStreamCall:
-        return self._engine.Generate(request, metadata=tuple(metadata), timeout=timeout_s)
+        return self._engine.Generate(request, metadata=self._dialer.metadata(*metadata), timeout=timeout_s)
 
     async def close(self) -> None:
         await self._channel.close(grace=None)

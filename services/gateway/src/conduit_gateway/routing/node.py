@@ -16,6 +16,7 @@ import time
 import grpc
 
 from conduit.engine.v1 import engine_pb2
+from conduit_common.engine_dialer import PLAINTEXT, EngineDialer
 from conduit_gateway.config import GatewayConfig
 from conduit_gateway.routing.client import EngineClient
 from conduit_gateway.routing.health import HealthWatch
@@ -48,11 +49,13 @@ class EngineNode:
     """State of one engine as the router sees it. Made and used on the gateway's event loop (its grpc.aio
     channel belongs to the loop it was created on)."""
 
-    def __init__(self, address: str, source: NodeSource, config: GatewayConfig) -> None:
+    def __init__(
+        self, address: str, source: NodeSource, config: GatewayConfig, dialer: EngineDialer = PLAINTEXT
+    ) -> None:
         self.address = address
         self.source = source
         self._config = config
-        self.client = EngineClient(address, config)
+        self.client = EngineClient(address, config, dialer)
         self.serving = False
         self.draining = False
         self.model_info: engine_pb2.GetModelInfoResponse | None = None
@@ -65,6 +68,7 @@ class EngineNode:
         self.ejections = 0
         self._latency = TokenLatency()
         self._health: HealthWatch | None = None
+        self._last_check_failure: str | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._transition = asyncio.Lock()
         self._idle = asyncio.Event()
@@ -131,8 +135,14 @@ class EngineNode:
         try:
             serving = await self.client.check(timeout_s)
         except grpc.aio.AioRpcError as exc:
+            failure = f"health check failed: {exc.code().name}: {exc.details()}"
+            if failure != self._last_check_failure:
+                # Once per distinct failure: a TLS or token misconfiguration must be visible, not a flood.
+                log.warning("engine %s %s", self.address, failure)
+                self._last_check_failure = failure
             self.eject(f"health check failed: {exc.code().name}")
             return False
+        self._last_check_failure = None
         if serving:
             await self.set_health(True)
         else:

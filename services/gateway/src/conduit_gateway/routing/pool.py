@@ -12,6 +12,7 @@ import logging
 from collections.abc import Collection
 
 from conduit.engine.v1 import engine_pb2
+from conduit_common.engine_dialer import PLAINTEXT, EngineDialer
 from conduit_gateway.config import GatewayConfig, parse_engine_address
 from conduit_gateway.errors import model_not_found, no_engine_ready
 from conduit_gateway.routing.discovery import DnsDiscovery, Resolver
@@ -33,8 +34,11 @@ class UnknownNodeError(KeyError):
 class EnginePool:
     """Engine nodes with their health and load; `acquire` returns a routable node that serves the model."""
 
-    def __init__(self, config: GatewayConfig, resolver: Resolver | None = None) -> None:
+    def __init__(
+        self, config: GatewayConfig, resolver: Resolver | None = None, dialer: EngineDialer = PLAINTEXT
+    ) -> None:
         self.config = config
+        self.dialer = dialer  # TLS and token towards the engines
         self._nodes: dict[str, EngineNode] = {}
         self._selector = make_selector(
             config.routing, SelectionOptions(affinity_load_factor=config.affinity_load_factor)
@@ -91,7 +95,7 @@ class EnginePool:
         address = parse_engine_address(address, field="address")
         if address in self._nodes:
             raise DuplicateNodeError(address)
-        node = self._nodes[address] = EngineNode(address, source, self.config)
+        node = self._nodes[address] = EngineNode(address, source, self.config, self.dialer)
         node.start()
         log.info("engine %s joined the pool (%s)", address, source)
         return node

@@ -16,18 +16,19 @@ from conduit_gateway.errors import invalid_param
 from conduit_gateway.schemas.structured import StructuredOutputs, StructuredRequest
 from conduit_gateway.structured import validation
 
-# SamplingParams fields (and the oneof) an engine error may name.
-_ENGINE_FIELDS = (
+# SamplingParams fields (and the oneof) an engine error may name, bare or as the engine's messages spell
+# them (`sampling.regex: does not compile: ...`).
+_SAMPLING_FIELDS = (
     "json_schema",
     "json_object",
     "regex",
     "choice",
     "grammar",
     "structured",
-    "sampling.structured",
     "structured_any_whitespace",
     "structured_after",
 )
+_ENGINE_FIELDS = _SAMPLING_FIELDS + tuple(f"sampling.{name}" for name in _SAMPLING_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)

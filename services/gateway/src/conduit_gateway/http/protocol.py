@@ -1,0 +1,89 @@
+"""uvicorn's HTTP/1.1 protocol (httptools) with bounds on slow and oversized request heads.
+
+uvicorn bounds neither how long a request's line and headers may take to arrive nor how large they may
+grow (httptools buffers a header until it ends), so a client trickling bytes (slowloris) could hold a
+connection and its memory forever. Here each head must arrive within `header_timeout_s` of the
+connection or of its first byte (else 408) and fit `max_header_bytes` (else 431); bodies are bounded
+by BodyLimitMiddleware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from conduit_gateway.errors import OpenAIError
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+class BoundedHttpProtocol(HttpToolsProtocol):
+    """One connection; `max_header_bytes` and `header_timeout_s` are set per server by
+    `bounded_http_protocol` (uvicorn builds the protocol from a class)."""
+
+    max_header_bytes = 16 * 1024
+    header_timeout_s = 10.0
+    _head_bytes = 0
+    _reading_head = True
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._reading_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._reading_head and self._head_bytes > self.max_header_bytes:
+            self._refuse(431, f"The request line and headers exceed {self.max_header_bytes} bytes.")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._head_timer is None:
+            self._arm_head_timer()
+
+    def on_headers_complete(self) -> None:
+        self._reading_head = False
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._reading_head, self._head_bytes = True, 0
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._reading_head:
+            self._refuse(408, f"The request headers did not arrive within {self.header_timeout_s:g} seconds.")
+
+    def _refuse(self, status: int, message: str) -> None:
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or self.cycle.response_complete:
+            # No response is under way on this connection: answer before closing it.
+            body = OpenAIError(status, message, code="request_rejected").body_json().encode()
+            head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n" % (status, _REASONS[status])
+            head += b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+            self.transport.write(head + body)
+        self.transport.close()
+
+
+def bounded_http_protocol(max_header_bytes: int, header_timeout_s: float) -> type[BoundedHttpProtocol]:
+    """The protocol class for uvicorn's `http=` with these bounds."""
+    bounds = {"max_header_bytes": max_header_bytes, "header_timeout_s": header_timeout_s}
+    return type("BoundedHttpProtocol", (BoundedHttpProtocol,), bounds)

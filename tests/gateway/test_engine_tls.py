@@ -1,0 +1,125 @@
+"""Gateway → engine over real handshakes: an engine process (stories260K) with mTLS and a bearer token,
+and in-process gateways dialling it with the right or a wrong CA, client certificate or token.
+
+A gateway that cannot authenticate never routes to the engine (503, and its log says why), and the
+engine keeps serving the gateway that can.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from tests.support.certs import make_pki
+from tests.support.gateway_thread import GatewayThread
+from tests.support.processes import start_engine
+from tests.support.stories import MODEL, PROMPT
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "gateway-to-engine-token"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def token_files(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tokens")
+    (directory / "right").write_text(TOKEN + "\n")
+    (directory / "wrong").write_text("not-" + TOKEN)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def engine(stories_path, pki, token_files):
+    flags = ["--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key)]
+    flags += ["--tls-client-ca", str(pki.ca), "--auth-token-file", str(token_files / "right")]
+    credentials = grpc.ssl_channel_credentials(
+        pki.ca.read_bytes(), pki.client.key.read_bytes(), pki.client.cert.read_bytes()
+    )
+    process = start_engine(stories_path, *flags, "--kv-cache-blocks", "64", credentials=credentials)
+    yield process
+    process.stop()
+
+
+def tls_options(pki, token_files, **change) -> dict[str, object]:
+    options = {
+        "engine_tls_ca": str(pki.ca),
+        "engine_tls_cert": str(pki.client.cert),
+        "engine_tls_key": str(pki.client.key),
+        "engine_auth_token_file": str(token_files / "right"),
+    }
+    return {**options, **change}
+
+
+@pytest.fixture(scope="module")
+def good_gateway(engine, pki, token_files):
+    with GatewayThread([engine.address], **tls_options(pki, token_files)) as gateway:
+        yield gateway
+
+
+def complete(gateway, max_tokens: int = 5):
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0) as client:
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0)
+
+
+def test_a_gateway_with_the_ca_its_certificate_and_the_token_serves(good_gateway):
+    assert httpx.get(f"{good_gateway.url}/health", timeout=10).status_code == 200
+    assert complete(good_gateway).usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize(
+    ("change", "logged"),
+    [
+        ({"engine_tls_ca": "other_ca"}, "health check failed: UNAVAILABLE"),
+        ({"engine_tls_cert": None, "engine_tls_key": None}, "health check failed: UNAVAILABLE"),
+        (
+            {"engine_tls_cert": "expired_client.cert", "engine_tls_key": "expired_client.key"},
+            "health check failed: UNAVAILABLE",
+        ),
+        (
+            {"engine_tls_cert": "rogue_client.cert", "engine_tls_key": "rogue_client.key"},
+            "health check failed: UNAVAILABLE",
+        ),
+        ({"engine_auth_token_file": "wrong"}, "GetModelInfo failed: UNAUTHENTICATED"),
+        ({"engine_auth_token_file": None}, "GetModelInfo failed: UNAUTHENTICATED"),
+    ],
+    ids=[
+        "wrong-ca",
+        "no-client-cert",
+        "expired-client-cert",
+        "foreign-client-cert",
+        "wrong-token",
+        "no-token",
+    ],
+)
+def test_a_gateway_that_cannot_authenticate_never_routes_to_the_engine(
+    engine, good_gateway, pki, token_files, change, logged, caplog
+):
+    def resolve(value):
+        if value is None or value == "wrong":
+            return None if value is None else str(token_files / value)
+        obj = pki
+        for part in value.split("."):
+            obj = getattr(obj, part)
+        return str(obj)
+
+    options = tls_options(pki, token_files, **{k: resolve(v) for k, v in change.items()})
+    with caplog.at_level(logging.WARNING, logger="conduit_gateway"):
+        with GatewayThread([engine.address], **options) as bad:
+            assert httpx.get(f"{bad.url}/health", timeout=10).status_code == 503
+            with pytest.raises(openai.APIStatusError) as refused:
+                complete(bad)
+            assert refused.value.status_code == 503
+            assert refused.value.body["code"] == "engine_unavailable"
+    assert any(logged in record.getMessage() for record in caplog.records), caplog.text
+    assert TOKEN not in caplog.text
+    # The engine did not mind: the authenticated gateway is served as before.
+    assert complete(good_gateway).usage.completion_tokens == 5
