@@ -30,6 +30,7 @@ import torch
 from common import random_llama_110m, request_set, stories_path
 from torch.autograd.profiler import record_function
 
+import conduit_engine.model_executor as model_executor
 import conduit_engine.model_runner as model_runner
 from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from conduit_engine.engine import LLMEngine
@@ -76,12 +77,15 @@ class _TimedSampler:
 
 def instrument(engine: LLMEngine, clock: PhaseClock) -> None:
     runner, model = engine.runner, engine.runner.model
+    executor = runner.executor
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
-    runner.prepare = clock.wrap("prepare", runner.prepare)
+    # Input preparation: the host-side lists (build_step), then the tensors (the executor's _tensors).
+    model_runner.build_step = clock.wrap("prepare", model_runner.build_step)
+    executor._tensors = clock.wrap("prepare", executor._tensors)
     model.forward = clock.wrap("forward", model.forward)
     model.compute_logits = clock.wrap("lm_head", model.compute_logits)
-    runner.sampler = _TimedSampler(runner.sampler, clock)
-    model_runner.build_sampling_metadata = clock.wrap("sampling_meta", model_runner.build_sampling_metadata)
+    executor.sampler = _TimedSampler(executor.sampler, clock)
+    model_executor.metadata_from_plan = clock.wrap("sampling_meta", model_executor.metadata_from_plan)
     engine._postprocess = clock.wrap("postprocess", engine._postprocess)
     engine.scheduler.update_after_step = clock.wrap("postprocess", engine.scheduler.update_after_step)
 

@@ -1,9 +1,17 @@
 """Engine vs transformers generate() on the same weights, same requests, same run: output tokens/s.
 
     .venv/bin/python bench/engine_throughput.py [--model stories|110m|both] [--requests 64]
+        [--tensor-parallel-size N] [--worker-process] [--num-threads T] [--skip-transformers]
+    .venv/bin/python bench/engine_throughput.py --model 110m --compare-parallel [--requests 32] [--rounds 3]
     .venv/bin/python bench/engine_throughput.py --model stories --observe [--repeats 5]
 
-Also prints the share of engine step time spent in scheduling + block management (goal < 10%).
+Also prints the share of engine step time spent in scheduling + block management (goal < 10%), and,
+when the model runs in worker processes, the per-step cost of broadcasting the step to them.
+
+--compare-parallel runs, one after the other on the same requests: the model in process with two
+threads, in one worker process with two threads (the cost of the split), and two tensor-parallel
+workers with one thread each (TP=2 on two cores), interleaved over --rounds rounds, and prints the
+best and median of each and the ratios of the best runs.
 
 --observe instead measures what the Prometheus metrics observer (--metrics-port) costs: two engines serve
 the same requests in lockstep, one step each in turn, one without observers and one with the metrics
@@ -19,22 +27,27 @@ import time
 
 from common import hf_static_batches, random_llama_110m, request_set, stories_path
 
-from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from conduit_engine.engine import LLMEngine
+from conduit_engine.parallel.worker_runner import BroadcastStats, WorkerRunner
 from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.telemetry.metrics import EngineMetrics
 
 
-def warm_engine(folder, max_num_seqs: int) -> LLMEngine:
-    engine = LLMEngine(
+def make_engine(folder, max_num_seqs: int, parallel: ParallelConfig, threads: int) -> LLMEngine:
+    return LLMEngine(
         EngineConfig(
-            model=ModelConfig(path=str(folder)),
+            model=ModelConfig(path=str(folder), num_threads=threads),
             cache=CacheConfig(num_blocks=16 * max_num_seqs),  # 256 tokens per sequence
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
+            parallel=parallel,
         )
     )
-    # warm-up outside the timed region
+
+
+def warm(engine: LLMEngine) -> LLMEngine:
+    """One short request through `engine`, outside any timed region."""
     engine.add_request(
         GenerationRequest("w", SamplingParams(max_tokens=4, temperature=0), token_ids=[1, 5, 6])
     )
@@ -65,8 +78,11 @@ def time_the_model(engine: LLMEngine) -> list[float]:
     return model_time
 
 
-def run_engine(folder, requests, max_num_seqs: int) -> tuple[int, float, float]:
-    engine = warm_engine(folder, max_num_seqs)
+def run_engine(engine: LLMEngine, requests) -> tuple[int, float, float]:
+    """(output tokens, wall seconds, seconds outside the runner) for `requests`, after a warm-up."""
+    warm(engine)
+    if isinstance(engine.runner, WorkerRunner):  # count the measured steps only
+        engine.runner.stats = BroadcastStats()
     start = time.perf_counter()
     submit(engine, requests)
     # Everything of a step but the model run is scheduling, block management and postprocessing.
@@ -80,35 +96,94 @@ def run_engine(folder, requests, max_num_seqs: int) -> tuple[int, float, float]:
     return tokens, time.perf_counter() - start, step_time - model_time[0]
 
 
-def bench(name: str, folder, n: int, hf_batch: int, max_num_seqs: int) -> None:
+def placement(parallel: ParallelConfig, threads: int) -> str:
+    per = f"{threads} thread{'s' if threads != 1 else ''}" if threads else "auto threads"
+    if parallel.tensor_parallel_size > 1:
+        return f"TP={parallel.tensor_parallel_size} workers, {per} each"
+    return f"TP=1 {'worker process' if parallel.worker_process else 'in process'}, {per}"
+
+
+def measure(folder, requests, max_num_seqs: int, parallel: ParallelConfig, threads: int) -> tuple[float, str]:
+    """(tok/s, a line describing the run) of one engine configuration."""
+    engine = make_engine(folder, max_num_seqs, parallel, threads)
+    try:
+        tokens, seconds, outside = run_engine(engine, requests)
+        stats = engine.runner.stats if isinstance(engine.runner, WorkerRunner) else None
+    finally:
+        engine.shutdown()
+    rate = tokens / seconds
+    line = (
+        f"{placement(parallel, threads)}: {rate:,.1f} tok/s ({tokens} tokens, {seconds:.1f} s); scheduling "
+        f"+ block management + postprocess {100 * outside / seconds:.1f}% of engine time"
+    )
+    if stats is not None:
+        line += f"\n    step broadcast: {stats.describe()}"
+    return rate, line
+
+
+def bench(name: str, folder, args: argparse.Namespace) -> None:
     vocab = 512 if name == "stories260K" else 32000
-    requests = request_set(n, vocab)
-    e_tokens, e_time, e_sched = run_engine(folder, requests, max_num_seqs)
-    h_tokens, h_time = hf_static_batches(folder, requests, hf_batch)
-    e_rate, h_rate = e_tokens / e_time, h_tokens / h_time
+    requests = request_set(args.requests, vocab)
+    parallel = ParallelConfig(args.tensor_parallel_size, args.worker_process)
+    e_rate, line = measure(folder, requests, args.max_num_seqs, parallel, args.num_threads)
+    print(f"{name}: {args.requests} requests, engine {line}")
+    if args.skip_transformers:
+        return
+    h_tokens, h_time = hf_static_batches(folder, requests, args.hf_batch)
+    h_rate = h_tokens / h_time
     print(
-        f"{name}: {n} requests, engine {e_rate:,.0f} tok/s ({e_tokens} tokens, {e_time:.1f} s) | "
-        f"transformers generate() batch {hf_batch} {h_rate:,.0f} tok/s ({h_time:.1f} s) | "
-        f"ratio {e_rate / h_rate:.2f}x | scheduling + block management + postprocess: "
-        f"{100 * e_sched / e_time:.1f}% of engine time"
+        f"  transformers generate() batch {args.hf_batch} {h_rate:,.1f} tok/s ({h_time:.1f} s) | "
+        f"engine / transformers {e_rate / h_rate:.2f}x"
     )
 
 
-def bench_observer(name: str, folder, n: int, max_num_seqs: int, repeats: int) -> None:
+def compare_parallel(name: str, folder, args: argparse.Namespace) -> None:
+    """TP=1 in process (2 threads), TP=1 in a worker process (2 threads), TP=2 (1 thread per worker),
+    interleaved over `args.rounds` rounds (other load on the machine hits all three alike)."""
+    vocab = 512 if name == "stories260K" else 32000
+    requests = request_set(args.requests, vocab)
+    runs = [(ParallelConfig(1, False), 2), (ParallelConfig(1, True), 2), (ParallelConfig(2, False), 1)]
+    rates: list[list[float]] = [[] for _ in runs]
+    print(f"{name}: {args.requests} requests, max_num_seqs {args.max_num_seqs}, {args.rounds} round(s)")
+    for round_index in range(args.rounds):
+        for i, (parallel, threads) in enumerate(runs):
+            rate, line = measure(folder, requests, args.max_num_seqs, parallel, threads)
+            rates[i].append(rate)
+            print(f"  round {round_index + 1}: {line}", flush=True)
+    # Other processes on the machine only ever slow a run down: the best run is the least disturbed.
+    best = [max(r) for r in rates]
+    for (parallel, threads), runs_of in zip(runs, rates, strict=True):
+        spread = ", ".join(f"{r:,.1f}" for r in runs_of)
+        print(
+            f"  {placement(parallel, threads)}: best {max(runs_of):,.1f}, median "
+            f"{statistics.median(runs_of):,.1f} tok/s (runs: {spread})"
+        )
+    print(
+        f"  best of each: worker process / in process {best[1] / best[0]:.3f}x | "
+        f"TP=2 (1 thread each) / TP=1 (2 threads) {best[2] / best[0]:.3f}x"
+    )
+
+
+def bench_observer(name: str, folder, args: argparse.Namespace) -> None:
     """The cost of the metrics observer: two engines in lockstep, without and with it.
 
     Both do exactly the same steps; per step, the observed engine's time outside the model minus the
     other's is one paired sample, and the median of all samples is the cost (robust to the other
     processes of a shared machine, which a sum or a mean is not).
     """
+    n, repeats = args.requests, args.repeats
     vocab = 512 if name == "stories260K" else 32000
     requests = request_set(n, vocab)
+    parallel = ParallelConfig(args.tensor_parallel_size, args.worker_process)
     differences: list[float] = []
     plain: list[float] = []  # the unobserved engine's step: time outside the model
     whole: list[float] = []  # the unobserved engine's step: all of it
     tokens = steps = 0
     for _ in range(repeats):
-        engines = {observed: warm_engine(folder, max_num_seqs) for observed in (False, True)}
+        engines = {
+            observed: warm(make_engine(folder, args.max_num_seqs, parallel, args.num_threads))
+            for observed in (False, True)
+        }
         engines[True].observers.append(EngineMetrics(vllm_compat=True))
         model_time = {observed: time_the_model(engine) for observed, engine in engines.items()}
         for engine in engines.values():
@@ -128,6 +203,8 @@ def bench_observer(name: str, folder, n: int, max_num_seqs: int, repeats: int) -
             whole.append(total[False])
             tokens += sum(len(o.token_ids) for o in outputs)
             steps += 1
+        for engine in engines.values():
+            engine.shutdown()
     extra, base, step = statistics.median(differences), statistics.median(plain), statistics.median(whole)
     print(
         f"{name}: {n} requests x {repeats} runs, {tokens // repeats} tokens in {steps // repeats} steps "
@@ -144,23 +221,24 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--worker-process", action="store_true")
+    parser.add_argument("--num-threads", type=int, default=0, help="torch threads (per worker); 0 = auto")
+    parser.add_argument("--skip-transformers", action="store_true", help="the engine only")
+    parser.add_argument(
+        "--compare-parallel", action="store_true", help="TP=1, worker process, TP=2 side by side"
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="--compare-parallel: interleaved rounds")
     parser.add_argument(
         "--observe", action="store_true", help="the metrics observer's cost (no transformers)"
     )
-    parser.add_argument("--repeats", type=int, default=5, help="--observe: runs; the best one counts")
+    parser.add_argument("--repeats", type=int, default=5, help="--observe: paired runs, medians of all steps")
     args = parser.parse_args()
-    if args.observe:
-        if args.model in ("stories", "both"):
-            bench_observer("stories260K", stories_path(), args.requests, args.max_num_seqs, args.repeats)
-        if args.model in ("110m", "both"):
-            bench_observer(
-                "random-llama-110M", random_llama_110m(), args.requests, args.max_num_seqs, args.repeats
-            )
-        return
+    run = bench_observer if args.observe else compare_parallel if args.compare_parallel else bench
     if args.model in ("stories", "both"):
-        bench("stories260K", stories_path(), args.requests, args.hf_batch, args.max_num_seqs)
+        run("stories260K", stories_path(), args)
     if args.model in ("110m", "both"):
-        bench("random-llama-110M", random_llama_110m(), args.requests, args.hf_batch, args.max_num_seqs)
+        run("random-llama-110M", random_llama_110m(), args)
 
 
 if __name__ == "__main__":

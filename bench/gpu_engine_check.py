@@ -2,7 +2,9 @@
 
 - greedy parity: the same prompts, float32, --device cpu vs --device cuda, on stories260K and on a
   ~1B-parameter random Llama (hidden 2048, 22 layers, 32/4 heads, made here in a temp folder);
-- decode tokens/s on the 1B model in bfloat16 at batch 1 and 64, with and without CUDA graphs.
+- decode tokens/s on the 1B model in bfloat16 at batch 1 and 64, with and without CUDA graphs;
+- the model in a worker process (--worker-process, CUDA graphs captured there) and, with two GPUs or
+  more, --tensor-parallel-size 2 (NCCL): the in-process CUDA engine's greedy tokens.
 
     python3 bench/gpu_engine_check.py [--stories PATH]
 """
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from conduit_engine.engine import LLMEngine
 from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
@@ -67,12 +69,20 @@ def make_random_llama_1b(stories: Path, folder: Path) -> Path:
     return folder
 
 
-def engine(folder: Path, device: str, dtype: str, max_num_seqs: int, enforce_eager: bool) -> LLMEngine:
+def engine(
+    folder: Path,
+    device: str,
+    dtype: str,
+    max_num_seqs: int,
+    enforce_eager: bool,
+    parallel: ParallelConfig = ParallelConfig(),
+) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(path=str(folder), device=device, dtype=dtype),
             cache=CacheConfig(num_blocks=max(512, max_num_seqs * 24)),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096),
+            parallel=parallel,
             enforce_eager=enforce_eager,
         )
     )
@@ -151,6 +161,26 @@ def structured_parity(folder: Path) -> dict:
     return result
 
 
+def workers_parity(folder: Path, max_tokens: int) -> dict:
+    """CUDA in process vs CUDA in worker processes (graphs captured in each worker)."""
+    prompts = [[1], [1, 403, 407, 261, 378], [1, 65, 300, 12, 77, 401, 5]]
+    reference, _ = generate(engine(folder, "cuda", "float32", 4, False), prompts, max_tokens)
+    layouts = [ParallelConfig(1, True)] + ([ParallelConfig(2)] if torch.cuda.device_count() >= 2 else [])
+    result = {}
+    for parallel in layouts:
+        eng = engine(folder, "cuda", "float32", 4, False, parallel)
+        try:
+            out, _ = generate(eng, prompts, max_tokens)
+        finally:
+            eng.shutdown()
+        key = f"tp={parallel.tensor_parallel_size}, worker process"
+        result[key] = "equal" if out == reference else f"differ: {out} vs {reference}"
+    print(
+        f"greedy parity, cuda in process vs workers, {max_tokens} tokens x {len(prompts)} prompts: {result}"
+    )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stories")
@@ -158,6 +188,7 @@ def main() -> None:
     args = parser.parse_args()
     stories = find_stories(args.stories)
     report = {"parity": [parity("stories260K", stories, 62)], "structured": structured_parity(stories)}
+    report["workers"] = workers_parity(stories, 62)
     with tempfile.TemporaryDirectory() as tmp:
         big = make_random_llama_1b(stories, Path(tmp))
         report["parity"].append(parity("random-llama-1B", big, 12))

@@ -160,8 +160,48 @@ def test_gpu_values_request_gpus_and_run_on_gpu_nodes():
 def test_default_values_run_on_cpu_without_gpu_resources():
     objects = chart_render.manifests(chart_render.render({}))
     container = _container(find(objects, "StatefulSet"))
-    assert engine_cli.build_parser().parse_args(container["args"]).device == "cpu"
+    args = engine_cli.build_parser().parse_args(container["args"])
+    assert (args.device, args.tensor_parallel_size) == ("cpu", 1)
     assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+
+
+def _shm(engine) -> dict:
+    (volume,) = [v for v in engine["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm"]
+    (mount,) = [m for m in _container(engine)["volumeMounts"] if m["name"] == "dshm"]
+    assert mount["mountPath"] == "/dev/shm"
+    return volume["emptyDir"]
+
+
+def test_tensor_parallel_size_sets_the_flag_the_gpus_and_shared_memory():
+    # full-values: tensorParallelSize 2 with gpu.count 1 and no shmSizeLimit.
+    engine = find(chart_render.manifests(chart_render.render(chart_render.values("full"))), "StatefulSet")
+    container = _container(engine)
+    assert engine_cli.build_parser().parse_args(container["args"]).tensor_parallel_size == 2
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert _shm(engine) == {"medium": "Memory", "sizeLimit": "2Gi"}
+    # On the CPU the workers share the pod's cores: no GPU, the flag and 4Gi of /dev/shm for 4 ranks.
+    cpu = find(
+        chart_render.manifests(chart_render.render({"engine": {"tensorParallelSize": 4}})), "StatefulSet"
+    )
+    assert engine_cli.build_parser().parse_args(_container(cpu)["args"]).tensor_parallel_size == 4
+    assert "nvidia.com/gpu" not in _container(cpu)["resources"].get("limits", {})
+    assert _shm(cpu) == {"medium": "Memory", "sizeLimit": "4Gi"}
+    # An explicit size wins.
+    gpu = find(chart_render.manifests(chart_render.render(chart_render.values("gpu"))), "StatefulSet")
+    assert _shm(gpu) == {"medium": "Memory", "sizeLimit": "8Gi"}
+
+
+def test_a_gpu_count_that_contradicts_the_tensor_parallel_size_is_refused():
+    values = {
+        "engine": {
+            "tensorParallelSize": 2,
+            "gpu": {"enabled": True, "count": 4, "resourceName": "nvidia.com/gpu"},
+        }
+    }
+    with pytest.raises(
+        helm.HelmRenderError, match=r"engine.gpu.count \(4\) must be 1 or engine.tensorParallelSize \(2\)"
+    ):
+        chart_render.render(values)
 
 
 def test_engine_has_a_headless_service_for_discovery_and_a_clusterip_for_clients(release):
@@ -347,6 +387,7 @@ def test_shipped_values_files_satisfy_the_schema():
         ({"gateway": {"replicas": 0}}, "/gateway/replicas"),
         ({"engine": {"dtype": "float64"}}, "/engine/dtype"),
         ({"engine": {"gpu": {"count": "one"}}}, "/engine/gpu/count"),
+        ({"engine": {"tensorParallelSize": 0}}, "/engine/tensorParallelSize"),
         (
             {"gateway": {"autoscaling": {"targetCPUUtilizationPercentage": 150}}},
             "targetCPUUtilizationPercentage",

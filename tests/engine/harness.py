@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from conduit_engine.engine import LLMEngine
 from conduit_engine.request import GenerationRequest, RequestOutput
 from conduit_engine.sampling_params import SamplingParams
@@ -34,7 +34,11 @@ def make_engine(
     dtype: str = "float32",
     generation_config: str = "auto",
     max_model_len: int | None = None,
+    tensor_parallel_size: int = 1,
+    worker_process: bool = False,
 ) -> LLMEngine:
+    """An engine on `model`; with tensor_parallel_size > 1 or worker_process, its worker processes run
+    until `engine.shutdown()`."""
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(
@@ -48,6 +52,7 @@ def make_engine(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_queued_requests=max_queued_requests,
             ),
+            parallel=ParallelConfig(tensor_parallel_size, worker_process),
         )
     )
 

@@ -213,9 +213,9 @@ def test_health_goes_not_serving_to_serving(stories_path, monkeypatch):
     release = threading.Event()
     real = server_module.LLMEngine
 
-    def slow_engine(config):  # fault injection: model loading blocks until the test releases it
+    def slow_engine(*args):  # fault injection: model loading blocks until the test releases it
         release.wait(timeout=120)
-        return real(config)
+        return real(*args)
 
     monkeypatch.setattr(server_module, "LLMEngine", slow_engine)
     srv = ServerThread(engine_config(stories_path)).start(wait=False)

@@ -115,3 +115,18 @@ def test_log_prompts_puts_prompts_and_completions_in_both_logs(stories_path):
         for text in texts:
             for piece in _fragments(text):
                 assert piece in messages
+
+
+def test_a_worker_process_logs_in_the_engines_json_format(stories_path):
+    """The model in a worker process: its lines (the shard's loading) are JSON objects too, marked with
+    its rank, and its weight-loading progress bar is off like the engine's."""
+    with start_engine(stories_path, *JSON_LOGS, "--log-level", "DEBUG", "--worker-process") as engine:
+        with start_gateway(engine.address) as gateway:
+            with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0) as client:
+                completion = client.completions.create(
+                    model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0
+                )
+                assert completion.usage.completion_tokens == 8
+    records = _records(_lines(engine))
+    assert any(r["message"].startswith("worker rank 0: loaded shard 0/1") for r in records)
+    assert not any("Loading weights" in r["message"] for r in records)

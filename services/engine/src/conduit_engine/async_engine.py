@@ -2,6 +2,10 @@
 
 Requests and aborts cross into the loop thread through a command queue applied between steps, so the
 synchronous engine is only ever touched by one thread. Outputs cross back in one batch per step.
+
+A runner whose worker process failed (WorkerFailedError from a step, or a worker that died while the
+engine idled) stops the engine for good: every live request ends with FinishReason.ERROR, new ones are
+refused, and `on_fatal` tells the server, which stops the process.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conduit_engine.engine import EngineStats, LLMEngine
-from conduit_engine.errors import EngineUnavailableError
+from conduit_engine.errors import EngineUnavailableError, WorkerFailedError
 from conduit_engine.observer import clock
 from conduit_engine.request import GenerationRequest, RequestOutput
 
@@ -33,8 +37,11 @@ class _Stream:
 class AsyncEngine:
     """Owns the loop thread that steps `core`; the only object that touches `core` after start."""
 
-    def __init__(self, core: LLMEngine) -> None:
+    def __init__(self, core: LLMEngine, on_fatal: Callable[[str], None] | None = None) -> None:
+        """`on_fatal(reason)` is called once, on the loop thread, when the model can no longer run."""
         self.core = core
+        self._on_fatal = on_fatal
+        self.failure: str | None = None
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -42,6 +49,7 @@ class AsyncEngine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="conduit-engine-loop", daemon=True)
         self._draining = False
+        core.runner.on_failure(self._wakeup.set)  # a worker dying while idle wakes the loop
         self._thread.start()
 
     # ----- public API --------------------------------------------------------------------------------
@@ -70,6 +78,8 @@ class AsyncEngine:
         request, which frees its blocks at the next step. A request that fails inside the engine ends
         with FinishReason.ERROR outputs, not an exception.
         """
+        if self.failure is not None:
+            raise EngineUnavailableError(f"the engine has stopped: {self.failure}")
         if self._draining or self._stopping:
             raise EngineUnavailableError("the engine is draining and accepts no new requests")
         if req.arrival_time is None:
@@ -80,6 +90,8 @@ class AsyncEngine:
 
         def add() -> None:
             try:
+                if self.failure is not None:
+                    raise EngineUnavailableError(f"the engine has stopped: {self.failure}")
                 with self._lock:
                     self.core.add_request(req, structure)
                     self._streams[req.request_id] = stream
@@ -158,6 +170,7 @@ class AsyncEngine:
         self._wakeup.set()
         self._thread.join(timeout=10)
         self.core.structured.shutdown()
+        self.core.shutdown()
 
     # ----- loop thread -------------------------------------------------------------------------------
     def _submit(self, command: Callable[[], None]) -> None:
@@ -167,20 +180,36 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping:
             self._drain_commands()
-            if not self.core.has_work():
+            if self.failure is None and (failure := self.core.runner_failure()) is not None:
+                self._stop_on_failure(failure)
+            if self.failure is not None or not self.core.has_work():
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue
-            try:
-                outputs = self.core.step()
-            except Exception as exc:
-                # A bug or a device fault, never a bad request (admission rules those out): every live
-                # request ends with FinishReason.ERROR and the loop goes on serving new ones.
-                log.exception("engine step failed; ending the live requests with an error")
-                outputs = self.core.fail_all(f"the engine step failed: {type(exc).__name__}")
-            self._deliver(outputs)
-            if not self.core.has_work():
-                self._check_integrity()
+            self._step()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except WorkerFailedError as exc:
+            self._stop_on_failure(str(exc))
+            return
+        except Exception as exc:
+            # A bug or a device fault, never a bad request (admission rules those out): every live
+            # request ends with FinishReason.ERROR and the loop goes on serving new ones.
+            log.exception("engine step failed; ending the live requests with an error")
+            outputs = self.core.fail_all(f"the engine step failed: {type(exc).__name__}")
+        self._deliver(outputs)
+        if not self.core.has_work():
+            self._check_integrity()
+
+    def _stop_on_failure(self, reason: str) -> None:
+        """The model is gone: fail every live request, refuse new ones, tell the server (once)."""
+        log.error("the model cannot run any more (%s): ending every live request with an error", reason)
+        self.failure = reason
+        self._deliver(self.core.fail_all(f"the engine failed: {reason}"))
+        if self._on_fatal is not None:
+            self._on_fatal(reason)
 
     def _drain_commands(self) -> None:
         while True:

@@ -13,19 +13,20 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from conduit_common import logs
 from conduit_common.env_flags import add_bool_flag, apply_env_defaults, describe_env, env_name, flag_bool
 from conduit_common.secret_files import SecretFileError
 from conduit_engine.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SecurityConfig,
     ServerConfig,
     TelemetryConfig,
 )
-from conduit_engine.errors import ModelLoadError
+from conduit_engine.errors import ModelLoadError, WorkerFailedError
+from conduit_engine.log_setup import configure_logging
 
 # (flag, type, default, help). None as default means "not set".
 FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
@@ -58,6 +59,18 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--enable-prefix-caching", flag_bool, True, "reuse cached KV blocks of shared prompt prefixes"),
     ("--enable-chunked-prefill", flag_bool, True, "split long prompts over several steps"),
     ("--enforce-eager", flag_bool, False, "on cuda: do not capture CUDA graphs"),
+    (
+        "--tensor-parallel-size",
+        int,
+        1,
+        "shard the model over this many worker processes (one per GPU on cuda; gloo between CPU processes)",
+    ),
+    (
+        "--worker-process",
+        flag_bool,
+        False,
+        "with --tensor-parallel-size 1: run the model in a worker process",
+    ),
     ("--drain-seconds", float, 30.0, "on SIGTERM, how long in-flight streams may finish"),
     ("--grpc-max-message-bytes", int, 64 * 1024 * 1024, "largest gRPC message sent or received"),
     ("--grpc-keepalive", float, 30.0, "HTTP/2 keepalive ping period towards clients, seconds"),
@@ -156,6 +169,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             log_format=args.log_format,
             log_prompts=args.log_prompts,
         ),
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size, worker_process=args.worker_process
+        ),
         security=SecurityConfig(
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
@@ -179,12 +195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    logs.configure(args.log_level, config.telemetry.log_format)
-    if config.telemetry.log_format == "json":
-        # Progress bars are not log records: stderr stays one JSON object per line.
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
+    configure_logging(args.log_level, config.telemetry.log_format)
     from conduit_engine.server import EngineServer
 
     async def run() -> None:
@@ -198,6 +209,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(2)
     except SecretFileError as exc:
         parser.error(str(exc))
+    except WorkerFailedError as exc:
+        # Non-zero, so that a supervisor (Kubernetes) restarts the engine with fresh workers.
+        logging.getLogger("conduit_engine").error("the engine stopped: %s", exc)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -147,6 +147,24 @@ class TelemetryConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Where the model runs: in the engine process, or in worker processes (one per tensor-parallel rank)."""
+
+    tensor_parallel_size: int = 1
+    worker_process: bool = False  # with one rank: still run the model in a worker process
+
+    def __post_init__(self) -> None:
+        _require(
+            self.tensor_parallel_size >= 1,
+            f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}",
+        )
+
+    @property
+    def uses_workers(self) -> bool:
+        return self.tensor_parallel_size > 1 or self.worker_process
+
+
+@dataclass(frozen=True, slots=True)
 class SecurityConfig:
     """Who may call this engine (TLS, mTLS, a bearer token) and how it calls other engines (PullKv).
 
@@ -183,5 +201,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     server: ServerConfig = ServerConfig()
     security: SecurityConfig = SecurityConfig()
+    parallel: ParallelConfig = ParallelConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     enforce_eager: bool = False

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from conduit_common.logs import request_extra
-from conduit_engine import model_setup
+from conduit_engine import model_setup, runner_setup
 from conduit_engine.admission import Admission, Limits
 from conduit_engine.block_manager import BlockManager, BlockStats
 from conduit_engine.config import EngineConfig
 from conduit_engine.detokenizer import IncrementalDetokenizer
-from conduit_engine.model_runner import ModelRunner, SeqStepResult
+from conduit_engine.model_runner import SeqStepResult
 from conduit_engine.observer import EngineObserver, StepRecord, clock, request_record
 from conduit_engine.request import GenerationRequest, RequestOutput
 from conduit_engine.request_state import RequestState
@@ -29,6 +29,7 @@ from conduit_engine.stop_rules import StopRules
 from conduit_engine.structured.requests import StructuredOutputs
 
 if TYPE_CHECKING:
+    from conduit_engine.parallel.worker_group import WorkerGroup
     from conduit_engine.structured.compiler import CompiledStructure
 
 log = logging.getLogger(__name__)
@@ -44,29 +45,26 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, workers: WorkerGroup | None = None) -> None:
+        """`workers`: worker processes spawned beforehand (the server spawns them before gRPC starts);
+        with --tensor-parallel-size > 1 or --worker-process and None, they are spawned here."""
         self.config = config
-        loaded = model_setup.load(config)
-        self.model_name = loaded.name
-        self.arch = loaded.arch
-        self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = loaded.eos_token_ids
-        self.max_model_len = loaded.max_model_len
-        self.dtype = loaded.dtype
-        self.block_size = loaded.block_size
-        self.num_blocks = loaded.num_blocks
-        self.runner = ModelRunner(
-            loaded.model,
-            self.arch,
-            self.num_blocks,
-            self.block_size,
-            self.dtype,
-            config.model.device,
-            self.eos_token_ids,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            max_model_len=self.max_model_len,
-            use_cuda_graphs=not config.enforce_eager,
-        )
+        facts = model_setup.describe(config)
+        self.model_name = facts.name
+        self.arch = facts.arch
+        self.tokenizer = facts.tokenizer
+        self.eos_token_ids = facts.eos_token_ids
+        self.max_model_len = facts.max_model_len
+        self.dtype = facts.dtype
+        self.block_size = config.cache.block_size
+        self.runner, self.num_blocks = runner_setup.build_runner(config, facts, workers)
+        try:
+            self._init_core(config, facts)
+        except BaseException:
+            self.runner.shutdown()  # no worker outlives an engine that failed to start
+            raise
+
+    def _init_core(self, config: EngineConfig, facts: model_setup.ModelFacts) -> None:
         self.block_manager = BlockManager(
             self.num_blocks,
             self.block_size,
@@ -76,7 +74,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         limits = Limits(self.arch.vocab_size, self.max_model_len, self.num_blocks, self.block_size)
         self.admission = Admission(
-            self.tokenizer, limits, self.scheduler, config.scheduler, loaded.generation_defaults
+            self.tokenizer, limits, self.scheduler, config.scheduler, facts.generation_defaults
         )
         self.structured = StructuredOutputs(self.tokenizer.hf, self.arch.vocab_size, self.eos_token_ids)
         self._requests: dict[str, RequestState] = {}
@@ -87,11 +85,12 @@ class LLMEngine:
         # Attach on the engine thread (AsyncEngine.run_sync), between steps.
         self.observers: list[EngineObserver] = []
         log.info(
-            "loaded %s (%s, %s) on %s: %d KV blocks of %d tokens, max_model_len %d",
+            "loaded %s (%s, %s) on %s%s: %d KV blocks of %d tokens, max_model_len %d",
             self.model_name,
             self.arch.architecture,
             str(self.dtype).removeprefix("torch."),
             config.model.device,
+            _placement(config),
             self.num_blocks,
             self.block_size,
             self.max_model_len,
@@ -195,6 +194,14 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def runner_failure(self) -> str | None:
+        """Why the model cannot run any more (a worker process failed), or None."""
+        return self.runner.failure()
+
+    def shutdown(self) -> None:
+        """Stop the runner's worker processes, if any (idempotent)."""
+        self.runner.shutdown()
+
     # ----- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = clock() if self.observers else 0.0
@@ -279,3 +286,10 @@ class LLMEngine:
     def check_integrity(self) -> None:
         live = [s for r in self._requests.values() for s in r.seqs if not s.is_finished and s.block_table]
         self.block_manager.check_integrity(live)
+
+
+def _placement(config: EngineConfig) -> str:
+    parallel = config.parallel
+    if parallel.tensor_parallel_size > 1:
+        return f" in {parallel.tensor_parallel_size} tensor-parallel worker processes"
+    return " in a worker process" if parallel.worker_process else ""

@@ -29,3 +29,7 @@ class DuplicateRequestError(InvalidRequestError):
 
 class ModelLoadError(EngineError):
     """A checkpoint folder cannot be loaded (missing file, unsupported architecture, bad config)."""
+
+
+class WorkerFailedError(EngineError):
+    """A worker process died or raised: its shard of the model is gone, so the engine must stop."""

@@ -1,5 +1,7 @@
-"""Model and KV-cache setup: find the model (local folder or Hub id), load it onto its device, set the CPU
-thread policy, and size the paged KV cache from the memory budget. Runs once, when the engine starts."""
+"""Model and KV-cache setup: find the model (local folder or Hub id) and read what the engine needs of it
+(`describe`), load it into this process (`load_in_process`), set the CPU thread policy, and size the
+paged KV cache from the memory budget. Runs once, when the engine starts; with workers
+(parallel/worker_group.py) the workers load the weights and the engine only describes the model."""
 
 from __future__ import annotations
 
@@ -32,52 +34,58 @@ _TINY_MODEL_PARAMS = 20_000_000
 
 
 @dataclass(frozen=True, slots=True)
-class LoadedModel:
-    """Everything the engine learns from the checkpoint and the memory budget."""
+class ModelFacts:
+    """What the engine learns from the model folder and the flags, without loading any weight."""
 
     name: str  # served model name
+    folder: Path  # the local folder (a Hub id resolved to its snapshot)
     arch: ArchConfig
     tokenizer: ModelTokenizer
     eos_token_ids: tuple[int, ...]
     generation_defaults: GenerationDefaults
     max_model_len: int
     dtype: torch.dtype
-    model: CausalLM
-    num_blocks: int  # KV cache blocks
-    block_size: int
 
 
-def load(config: EngineConfig) -> LoadedModel:
-    """Load the model of `config` and size its KV cache; raises ModelLoadError with a clear message."""
+def describe(config: EngineConfig) -> ModelFacts:
+    """Find the model of `config` and read its config, tokenizer and generation defaults; raises
+    ModelLoadError with a clear message."""
     mc = config.model
     source = model_source.resolve(mc.path, mc.revision, mc.download_dir)
     folder = source.folder
     arch = read_arch_config(folder)
     tokenizer = ModelTokenizer(folder)
     defaults = read_generation_defaults(folder, mc.generation_config)
-    max_len = max_model_len(config, arch)
-    dtype = resolve_dtype(mc.dtype, arch, mc.device)
-    torch.manual_seed(mc.seed)
-    model = _timed_load(folder, arch, dtype, mc.device, max_len)
-    set_cpu_threads(mc.num_threads, model)
     log.info(
         "generation defaults from %s (--generation-config %s): %s",
         folder.name,
         mc.generation_config,
         defaults.described,
     )
-    return LoadedModel(
+    return ModelFacts(
         name=mc.served_name or source.name,
+        folder=folder,
         arch=arch,
         tokenizer=tokenizer,
         eos_token_ids=eos_token_ids(arch, defaults),
         generation_defaults=defaults,
-        max_model_len=max_len,
-        dtype=dtype,
-        model=model,
-        num_blocks=num_kv_blocks(config, arch, dtype, max_len),
-        block_size=config.cache.block_size,
+        max_model_len=max_model_len(config, arch),
+        dtype=resolve_dtype(mc.dtype, arch, mc.device),
     )
+
+
+def load_in_process(config: EngineConfig, facts: ModelFacts) -> tuple[CausalLM, int]:
+    """The whole model on this process's device, and the number of KV blocks the budget allows."""
+    mc = config.model
+    torch.manual_seed(mc.seed)
+    model = _timed_load(facts.folder, facts.arch, facts.dtype, mc.device, facts.max_model_len)
+    set_cpu_threads(mc.num_threads, model)
+    per_block = kv_block_bytes(facts.arch, config.cache.block_size, facts.dtype)
+    if mc.device == "cuda":
+        budget = int(torch.cuda.mem_get_info()[0] * config.cache.memory_fraction)
+    else:
+        budget = host_kv_budget(config)
+    return model, num_kv_blocks(config, facts.max_model_len, budget // per_block)
 
 
 def _timed_load(folder: Path, arch: ArchConfig, dtype: torch.dtype, device: str, max_len: int) -> CausalLM:
@@ -122,32 +130,34 @@ def max_model_len(config: EngineConfig, arch: ArchConfig) -> int:
     return requested
 
 
-def set_cpu_threads(requested: int, model: torch.nn.Module) -> None:
-    """Intra-op threads only pay off for matrices big enough; for tiny models they just contend."""
+def set_cpu_threads(requested: int, model: torch.nn.Module, ranks: int = 1) -> None:
+    """Intra-op threads only pay off for matrices big enough; for tiny models they just contend. `ranks`
+    processes sharing the CPU (tensor-parallel workers) split its cores between them by default."""
     if requested > 0:
         torch.set_num_threads(requested)
-    elif sum(p.numel() for p in model.parameters()) < _TINY_MODEL_PARAMS:
+    elif sum(p.numel() for p in model.parameters()) * ranks < _TINY_MODEL_PARAMS:
         torch.set_num_threads(1)
+    elif ranks > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
 
 
 def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block over all layers (keys and values)."""
+    """Bytes of one KV block over all layers (keys and values) of `arch`'s KV heads."""
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * element
 
 
-def num_kv_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype, max_len: int) -> int:
-    """--kv-cache-blocks, or as many blocks as the memory fraction holds (of total host memory on the
-    CPU, of free device memory on CUDA), capped so an idle cache is not absurdly large."""
+def host_kv_budget(config: EngineConfig) -> int:
+    """Bytes of host memory the KV cache may take (--kv-cache-memory-fraction of the total)."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * config.cache.memory_fraction)
+
+
+def num_kv_blocks(config: EngineConfig, max_len: int, affordable: int) -> int:
+    """--kv-cache-blocks, or the `affordable` blocks of the memory budget, capped so an idle cache is not
+    absurdly large (and never below one full-length sequence)."""
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
-    per_block = kv_block_bytes(arch, cache.block_size, dtype)
-    if config.model.device == "cuda":
-        free, _ = torch.cuda.mem_get_info()
-        budget = int(free * cache.memory_fraction)
-    else:
-        budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * cache.memory_fraction)
     per_seq = (max_len + cache.block_size - 1) // cache.block_size
     cap = _MAX_AUTO_BLOCKS_FACTOR * config.scheduler.max_num_seqs * per_seq
-    return max(per_seq, min(budget // per_block, cap))
+    return max(per_seq, min(affordable, cap))

@@ -25,7 +25,9 @@ from conduit_engine.errors import (
     EngineUnavailableError,
     InvalidRequestError,
     QueueFullError,
+    WorkerFailedError,
 )
+from conduit_engine.parallel.worker_group import WorkerGroup
 from conduit_engine.proto_mapping import (
     messages_from_pb,
     output_to_pb,
@@ -251,12 +253,25 @@ async def warm_up(async_engine: AsyncEngine) -> None:
             raise EngineError(f"warm-up generation failed: {out.error}")
 
 
+# After a worker failure: how long the failed streams get to send their error before gRPC stops.
+_FAILED_STREAMS_GRACE_S = 2.0
+
+
 class EngineServer:
-    """Owns the grpc.aio server: start (NOT_SERVING) → load → warm up → SERVING → drain on signal."""
+    """Owns the grpc.aio server: start (NOT_SERVING) → load → warm up → SERVING → drain on signal.
+
+    With worker processes, they are spawned first, before this process creates any gRPC object. A
+    worker failure turns health to NOT_SERVING, lets the failed streams send their error, stops gRPC
+    and makes `serve` raise WorkerFailedError (the CLI then exits non-zero).
+    """
 
     def __init__(self, config: EngineConfig, tracer_provider: TracerProvider | None = None) -> None:
         """`tracer_provider` replaces the one --otlp-endpoint would make (tests read spans in memory)."""
         self.config = config
+        parallel = config.parallel
+        self.workers = WorkerGroup(parallel.tensor_parallel_size) if parallel.uses_workers else None
+        self.failure: str | None = None
+        # After the workers: an OTLP exporter opens a gRPC channel.
         self.telemetry = EngineTelemetry(config.telemetry, config.server.host, tracer_provider)
         self.health = health.aio.HealthServicer()
         server = config.server
@@ -304,15 +319,25 @@ class EngineServer:
         loop = asyncio.get_running_loop()
         try:
             self.telemetry.start_endpoint()
-            core = await loop.run_in_executor(None, LLMEngine, self.config)
+            core = await loop.run_in_executor(None, LLMEngine, self.config, self.workers)
         except BaseException:
             # A model that cannot load ends the process with a message: stop gRPC cleanly first.
+            if self.workers is not None:
+                self.workers.shutdown()
             await self.server.stop(grace=None)
             self.telemetry.shutdown()
             raise
-        self.async_engine = AsyncEngine(core)
+        self.async_engine = AsyncEngine(
+            core, on_fatal=lambda reason: loop.call_soon_threadsafe(self._fatal, reason)
+        )
         self.servicer.attach(self.async_engine)
-        await warm_up(self.async_engine)
+        try:
+            await warm_up(self.async_engine)
+        except BaseException:
+            await self.server.stop(grace=None)
+            self.async_engine.shutdown()
+            self.telemetry.shutdown()
+            raise
         await self.telemetry.attach(self.async_engine)
         self.servicer.ready = True
         self.telemetry.set_state("serving")
@@ -333,12 +358,32 @@ class EngineServer:
             self.async_engine.shutdown()
         self.telemetry.shutdown()
 
+    def _fatal(self, reason: str) -> None:
+        self.failure = reason
+        self._stop.set()
+
+    async def stop_after_failure(self) -> None:
+        """NOT_SERVING at once; the failed streams send their error (briefly); then stop everything."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _FAILED_STREAMS_GRACE_S
+        while self.async_engine is not None and self.async_engine.num_active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await self.server.stop(grace=1.0)
+        if self.async_engine is not None:
+            self.async_engine.shutdown()
+        self.telemetry.shutdown()
+
     async def serve(self) -> None:
+        """Serve until a signal (drain, then return) or a worker failure (raises WorkerFailedError)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self.security.reload)
         await self.start()
         await self._stop.wait()
+        if self.failure is not None:
+            await self.stop_after_failure()
+            raise WorkerFailedError(self.failure)
         log.info("signal received: draining")
         await self.drain_and_stop()

@@ -1,18 +1,30 @@
 """Self-attention over the paged KV cache: fused qkv projection, optional per-head q/k RMSNorm, RoPE,
-cache write, attention (sliding window and logit soft-capping per layer), o_proj."""
+cache write, attention (sliding window and logit soft-capping per layer), o_proj (row-parallel when the
+model is sharded: parallel/sharding.py)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from conduit_engine.layers.linear import RowParallelLinear
 from conduit_engine.layers.norm import RMSNorm
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.ops import Ops, StepContext
 
+if TYPE_CHECKING:
+    from conduit_engine.parallel.comm import Communicator
+
 
 class PagedAttention(nn.Module):
-    def __init__(self, config: ArchConfig, ops: Ops, layer_index: int) -> None:
+    """`config` holds this rank's heads (all of them when the model runs whole); with a communicator
+    o_proj sums the ranks' partial outputs."""
+
+    def __init__(
+        self, config: ArchConfig, ops: Ops, layer_index: int, comm: Communicator | None = None
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.num_heads = config.num_heads
@@ -25,7 +37,7 @@ class PagedAttention(nn.Module):
         kv_size = self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, config.o_bias, comm)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)

@@ -3,6 +3,8 @@ Gemma 2 (`sandwich_norms`), a norm after attention and norms before and after th
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -12,17 +14,22 @@ from conduit_engine.layers.norm import RMSNorm
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.ops import Ops, StepContext
 
+if TYPE_CHECKING:
+    from conduit_engine.parallel.comm import Communicator
+
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ArchConfig, ops: Ops, layer_index: int) -> None:
+    def __init__(
+        self, config: ArchConfig, ops: Ops, layer_index: int, comm: Communicator | None = None
+    ) -> None:
         super().__init__()
         size, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_weight_offset
         self.input_layernorm = RMSNorm(size, eps, ops, offset)
-        self.self_attn = PagedAttention(config, ops, layer_index)
+        self.self_attn = PagedAttention(config, ops, layer_index, comm)
         self.post_attention_layernorm = RMSNorm(size, eps, ops, offset)
-        self.mlp = GatedMLP(config, ops)
+        self.mlp = GatedMLP(config, ops, comm)
         self.sandwich_norms = config.sandwich_norms
         if self.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(size, eps, ops, offset)

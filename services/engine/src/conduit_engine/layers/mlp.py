@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+from conduit_engine.layers.linear import RowParallelLinear
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.ops import Ops
 
+if TYPE_CHECKING:
+    from conduit_engine.parallel.comm import Communicator
+
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: ArchConfig, ops: Ops) -> None:
+    """`config.intermediate_size` is this rank's slice; with a communicator down_proj sums the ranks'."""
+
+    def __init__(self, config: ArchConfig, ops: Ops, comm: Communicator | None = None) -> None:
         super().__init__()
         self.act_and_mul = ops.gelu_tanh_and_mul if config.hidden_act == "gelu_tanh" else ops.silu_and_mul
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, config.mlp_bias, comm
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))

@@ -6,7 +6,7 @@ An architecture is a subclass that says how its config.json maps onto the shared
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -14,19 +14,35 @@ from torch import nn
 from conduit_engine.layers.decoder import DecoderLayer, KVCache
 from conduit_engine.layers.norm import RMSNorm
 from conduit_engine.layers.rotary import cos_sin_cache
+from conduit_engine.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.ops import AttentionMetadata, Ops
 
+if TYPE_CHECKING:
+    from conduit_engine.parallel.sharding import ModelShard
+
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ArchConfig, ops: Ops, max_positions: int) -> None:
+    """The whole model, or with `shard` one tensor-parallel rank's part of it (parallel/sharding.py):
+    `config` is always the full model's; `local_config` has this rank's head and MLP sizes."""
+
+    def __init__(
+        self, config: ArchConfig, ops: Ops, max_positions: int, shard: ModelShard | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.ops = ops
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        comm = None if shard is None else shard.comm
+        self.local_config = config if shard is None else shard.plan.local_config(config)
+        vocab_rows = config.vocab_size if shard is None else shard.plan.vocab_shard
+        vocab_start = 0 if shard is None else shard.plan.vocab_start
+        hidden = config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(vocab_rows, hidden, vocab_start, comm)
+        self.layers = nn.ModuleList(
+            DecoderLayer(self.local_config, ops, i, comm) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(hidden, config.rms_norm_eps, ops, config.norm_weight_offset)
+        self.lm_head = ParallelLMHead(vocab_rows, hidden, config.vocab_size, comm)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # [max_positions, head_dim] cos|sin table; filled on the target device by the loader.
@@ -70,9 +86,12 @@ class CausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, H] → logits [S, V] in float32."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [S, H] → logits [S, V] in float32. Sharded, every rank must call it and only rank 0
+        gets the logits (None on the others)."""
         logits = self.lm_head(hidden)
+        if logits is None:
+            return None
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -2,7 +2,8 @@
 
 Weights are memory-mapped: `safe_open` maps each file and `get_tensor` returns a view of the mapping, so
 a tensor already in the target dtype and device becomes the parameter without a copy, and every other
-one is converted straight from the mapping (each byte of a checkpoint is read once).
+one is converted straight from the mapping (each byte of a checkpoint is read once). A tensor-parallel
+rank (`shard`) reads only its own slices of each tensor (`get_slice`, parallel/sharding.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from conduit_engine.models.base import CausalLM
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.models.registry import model_class
 from conduit_engine.ops import Ops
+from conduit_engine.parallel.sharding import ModelShard, ShardPlan, read_shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,27 +58,38 @@ def safetensors_files(folder: Path) -> list[Path]:
     raise ModelLoadError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, as views of the memory-mapped files, with a progress bar."""
+def iter_checkpoint(files: list[Path], plan: ShardPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, as views of the memory-mapped files (or, with `plan`, the rank's
+    slices of them), with a progress bar."""
     sizes = [f.stat().st_size for f in files]
     with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="Loading weights") as bar:
         for path, size in zip(files, sizes, strict=True):
             done = 0
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    tensor = f.get_tensor(name)
+                    if plan is None:
+                        tensor = f.get_tensor(name)
+                    else:
+                        tensor = read_shard(plan, name.removeprefix("model."), f.get_slice(name))
                     yield name, tensor
                     bar.update(tensor.nbytes)
                     done += tensor.nbytes
-            bar.update(size - done)  # the file's header
+            bar.update(size - done)  # the file's header (and the other ranks' slices)
 
 
 def load_model(
-    folder: Path, config: ArchConfig, ops: Ops, dtype: torch.dtype, device: str, max_positions: int
+    folder: Path,
+    config: ArchConfig,
+    ops: Ops,
+    dtype: torch.dtype,
+    device: str,
+    max_positions: int,
+    shard: ModelShard | None = None,
 ) -> CausalLM:
+    """The model (or with `shard` one rank's part of it) on `device` in `dtype`."""
     files = safetensors_files(folder)
     with torch.device("meta"):
-        model = model_class(config.architecture)(config, ops, max_positions)
+        model = model_class(config.architecture)(config, ops, max_positions, shard)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -84,7 +97,7 @@ def load_model(
     params = dict(model.named_parameters())
     pending: dict[str, list[torch.Tensor | None]] = {}
     loaded: set[str] = set()
-    for raw_name, tensor in iter_checkpoint(files):
+    for raw_name, tensor in iter_checkpoint(files, None if shard is None else shard.plan):
         name = raw_name.removeprefix("model.")
         if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue

@@ -1,33 +1,28 @@
-"""Per-step sampling metadata: turns the rows of one batch into the tensors the sampler works on.
+"""Per-step sampling metadata: turns one batch's sampling plan into the tensors the sampler works on.
 
-The model runner builds one `SamplingMetadata` per step with `build_sampling_metadata`. Everything a
-batch does not need stays `None`, so the sampler can skip that work (an all-greedy batch without
-penalties, bias or logprobs is a plain argmax).
+The model runner builds one `SamplingMetadata` per step with `metadata_from_plan` (or, from rows,
+`build_sampling_metadata`). Everything a batch does not need stays `None`, so the sampler can skip that
+work (an all-greedy batch without penalties, bias or logprobs is a plain argmax).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from conduit_engine.sampling_params import SamplingParams
+from conduit_engine.sampling.plan import NO_LOGPROBS, SamplingPlan, SamplingRow, plan_sampling
+from conduit_engine.sampling.seeds import seeded_uniform
 
-_MASK64 = (1 << 64) - 1
-_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
-
-
-class SamplingRow(NamedTuple):
-    """One row of the logits batch: one choice of one request at this step."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]  # the prompt
-    output_token_ids: Sequence[int]  # tokens generated so far (this row's choice only)
-    seed: int | None  # effective seed of this row (request seed + choice index), None = unseeded
-    # Ids this row must not pick at this step (stop_rules.blocked_token_ids: min_tokens not reached).
-    blocked_token_ids: tuple[int, ...] = ()
+__all__ = [
+    "SamplingMetadata",
+    "SamplingRow",
+    "build_sampling_metadata",
+    "metadata_from_plan",
+    "seeded_uniform",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,24 +78,6 @@ class SamplingMetadata:
         )
 
 
-def seeded_uniform(seed: int, step: int) -> float:
-    """The uniform in [0, 1) that a row with `seed` draws at `step`: element `step` of a splitmix64 stream.
-
-    A pure function of (seed, step), so a seeded row's tokens never depend on the batch around it, on
-    the device, or on the process. The seed is mixed first so that neighbouring seeds (request seed +
-    choice index) start unrelated streams.
-    """
-    state = (_mix64(seed & _MASK64) + (step + 1) * _GOLDEN_GAMMA) & _MASK64
-    return (_mix64(state) >> 11) * 2.0**-53  # top 53 bits: every double in [0, 1) on a 2^-53 grid
-
-
-def _mix64(x: int) -> int:
-    """splitmix64's finaliser: a bijection of 64-bit integers with full avalanche."""
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
 def build_sampling_metadata(
     rows: list[SamplingRow], vocab_size: int, device: torch.device
 ) -> SamplingMetadata:
@@ -111,130 +88,65 @@ def build_sampling_metadata(
     """
     if not rows:
         raise ValueError("build_sampling_metadata needs at least one row")
+    return metadata_from_plan(plan_sampling(rows), vocab_size, device)
+
+
+def metadata_from_plan(plan: SamplingPlan, vocab_size: int, device: torch.device) -> SamplingMetadata:
+    """The tensors of `plan` on `device` (the plan's token ids were checked at admission)."""
+    if plan.num_rows == 0:
+        raise ValueError("a sampling plan needs at least one row")
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    params = [row.params for row in rows]
-    greedy = [p.is_greedy for p in params]
-    random_idx = [i for i, g in enumerate(greedy) if not g]
-    random_params = [params[i] for i in random_idx]
+    random_idx = [i for i, t in enumerate(plan.temperature) if t != 0.0]
 
-    def floats(values: list[float]) -> torch.Tensor:
+    def floats(values: Sequence[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=device)
 
-    temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-    top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in random_params]
-    top_p = [p.top_p for p in random_params]
-    min_p = [p.min_p for p in random_params]
-    rep = [p.repetition_penalty for p in params]
-    presence = [p.presence_penalty for p in params]
-    frequency = [p.frequency_penalty for p in params]
+    def longs(values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    temperatures = [t if t != 0.0 else 1.0 for t in plan.temperature]
+    top_k = [min(plan.top_k[i], vocab_size) if plan.top_k[i] > 0 else vocab_size for i in random_idx]
+    top_p = [plan.top_p[i] for i in random_idx]
+    min_p = [plan.min_p[i] for i in random_idx]
+    rep, presence, frequency = plan.repetition_penalty, plan.presence_penalty, plan.frequency_penalty
     needs_rep = any(r != 1.0 for r in rep)
     needs_counts = any(p != 0.0 for p in presence) or any(f != 0.0 for f in frequency)
-
     return SamplingMetadata(
-        num_rows=len(rows),
+        num_rows=plan.num_rows,
         vocab_size=vocab_size,
-        random_rows=torch.tensor(random_idx, dtype=torch.long, device=device) if random_idx else None,
+        random_rows=longs(random_idx) if random_idx else None,
         temperature=floats(temperatures) if any(t != 1.0 for t in temperatures) else None,
-        top_k=torch.tensor(top_k, dtype=torch.long, device=device)
-        if any(k < vocab_size for k in top_k)
-        else None,
+        top_k=longs(top_k) if any(k < vocab_size for k in top_k) else None,
         top_p=floats(top_p) if any(p < 1.0 for p in top_p) else None,
         min_p=floats(min_p) if any(p > 0.0 for p in min_p) else None,
-        seeded_uniforms=tuple(
-            None if rows[i].seed is None else seeded_uniform(rows[i].seed, len(rows[i].output_token_ids))
-            for i in random_idx
-        ),
-        logit_bias=_logit_bias(params, device),
-        min_tokens_block=_min_tokens_block(rows, device),
+        seeded_uniforms=tuple(None if math.isnan(plan.uniforms[i]) else plan.uniforms[i] for i in random_idx),
+        logit_bias=(longs(plan.bias_rows), longs(plan.bias_ids), floats(plan.bias_values))
+        if plan.bias_rows
+        else None,
+        min_tokens_block=(longs(plan.blocked_rows), longs(plan.blocked_ids)) if plan.blocked_rows else None,
         repetition_penalty=floats(rep) if needs_rep else None,
-        seen_mask=_seen_mask(rows, rep, vocab_size, device) if needs_rep else None,
+        seen_mask=_mask(plan, vocab_size, device) if needs_rep else None,
         presence_penalty=floats(presence) if needs_counts else None,
         frequency_penalty=floats(frequency) if needs_counts else None,
-        output_counts=_output_counts(rows, presence, frequency, vocab_size, device) if needs_counts else None,
-        num_logprobs=tuple(p.logprobs for p in params),
+        output_counts=_counts(plan, vocab_size, device) if needs_counts else None,
+        num_logprobs=tuple(None if k == NO_LOGPROBS else k for k in plan.num_logprobs),
     )
 
 
-def _logit_bias(
-    params: list[SamplingParams], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    row_idx: list[int] = []
-    token_ids: list[int] = []
-    values: list[float] = []
-    for i, p in enumerate(params):
-        for token_id, bias in p.logit_bias.items():
-            row_idx.append(i)
-            token_ids.append(token_id)
-            values.append(float(bias))
-    if not row_idx:
-        return None
-    return (
-        torch.tensor(row_idx, dtype=torch.long, device=device),
-        torch.tensor(token_ids, dtype=torch.long, device=device),
-        torch.tensor(values, dtype=torch.float32, device=device),
-    )
-
-
-def _min_tokens_block(
-    rows: list[SamplingRow], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    row_idx: list[int] = []
-    token_ids: list[int] = []
-    for i, row in enumerate(rows):
-        row_idx.extend([i] * len(row.blocked_token_ids))
-        token_ids.extend(row.blocked_token_ids)
-    if not row_idx:
-        return None
-    return (
-        torch.tensor(row_idx, dtype=torch.long, device=device),
-        torch.tensor(token_ids, dtype=torch.long, device=device),
-    )
-
-
-def _seen_mask(
-    rows: list[SamplingRow], rep: list[float], vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    row_idx, token_ids = _flatten(
-        [
-            (list(row.prompt_token_ids) + list(row.output_token_ids)) if r != 1.0 else []
-            for row, r in zip(rows, rep, strict=True)
-        ],
-        device,
-    )
-    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
-    mask[row_idx, token_ids] = True
+def _mask(plan: SamplingPlan, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, V]: token occurs in the prompt or output of a row with a repetition penalty."""
+    mask = torch.zeros(plan.num_rows, vocab_size, dtype=torch.bool, device=device)
+    rows = torch.tensor(plan.seen_rows, dtype=torch.long, device=device)
+    mask[rows, torch.tensor(plan.seen_ids, dtype=torch.long, device=device)] = True
     return mask
 
 
-def _output_counts(
-    rows: list[SamplingRow],
-    presence: list[float],
-    frequency: list[float],
-    vocab_size: int,
-    device: torch.device,
-) -> torch.Tensor:
-    row_idx, token_ids = _flatten(
-        [
-            row.output_token_ids if (p != 0.0 or f != 0.0) else []
-            for row, p, f in zip(rows, presence, frequency, strict=True)
-        ],
-        device,
-    )
-    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
+def _counts(plan: SamplingPlan, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, V]: how often each token occurs in the output of a row with presence/frequency penalties."""
+    counts = torch.zeros(plan.num_rows, vocab_size, dtype=torch.float32, device=device)
+    rows = torch.tensor(plan.count_rows, dtype=torch.long, device=device)
+    ids = torch.tensor(plan.count_ids, dtype=torch.long, device=device)
     # accumulate=True is a scatter-add: repeated (row, token) pairs add up to the count.
-    counts.index_put_((row_idx, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True)
+    counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
     return counts
-
-
-def _flatten(per_row: list[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) pairs of every token of every row, as two long tensors."""
-    row_idx: list[int] = []
-    token_ids: list[int] = []
-    for i, ids in enumerate(per_row):
-        row_idx.extend([i] * len(ids))
-        token_ids.extend(ids)
-    return (
-        torch.tensor(row_idx, dtype=torch.long, device=device),
-        torch.tensor(token_ids, dtype=torch.long, device=device),
-    )

@@ -14,11 +14,16 @@ is pinned and the copy is asynchronous on the current stream.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from conduit_engine.sampling.grammar_mask import StepBitmask
 from conduit_engine.structured.state import GrammarState
+
+
+class HasGrammar(Protocol):
+    grammar: GrammarState | None
 
 
 class BitmaskBuilder:
@@ -64,3 +69,21 @@ class BitmaskBuilder:
             self._device = torch.empty((capacity, self.words), dtype=torch.int32, device=self.device)
             self._device_rows = torch.empty(capacity, dtype=torch.int64, device=self.device)
         self._capacity = capacity
+
+
+class SequenceMasks:
+    """A step's bitmask from its sampled sequences (logits row i = sequence i): the rows with an output
+    structure, through one BitmaskBuilder made on the first step that has any."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._builder: BitmaskBuilder | None = None
+
+    def build(self, seqs: Sequence[HasGrammar]) -> StepBitmask | None:
+        rows = [(i, seq.grammar) for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if not rows:
+            return None
+        if self._builder is None:
+            self._builder = BitmaskBuilder(self.vocab_size, self.device)
+        return self._builder.build(rows)
