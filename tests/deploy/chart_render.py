@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import helm_python as helm
+import kubernetes_validate
 from kubernetes_validate import utils as kubernetes_validate_utils
 from packaging.version import Version
 
@@ -74,3 +75,20 @@ def newest_kubernetes_versions(count: int = 2) -> list[str]:
     """The `count` newest Kubernetes minor versions whose schemas kubernetes-validate bundles."""
     versions = sorted(set(kubernetes_validate_utils.all_versions()), key=Version)
     return versions[-count:]
+
+
+def validation_problem(obj: dict[str, Any], kubernetes_version: str) -> str | None:
+    """What `kubernetes-validate --strict` finds wrong with one object, naming it and the path, or None."""
+    try:
+        kubernetes_validate.validate(obj, kubernetes_version, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        where = ".".join(str(p) for p in exc.path)
+        return f"{obj['kind']}/{obj['metadata']['name']} at {where}: {exc.message}"
+    return None
+
+
+def lint_problems(values: dict[str, Any], kubernetes_version: str) -> list[Any]:
+    """Errors and warnings of `helm lint --strict` with these values ("icon is recommended" is only
+    information, severity 1)."""
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE, kube_version=f"v{kubernetes_version}")
+    return [*report["errors"], *(m for m in report["messages"] if m["severity"] >= 2)]

@@ -18,6 +18,7 @@ from tests.deploy.paths import COMPOSE_FILE, ENVOY_CONFIG, MAKEFILE, REPO, tool
 pytestmark = pytest.mark.deploy
 
 PROFILES = {"cpu": "engine", "gpu": "engine-gpu"}
+PD_ENGINES = ("prefill", "decode")
 
 
 def _compose(*args: str) -> subprocess.CompletedProcess[str]:
@@ -43,7 +44,15 @@ def project(request):
 
 def test_file_parses_strictly():
     document = strict_yaml.load(COMPOSE_FILE.read_text())
-    assert set(document["services"]) == {"engine", "engine-gpu", "gateway", "envoy"}
+    assert set(document["services"]) == {
+        "engine",
+        "engine-gpu",
+        "gateway",
+        "envoy",
+        "prefill",
+        "decode",
+        "gateway-pd",
+    }
 
 
 def test_compose_rejects_an_invalid_file(tmp_path):
@@ -161,8 +170,10 @@ def test_health_checks_match_the_images_and_order_the_start(project):
     gateway_needs = services["gateway"]["depends_on"]
     assert gateway_needs[engine]["condition"] == "service_healthy"
     assert gateway_needs[engine]["required"] is False
+    # Envoy waits for the profile's gateway (gateway, or gateway-pd in profile pd).
     envoy_needs = services["envoy"]["depends_on"]
-    assert set(envoy_needs) == {"gateway"} and envoy_needs["gateway"]["condition"] == "service_healthy"
+    assert set(envoy_needs) == {"gateway", "gateway-pd"}
+    assert all(need == {"condition": "service_healthy", "required": False} for need in envoy_needs.values())
 
 
 def test_make_compose_up_selects_an_engine_profile():
@@ -178,3 +189,55 @@ def test_make_compose_up_selects_an_engine_profile():
         assert default, f"{variable.group(1)} has no default in the Makefile"
         profile = default.group(1)
     assert profile == "cpu"
+
+
+@pytest.fixture(scope="module")
+def pd_project():
+    """The project as `docker compose --profile pd config` resolves it."""
+    result = _compose("--profile", "pd", "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_pd_profile_starts_a_prefill_and_a_decode_engine_their_gateway_and_envoy(pd_project):
+    assert set(pd_project["services"]) == {"prefill", "decode", "gateway-pd", "envoy"}
+
+
+@pytest.mark.parametrize("role", PD_ENGINES)
+def test_pd_engines_run_their_role_and_advertise_their_service_name(pd_project, role):
+    service = pd_project["services"][role]
+    cpu = _compose("--profile", "cpu", "config", "--format", "json")
+    cpu_engine = json.loads(cpu.stdout)["services"]["engine"]
+    # Built and mounted exactly like the CPU profile's engine; only the role flags differ.
+    for key in ("build", "image", "volumes", "expose", "healthcheck"):
+        assert service[key] == cpu_engine[key], key
+    config = engine_cli.config_from_args(engine_cli.build_parser().parse_args(service["command"]))
+    assert config.disaggregation.role == role
+    assert config.disaggregation.advertise_address == f"{role}:{config.server.port}"
+    assert service["command"][: len(cpu_engine["command"])] == cpu_engine["command"]
+
+
+def test_pd_gateway_pairs_the_two_engines_and_stands_in_for_the_gateway(pd_project):
+    services = pd_project["services"]
+    gateway = services["gateway-pd"]
+    config = gateway_cli.config_from_args(gateway["command"], gateway.get("environment") or {})
+    ports = {
+        role: engine_cli.build_parser().parse_args(services[role]["command"]).port for role in PD_ENGINES
+    }
+    assert config.engines == () and config.disaggregated
+    assert config.prefill_engines == (f"prefill:{ports['prefill']}",)
+    assert config.decode_engines == (f"decode:{ports['decode']}",)
+    assert gateway["depends_on"] == {
+        role: {"condition": "service_healthy", "required": True} for role in PD_ENGINES
+    }
+    image_check = dockerfiles.parse(REPO / "services/gateway/Dockerfile").final.one("HEALTHCHECK")
+    assert gateway["healthcheck"]["test"] == list(image_check.value)
+    assert gateway["expose"] == [str(config.port)] and gateway["environment"] == {"CONDUIT_API_KEY": ""}
+    # Envoy's upstreams are the names `gateway` and `engine`: the pd gateway and the decode engine.
+    proxy = envoy_config.load()
+    gateway_upstream = envoy_config.upstream_address(envoy_config.cluster(proxy, "gateway"))
+    engine_upstream = envoy_config.upstream_address(envoy_config.cluster(proxy, "engine"))
+    assert gateway_upstream == {"address": "gateway", "port_value": config.port}
+    assert gateway["networks"]["default"]["aliases"] == ["gateway"]
+    assert engine_upstream["address"] in _engine_names(pd_project, "decode")
+    assert engine_upstream["port_value"] == ports["decode"]

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from conduit_engine.config import (
+    CacheConfig,
+    DisaggregationConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from conduit_engine.engine import LLMEngine
 from conduit_engine.request import GenerationRequest, RequestOutput
 from conduit_engine.sampling_params import SamplingParams
@@ -36,6 +43,7 @@ def make_engine(
     max_model_len: int | None = None,
     tensor_parallel_size: int = 1,
     worker_process: bool = False,
+    role: str = "both",
 ) -> LLMEngine:
     """An engine on `model`; with tensor_parallel_size > 1 or worker_process, its worker processes run
     until `engine.shutdown()`."""
@@ -53,6 +61,7 @@ def make_engine(
                 max_queued_requests=max_queued_requests,
             ),
             parallel=ParallelConfig(tensor_parallel_size, worker_process),
+            disaggregation=DisaggregationConfig(role=role),
         )
     )
 

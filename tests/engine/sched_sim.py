@@ -14,12 +14,14 @@ token was written there. Every step checks what a real paged-attention model wou
 So a scheduling or caching bug that would make a real model read wrong KV fails here as an
 assertion, and outputs are comparable across runs: the next token depends only on the prefix.
 
-Disaggregation: a request added with `produce=True` ends at its first token (KV_HANDOFF) with its prompt
-blocks pinned in the engine's `KvTransferRegistry`; `consume` on another SimEngine plans a pull, copies the
-source's slots for transfer blocks [start_block, total) (the transport), commits and decodes on, or
-recomputes when the source no longer has the transfer. Every step also checks that each pinned block
-still holds what it held when pinned (neither freed nor reused) and that the registry's pins are exactly
-the BlockManager's.
+Disaggregation, through the engine's own `KvProducer` and `KvConsumer`: a request added with
+`produce=True` ends each choice at its first token (KV_HANDOFF, unless it reached max_tokens) with the
+prompt blocks pinned in the engine's `KvTransferRegistry`; `consume` on another SimEngine plans a pull,
+copies the source's slots for transfer blocks [start_block, total) (the transport), commits and decodes
+on, or recomputes when the source no longer has the transfer. `start_consume` / `end_pull` split that in
+two, so a request can be aborted while its pull runs. Every step also checks that each pinned block still
+holds what it held when pinned (neither freed nor reused) and that the registry's pins are exactly the
+BlockManager's; a pull's blocks stay accounted to their sequence until the pull ends.
 """
 
 from __future__ import annotations
@@ -31,15 +33,13 @@ from dataclasses import dataclass, field
 
 from conduit_engine.block_manager import BlockManager
 from conduit_engine.config import SchedulerConfig
+from conduit_engine.kv_transfer.consumer import KvConsumer, PendingPull
 from conduit_engine.kv_transfer.errors import KvTransferNotFoundError
-from conduit_engine.kv_transfer.pull_plan import (
-    KvPullCounters,
-    KvPullPlan,
-    abandon_pull,
-    commit_pull,
-    plan_pull,
-)
+from conduit_engine.kv_transfer.layout import KvLayoutSpec
+from conduit_engine.kv_transfer.params import KvHandleRef
+from conduit_engine.kv_transfer.producer import KvProducer
 from conduit_engine.kv_transfer.registry import KvTransfer, KvTransferRegistry
+from conduit_engine.kv_transfer.transport import KvPullResult
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.scheduler import Scheduler
 from conduit_engine.sequence import FinishReason, Sequence
@@ -62,6 +62,14 @@ def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
     for _ in range(max_tokens):
         tokens.append(next_token(tokens))
     return tokens[len(prompt) :]
+
+
+@dataclass
+class SimRequest:
+    """A request's choices and, on the prefill side, its transfer (what KvProducer reads and writes)."""
+
+    seqs: list[Sequence]
+    kv_transfer: KvTransfer | None = None
 
 
 @dataclass
@@ -104,10 +112,13 @@ class SimEngine:
         self.steps: list[StepRecord] = []
         self._arrivals = itertools.count()
         self.registry = KvTransferRegistry(self.block_manager, kv_lease_seconds, clock)
-        self.producers: set[str] = set()  # names of the choices run as the prefill side
+        self.producer = KvProducer(self.registry)
+        # One "element" per slot: a block's payload is 8 * block_size bytes in the counters.
+        self.layout = KvLayoutSpec("sim", "float32", block_size, 1, 1, 1)
+        self.consumer = KvConsumer(self.block_manager, self.layout)
+        self.producing: dict[str, SimRequest] = {}  # choice name → its produce request
         self.handoffs: dict[str, KvTransfer] = {}  # request id → the transfer its prefill produced
         self.pinned_kv: dict[str, dict[int, int]] = {}  # transfer id → slot → content when pinned
-        self.pull_counters = KvPullCounters()
 
     # ----- requests ----------------------------------------------------------------------------------
     def add(
@@ -123,10 +134,27 @@ class SimEngine:
 
         With `produce` every choice ends at its first token (KV_HANDOFF); the first choice's prompt
         blocks are pinned under a transfer in `handoffs[request_id]`."""
+        seqs = self._choices(request_id, prompt, max_tokens, n, list(range(n)), priority)
+        request = SimRequest(seqs)
+        for seq in seqs:
+            if produce:
+                self.producing[seq.request_id] = request
+            self.scheduler.add(seq)
+        return seqs
+
+    def _choices(
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        n: int,
+        indices: list[int],
+        priority: int = 0,
+    ) -> list[Sequence]:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n)
         arrival = next(self._arrivals)
         seqs: list[Sequence] = []
-        for index in range(n):
+        for index in indices:
             name = request_id if index == 0 else f"{request_id}/{index}"
             seq = Sequence(
                 name,
@@ -140,52 +168,74 @@ class SimEngine:
             seqs.append(seq)
             self.seqs[name] = seq
             self.streams[name] = []
-            if produce:
-                self.producers.add(name)
-            self.scheduler.add(seq)
         return seqs
 
     def consume(
         self, request_id: str, prompt: list[int], first_tokens: list[int], max_tokens: int, source: SimEngine
     ) -> str:
-        """Decode side of `source.handoffs[request_id]`: choice 0 pulls the prompt's KV (or, when the
-        source no longer has it, recomputes); later choices share its prompt through the prefix cache
+        """Decode side of `source.handoffs[request_id]`: the first choice pulls the prompt's KV (or, when
+        the source no longer has it, recomputes); later choices share its prompt through the prefix cache
         like colocated siblings. Streams start after the first token. Returns "pulled" or "recompute"."""
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=len(first_tokens))
-        arrival = next(self._arrivals)
-        seqs: list[Sequence] = []
-        for index, token in enumerate(first_tokens):
-            name = request_id if index == 0 else f"{request_id}/{index}"
-            seq = Sequence(
-                name, list(prompt), params, index=index, arrival=arrival, parent=seqs[0] if seqs else None
-            )
-            seq.append_token(token)
-            seqs.append(seq)
-            self.seqs[name] = seq
-            self.streams[name] = []
-        plan = plan_pull(self.block_manager, seqs[0], len(prompt))
-        assert plan is not None, "the decode cache has no room for the pull"
-        outcome = self._pull(plan, source, source.handoffs[request_id].transfer_id)
-        for seq in seqs:
-            self.scheduler.add(seq)
-        return outcome
+        self.start_consume(request_id, prompt, first_tokens, max_tokens, source)
+        return self.end_pull(request_id, source)
 
-    def _pull(self, plan: KvPullPlan, source: SimEngine, transfer_id: str) -> str:
-        """The transport: copy the slots of transfer blocks [start_block, total) into the plan's blocks."""
+    def start_consume(
+        self,
+        request_id: str,
+        prompt: list[int],
+        first_tokens: list[int],
+        max_tokens: int,
+        source: SimEngine,
+        indices: list[int] | None = None,
+    ) -> PendingPull:
+        """Admit the decode side and plan its pull (choices `indices`, default 0..len-1); not queued yet."""
+        indices = indices if indices is not None else list(range(len(first_tokens)))
+        n = max(indices) + 1
+        seqs = self._choices(request_id, prompt, max_tokens, n, indices)
+        for seq, token in zip(seqs, first_tokens, strict=True):
+            seq.append_token(token)
+        transfer = source.handoffs[request_id]
+        handle = KvHandleRef(transfer.transfer_id, "sim", len(prompt), self.layout.fingerprint)
+        pending = self.consumer.start(request_id, handle, seqs)
+        self.check_invariants()
+        return pending
+
+    def end_pull(self, request_id: str, source: SimEngine) -> str:
+        """The transport: copy the slots of transfer blocks [start_block, total) into the plan's blocks,
+        then let the consumer commit (or rewind, when the source no longer has the transfer) and queue."""
+        pending = self.consumer.pending(request_id)
+        assert pending is not None
+        outcome, result = "recompute", None
+        transfer_id = pending.spec.transfer_id
         try:
             transfer = source.registry.start_pull(transfer_id)
         except KvTransferNotFoundError:
-            abandon_pull(self.block_manager, plan)
-            return "recompute"
-        bs = self.block_size
-        for src, dst in zip(transfer.block_ids[plan.start_block :], plan.dest_block_ids, strict=True):
-            for offset in range(bs):
-                if src * bs + offset in source.kv:
-                    self.kv[dst * bs + offset] = source.kv[src * bs + offset]
-        source.registry.finish_pull(transfer_id, completed=True)
-        commit_pull(self.block_manager, plan)
-        self.pull_counters.record(plan, block_bytes=1)
-        return "pulled"
+            transfer = None
+        if transfer is not None:
+            bs = self.block_size
+            blocks = zip(transfer.block_ids[pending.spec.start_block :], pending.dest_block_ids, strict=True)
+            for src, dst in blocks:
+                for offset in range(bs):
+                    if src * bs + offset in source.kv:
+                        self.kv[dst * bs + offset] = source.kv[src * bs + offset]
+            source.registry.finish_pull(transfer_id, completed=True)
+            outcome = "pulled"
+            result = KvPullResult(pending.spec.num_blocks, pending.spec.num_blocks * self.layout.block_bytes)
+        for seq in self.consumer.finish(request_id, result):
+            self.scheduler.add(seq)
+        self.check_invariants()
+        return outcome
+
+    def abort_pulling(self, request_id: str) -> None:
+        """Abort a request whose pull runs: its choices end now, its blocks stay held until `end_pull`."""
+        held = self.consumer.orphan(request_id)
+        assert held is not None
+        for seq in self.seqs.values():
+            if seq.request_id.split("/")[0] == request_id and not seq.is_finished:
+                seq.finish(FinishReason.ABORT)
+                if seq is not held:
+                    self.scheduler.finish(seq)
+        self.check_invariants()
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs[request_id]
@@ -244,31 +294,34 @@ class SimEngine:
         return record
 
     def _finish_if_done(self, seq: Sequence) -> None:
-        if seq.request_id in self.producers:
-            if seq.parent is None:
-                self._produce(seq)
-            seq.finish(FinishReason.KV_HANDOFF)
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            seq.finish(FinishReason.LENGTH)  # the stop rules, before the producer (as in the engine)
+        request = self.producing.get(seq.request_id)
+        if request is not None:
+            produced = request.kv_transfer is None
+            self.producer.after_first_token(request, seq)
+            if produced and request.kv_transfer is not None:
+                self._record_pins(seq, request.kv_transfer)
+        if seq.is_finished:
             self.scheduler.finish(seq)
-        elif seq.num_output_tokens >= seq.params.max_tokens:
-            seq.finish(FinishReason.LENGTH)
-            self.scheduler.finish(seq)
+        if request is not None and all(s.is_finished for s in request.seqs):
+            self.producer.request_ended(request, completed=True)
 
-    def _produce(self, seq: Sequence) -> None:
-        """Prefill side at the first token: pin the prompt's blocks before the sequence frees them."""
-        prompt = seq.prompt_token_ids
-        transfer = self.registry.produce(
-            seq.block_table[: self.block_manager.blocks_needed(len(prompt))], prompt
-        )
-        self.handoffs[seq.request_id] = transfer
+    def _record_pins(self, seq: Sequence, transfer: KvTransfer) -> None:
+        """What each pinned slot holds, to check later that nothing overwrote it."""
+        self.handoffs[seq.request_id.split("/")[0]] = transfer
         bs = self.block_size
         self.pinned_kv[transfer.transfer_id] = {
             seq.block_table[p // bs] * bs + p % bs: self.kv[seq.block_table[p // bs] * bs + p % bs]
-            for p in range(len(prompt))
+            for p in range(seq.num_prompt_tokens)
         }
 
     def check_invariants(self) -> None:
-        """Ref counts match the live sequences plus the pins; pinned blocks hold what they held."""
-        self.block_manager.check_integrity([s for s in self.live if s.block_table])
+        """Ref counts match the live sequences (those a pull writes into included) plus the pins; pinned
+        blocks hold what they held."""
+        live = [s for s in self.live if s.block_table]
+        live += [s for s in self.consumer.held_sequences() if s not in live]
+        self.block_manager.check_integrity(live)
         self.registry.check_integrity()
         stats = self.block_manager.stats()
         assert stats.used + stats.free == stats.total

@@ -193,10 +193,10 @@ def test_endpoint_answers_while_loading_and_without_vllm_names_by_default(storie
     release = threading.Event()
     real_engine = server_module.LLMEngine
 
-    def held_load(config):  # fault injection: a model that takes as long as the test wants to load
+    def held_load(*args):  # fault injection: a model that takes as long as the test wants to load
         loading.set()
         release.wait(timeout=60)
-        return real_engine(config)
+        return real_engine(*args)  # the config and the workers (None: the model runs in process)
 
     monkeypatch.setattr(server_module, "LLMEngine", held_load)
     thread = ServerThread(_config(stories_path, vllm_compat=False)).start(wait=False)

@@ -1,5 +1,6 @@
 """KV transfer end to end over a real grpc.aio server on 127.0.0.1: PullKv served from a registry and real
-KV cache tensors, pulled by GrpcKvTransport into a second cache through CacheBlockWriter.
+KV cache tensors, pulled by GrpcKvTransport into a second cache through CacheBlockWriter (both caches read
+and written through LocalKvBlocks).
 
 The bytes must round-trip exactly (torch.equal) for every dtype, with several chunks, from a start_block
 past the puller's prefix-cache hits, and into non-contiguous destination blocks; every way a pull can
@@ -17,7 +18,7 @@ import torch
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc as pb_grpc
 from conduit_engine.block_manager import BlockManager
-from conduit_engine.kv_transfer.cache_io import CacheBlockReader, CacheBlockWriter, layout_of
+from conduit_engine.kv_transfer.cache_io import CacheBlockWriter, LocalKvBlocks, layout_of
 from conduit_engine.kv_transfer.errors import (
     KvLayoutMismatchError,
     KvSourceUnavailableError,
@@ -39,6 +40,15 @@ pytestmark = pytest.mark.integration
 
 LAYERS, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM = 3, 16, 4, 2, 8
 LEASE = 30.0
+
+
+def store(kv) -> LocalKvBlocks:
+    return LocalKvBlocks(TorchOps(), kv)
+
+
+def writer_for(kv, dest_block_ids, start_block: int) -> CacheBlockWriter:
+    """A sink writing into caches `kv` (blocks of their own layout)."""
+    return CacheBlockWriter(store(kv), layout_of("m", kv).block_bytes, dest_block_ids, start_block)
 
 
 async def on_this_thread(fn):
@@ -70,7 +80,7 @@ class Source:
         self.layout = layout_of("stories-test", self.kv)
         self.service = KvTransferService(
             self.registry,
-            CacheBlockReader(TorchOps(), self.kv),
+            LocalKvBlocks(TorchOps(), self.kv),
             self.layout,
             on_this_thread,
             chunk_bytes=chunk_blocks * self.layout.block_bytes,
@@ -155,7 +165,7 @@ async def test_a_pull_round_trips_the_bytes_exactly_over_several_chunks(dtype, t
         plan = consume_plan(dst_bm, prompt)
         assert (plan.start_block, plan.dest_block_ids) == (0, [3, 4, 5, 6, 7])
         spec = pull_spec_for(src.handle(transfer), src.layout, plan.start_block)
-        writer = CacheBlockWriter(TorchOps(), dst_kv, plan.dest_block_ids, plan.start_block)
+        writer = writer_for(dst_kv, plan.dest_block_ids, plan.start_block)
         result = await transport.pull(spec, writer)
         assert (result.num_blocks, result.num_bytes) == (5, 5 * src.layout.block_bytes)
         assert writer.blocks_written == 5
@@ -181,7 +191,7 @@ async def test_a_pull_from_start_block_skips_the_prefix_cache_hits(source, trans
     plan = consume_plan(dst_bm, prompt)
     assert plan.start_block == 2 and len(plan.dest_block_ids) == 2
     spec = pull_spec_for(source.handle(transfer), source.layout, plan.start_block)
-    writer = CacheBlockWriter(TorchOps(), dst_kv, plan.dest_block_ids, plan.start_block)
+    writer = writer_for(dst_kv, plan.dest_block_ids, plan.start_block)
     result = await transport.pull(spec, writer)
     assert result == type(result)(num_blocks=2, num_bytes=2 * source.layout.block_bytes)
     assert_blocks_equal(source.kv, transfer.block_ids[2:], dst_kv, plan.dest_block_ids)
@@ -192,7 +202,7 @@ async def test_a_pull_from_start_block_skips_the_prefix_cache_hits(source, trans
 async def test_nothing_to_pull_still_completes_the_transfer(source, transport):
     transfer = source.produce(list(range(8)))
     spec = pull_spec_for(source.handle(transfer), source.layout, start_block=2)
-    writer = CacheBlockWriter(TorchOps(), caches(torch.float32, seed=None), [], start_block=2)
+    writer = writer_for(caches(torch.float32, seed=None), [], start_block=2)
     assert (await transport.pull(spec, writer)).num_blocks == 0
     assert writer.blocks_written == 0 and source.registry.num_pending == 0 and source.bm.stats().used == 0
 
@@ -206,7 +216,7 @@ async def test_unknown_released_and_expired_ids_are_not_found(source, transport)
             pass
     assert raw.value.code() == grpc.StatusCode.NOT_FOUND
     assert "transfer_id: 'nope' is unknown here" in raw.value.details()
-    writer = CacheBlockWriter(TorchOps(), caches(torch.float32, seed=None), [0], 0)
+    writer = writer_for(caches(torch.float32, seed=None), [0], 0)
     released = source.produce([1, 2, 3])
     response = await stub.ReleaseKv(pb.ReleaseKvRequest(transfer_id=released.transfer_id))
     assert response.released and not (await stub.ReleaseKv(pb.ReleaseKvRequest(transfer_id="nope"))).released
@@ -252,7 +262,7 @@ async def test_bad_requests_name_their_field_and_leave_the_transfer_pending(sour
     other = layout_of("another-model", source.kv)
     spec = KvPullSpec(source.address, transfer.transfer_id, 0, 2, other)
     with pytest.raises(KvLayoutMismatchError, match="FAILED_PRECONDITION"):
-        await transport.pull(spec, CacheBlockWriter(TorchOps(), caches(torch.float32, seed=None), [0, 1], 0))
+        await transport.pull(spec, writer_for(caches(torch.float32, seed=None), [0, 1], 0))
     assert source.registry.num_pending == 1 and source.bm.stats().pinned == 2
     assert source.registry.release(transfer.transfer_id)
 
@@ -264,7 +274,7 @@ async def test_a_source_that_is_down_is_unavailable(transport):
     await server.stop(None)  # the port is free again: nothing listens there
     layout = layout_of("m", caches(torch.float32, seed=None))
     spec = KvPullSpec(f"127.0.0.1:{port}", "id", 0, 1, layout)
-    writer = CacheBlockWriter(TorchOps(), caches(torch.float32, seed=None), [0], 0)
+    writer = writer_for(caches(torch.float32, seed=None), [0], 0)
     with pytest.raises(KvSourceUnavailableError, match="UNAVAILABLE"):
         await transport.pull(spec, writer)
 
@@ -283,14 +293,14 @@ async def test_a_pull_broken_midway_leaves_the_transfer_pullable_then_it_complet
     dst_kv = caches(torch.float32, seed=None)
     spec = pull_spec_for(source.handle(transfer), source.layout, 0)
     with pytest.raises(RuntimeError, match="destination failed"):
-        await transport.pull(spec, FailingWriter(TorchOps(), dst_kv, range(5), 0))
+        await transport.pull(spec, FailingWriter(store(dst_kv), source.layout.block_bytes, range(5), 0))
     for _ in range(500):  # the server sees the cancellation on its own loop turn
         if source.registry.transfer(transfer.transfer_id).active_pulls == 0:
             break
         await asyncio.sleep(0.01)
     assert source.registry.num_pending == 1 and source.bm.stats().pinned == 5
     source.registry.check_integrity()
-    writer = CacheBlockWriter(TorchOps(), dst_kv, range(5), 0)
+    writer = writer_for(dst_kv, range(5), 0)
     assert (await transport.pull(spec, writer)).num_blocks == 5
     assert_blocks_equal(source.kv, transfer.block_ids, dst_kv, range(5))
     assert source.bm.stats().used == 0
@@ -315,7 +325,7 @@ async def test_a_malformed_chunk_is_refused_before_the_sink_sees_it(transport):
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        writer = CacheBlockWriter(TorchOps(), dst_kv, [4, 5], 0)
+        writer = writer_for(dst_kv, [4, 5], 0)
         spec = KvPullSpec(f"127.0.0.1:{port}", "id", 0, 2, layout)
         with pytest.raises(KvTransferError, match="1 blocks in 1535 bytes, expected 1536 each"):
             await transport.pull(spec, writer)
@@ -331,11 +341,11 @@ async def test_chunks_stay_whole_blocks_and_under_the_message_limit():
     src = Source(torch.float32, chunk_blocks=1)
     block = src.layout.block_bytes
     assert src.service.blocks_per_chunk == 1
-    big = KvTransferService(src.registry, src.service._reader, src.layout, on_this_thread, chunk_bytes=10**9)
+    big = KvTransferService(src.registry, src.service._store, src.layout, on_this_thread, chunk_bytes=10**9)
     assert big.blocks_per_chunk == (64 * 1024 * 1024 - 64) // block
     with pytest.raises(ValueError, match="does not fit a 1000-byte gRPC message"):
         KvTransferService(
-            src.registry, src.service._reader, src.layout, on_this_thread, max_message_bytes=1000
+            src.registry, src.service._store, src.layout, on_this_thread, max_message_bytes=1000
         )
     assert isinstance(create_transport("grpc", timeout_s=5), GrpcKvTransport)
     with pytest.raises(ValueError, match="kv transport: unknown kind 'rdma'"):

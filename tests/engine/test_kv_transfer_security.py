@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conduit_engine.config import SecurityConfig
-from conduit_engine.kv_transfer.cache_io import CacheBlockWriter
+from conduit_engine.kv_transfer.cache_io import CacheBlockWriter, LocalKvBlocks, layout_of
 from conduit_engine.kv_transfer.errors import KvSourceUnavailableError, KvTransferError
 from conduit_engine.kv_transfer.grpc_transport import GrpcKvTransport
 from conduit_engine.kv_transfer.proto import pull_spec_for
@@ -44,7 +44,7 @@ async def _pull(source, dialer_config: SecurityConfig):
     transfer = source.produce(list(range(10, 22)))  # 12 tokens: 3 blocks
     spec = pull_spec_for(source.handle(transfer), source.layout, 0)
     dest = caches(torch.float32, seed=None)
-    writer = CacheBlockWriter(TorchOps(), dest, [5, 6, 7], 0)
+    writer = CacheBlockWriter(LocalKvBlocks(TorchOps(), dest), layout_of("m", dest).block_bytes, [5, 6, 7], 0)
     transport = GrpcKvTransport(timeout_s=30, dialer=engine_dialer(dialer_config))
     try:
         return await transport.pull(spec, writer), transfer, dest

@@ -128,7 +128,7 @@ def test_without_observers_the_engine_keeps_no_times(engine):
     state = engine._requests["quiet"]
     run_to_completion(engine)
     assert state.first_scheduled is None and state.first_token is None
-    assert state.token_times == [0.0]
+    assert state.token_times == {0: 0.0}
 
 
 def test_step_record_groups_tokens_by_their_previous_token_time():

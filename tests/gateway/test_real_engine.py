@@ -1,5 +1,9 @@
 """The real engine (subprocess, stories260K) behind the real gateway (subprocess, CLI), driven with the
-openai SDK: greedy output equals transformers, finish reasons, usage, n, seeds, errors, disconnects."""
+openai SDK: greedy output equals transformers, finish reasons, usage, n, seeds, errors, disconnects.
+
+Every test runs twice: against one colocated engine (the shared stack of conftest), and against a prefill
+engine and a decode engine behind a disaggregating gateway (--prefill-engine/--decode-engine), which must
+pass the same checks."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import pytest
 from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
 from tests.gateway.sse import parse_events
 from tests.support.polling import wait_for
-from tests.support.processes import require_shared, start_gateway
+from tests.support.processes import require_shared, start_engine, start_gateway
 from tests.support.stories import KNOWN_STORY, KNOWN_STORY_TOKENS, MODEL, PROMPT, PROMPT_IDS
 
 pytestmark = pytest.mark.integration
@@ -31,27 +35,50 @@ def model_path():
 ENGINE_ARGS = ("--max-num-seqs", "8")  # read by the stories_engine fixture (conftest)
 
 
-@pytest.fixture(scope="module")
-def engine(stories_engine):
-    return stories_engine
+@pytest.fixture(scope="module", params=["colocated", "disaggregated"])
+def topology(request, model_path):
+    """(the engine processes, the gateway's engine flags, the gateway) of one topology."""
+    if request.param == "colocated":
+        engine = request.getfixturevalue("stories_engine")
+        yield [engine], (engine.address,), request.getfixturevalue("stories_gateway")
+        return
+    with (
+        start_engine(model_path, *ENGINE_ARGS, "--role", "prefill") as prefill,
+        start_engine(model_path, *ENGINE_ARGS, "--role", "decode") as decode,
+    ):
+        flags = ("", "--prefill-engine", prefill.address, "--decode-engine", decode.address)
+        with start_gateway(*flags) as gateway:
+            yield [prefill, decode], flags, gateway
 
 
 @pytest.fixture(scope="module")
-def gateway(stories_gateway):
-    return stories_gateway
+def gateway(topology):
+    return topology[2]
 
 
 @pytest.fixture(scope="module")
-def sdk(stories_sdk):
-    return stories_sdk
+def sdk(gateway):
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
-def load(engine):
-    channel = grpc.insecure_channel(engine.address)
-    stub = engine_pb2_grpc.EngineStub(channel)
-    yield lambda: stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
-    channel.close()
+def load(topology):
+    """GetLoad summed over the topology's engines."""
+    channels = [grpc.insecure_channel(engine.address) for engine in topology[0]]
+    stubs = [engine_pb2_grpc.EngineStub(channel) for channel in channels]
+
+    def total() -> engine_pb2.GetLoadResponse:
+        summed = engine_pb2.GetLoadResponse()
+        for stub in stubs:
+            reply = stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
+            for name in ("running_requests", "waiting_requests", "kv_blocks_used", "generated_tokens"):
+                setattr(summed, name, getattr(summed, name) + getattr(reply, name))
+        return summed
+
+    yield total
+    for channel in channels:
+        channel.close()
 
 
 class Reference:
@@ -308,10 +335,9 @@ def test_prompt_logprobs_cover_the_prompt(gateway):
 
 
 @pytest.fixture(scope="module")
-def parsing_sdk(engine):
-    with start_gateway(
-        engine.address, "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"
-    ) as process:
+def parsing_sdk(topology):
+    parsers = ("--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    with start_gateway(*topology[1], *parsers) as process:
         with openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0) as client:
             yield client
 

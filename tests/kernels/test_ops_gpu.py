@@ -146,11 +146,12 @@ def test_kv_blocks_gather_and_scatter_on_cuda_tensors_match_reference(dtype):
 
 
 def test_kv_payload_round_trip_between_cuda_caches():
-    """The transfer path on a GPU: gather kernel → host bytes (CacheBlockReader) → scatter kernel into
-    another CUDA cache (CacheBlockWriter), byte for byte, into non-contiguous destination blocks."""
+    """The transfer path on a GPU: gather kernel → host bytes (LocalKvBlocks.gather_kv_blocks) → scatter
+    kernel into another CUDA cache (CacheBlockWriter), byte for byte, into non-contiguous destination
+    blocks."""
     import asyncio
 
-    from conduit_engine.kv_transfer.cache_io import CacheBlockReader, CacheBlockWriter
+    from conduit_engine.kv_transfer.cache_io import CacheBlockWriter, LocalKvBlocks
     from conduit_engine.ops.cuda_ops import CudaOps
 
     gen = torch.Generator().manual_seed(9)
@@ -165,9 +166,10 @@ def test_kv_payload_round_trip_between_cuda_caches():
     dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
     ops = CudaOps()
     src_ids, dst_ids = [4, 17, 2, 30], [11, 0, 25, 6]
-    payload = CacheBlockReader(ops, src).read(src_ids)
+    payload = LocalKvBlocks(ops, src).gather_kv_blocks(src_ids)
     assert len(payload) == 4 * 2 * 3 * 16 * 8 * 128 * 2
-    asyncio.run(CacheBlockWriter(ops, dst, dst_ids, start_block=0).write(0, 4, payload))
+    block_bytes = len(payload) // 4
+    asyncio.run(CacheBlockWriter(LocalKvBlocks(ops, dst), block_bytes, dst_ids, 0).write(0, 4, payload))
     for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
         assert torch.equal(sk[src_ids], dk[dst_ids]) and torch.equal(sv[src_ids], dv[dst_ids])
         untouched = [b for b in range(32) if b not in dst_ids]

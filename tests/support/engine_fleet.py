@@ -19,17 +19,29 @@ __all__ = ["EngineFleet"]
 
 
 class EngineFleet:
-    """`count` engines on `model` with the same extra flags; index i is always the engine on `ports[i]`."""
+    """`count` engines on `model` with the same extra flags, plus engine i's own flags `per_engine[i]`
+    (e.g. its --role); index i is always the engine on `ports[i]`."""
 
-    def __init__(self, model: str | Path, count: int, extra_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        count: int,
+        extra_args: Sequence[str] = (),
+        per_engine: Sequence[Sequence[str]] | None = None,
+    ) -> None:
         self.model = str(model)
         self.extra_args = list(extra_args)
+        self.per_engine = [list(args) for args in per_engine] if per_engine is not None else [[]] * count
+        if len(self.per_engine) != count:
+            raise ValueError(
+                f"per_engine: {count} engines need {count} flag lists, got {len(self.per_engine)}"
+            )
         self.ports = [free_port() for _ in range(count)]
         self.engines: list[ManagedProcess] = []
         self._channels: dict[int, grpc.Channel] = {}
         try:
             # Launch all, then wait: the engines load their models in parallel.
-            self.engines = [self._launch(port) for port in self.ports]
+            self.engines = [self._launch(index) for index in range(count)]
             for engine in self.engines:
                 engine.wait_ready(
                     lambda engine=engine: engine_serving(engine.address), ENGINE_START_TIMEOUT_S
@@ -38,9 +50,11 @@ class EngineFleet:
             self.stop()
             raise
 
-    def _launch(self, port: int) -> ManagedProcess:
+    def _launch(self, index: int) -> ManagedProcess:
         args = [sys.executable, "-m", "conduit_engine.cli", "--model", self.model, "--host", "127.0.0.1"]
-        return ManagedProcess("engine", [*args, "--port", str(port), *self.extra_args], port)
+        port = self.ports[index]
+        args += ["--port", str(port), *self.extra_args, *self.per_engine[index]]
+        return ManagedProcess("engine", args, port)
 
     @property
     def addresses(self) -> list[str]:
@@ -85,7 +99,7 @@ class EngineFleet:
         address = self.addresses[index]
         deadline = time.monotonic() + 30
         while True:
-            engine = self._launch(self.ports[index])
+            engine = self._launch(index)
             try:
                 engine.wait_ready(lambda: engine_serving(address), ENGINE_START_TIMEOUT_S)
                 break

@@ -123,6 +123,8 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
         return engine_pb2.TokenizeResponse(token_ids=list(range(len(words))), tokens=words)
 
     async def GetModelInfo(self, request, context):
+        if self.fake.model_info is not None:
+            return self.fake.model_info
         return engine_pb2.GetModelInfoResponse(
             model=self.fake.model,
             architecture="FakeForCausalLM",
@@ -165,6 +167,9 @@ class FakeEngine:
     def __init__(self, model: str = "fake-model", port: int = 0) -> None:
         """`port` 0 picks a free one."""
         self.model = model
+        # What GetModelInfo answers instead of the fake's own (e.g. a real engine's, with its role and KV
+        # layout, so the fake can stand in a disaggregated pool).
+        self.model_info: engine_pb2.GetModelInfoResponse | None = None
         self.script = Script()
         self.record = Record()
         self.port = port

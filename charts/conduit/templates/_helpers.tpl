@@ -72,9 +72,33 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s-envoy" (include "conduit.fullname" .) }}
 {{- end }}
 
-{{/* FQDN of the headless Service: it resolves to every engine pod (Envoy's engine cluster). */}}
+{{/* The engine pools, space-separated: "engine", or with disaggregation.enabled "prefill decode". */}}
+{{- define "conduit.engine.pools" -}}
+{{- ternary "prefill decode" "engine" .Values.disaggregation.enabled }}
+{{- end }}
+
+{{/* The pool internal gRPC clients and Envoy reach (decode engines also serve whole requests). */}}
+{{- define "conduit.engine.clientPool" -}}
+{{- ternary "decode" "engine" .Values.disaggregation.enabled }}
+{{- end }}
+
+{{/* Names of one pool's StatefulSet and headless Service: call with (dict "root" $ "pool" "prefill"). */}}
+{{- define "conduit.pool.fullname" -}}
+{{- printf "%s-%s" (include "conduit.fullname" .root) .pool }}
+{{- end }}
+
+{{- define "conduit.pool.headlessName" -}}
+{{- printf "%s-%s-headless" (include "conduit.fullname" .root) .pool }}
+{{- end }}
+
+{{/* FQDN of a pool's headless Service: it resolves to every pod of the pool (the gateway's DNS discovery). */}}
+{{- define "conduit.pool.headlessHost" -}}
+{{- printf "%s.%s.svc.%s" (include "conduit.pool.headlessName" .) .root.Release.Namespace .root.Values.clusterDomain }}
+{{- end }}
+
+{{/* FQDN of the headless Service of the pool clients reach (Envoy's engine cluster). */}}
 {{- define "conduit.engine.headlessHost" -}}
-{{- printf "%s.%s.svc.%s" (include "conduit.engine.headlessName" .) .Release.Namespace .Values.clusterDomain }}
+{{- include "conduit.pool.headlessHost" (dict "root" . "pool" (include "conduit.engine.clientPool" .)) }}
 {{- end }}
 
 {{- define "conduit.gateway.host" -}}

@@ -87,7 +87,7 @@ class Admission:
         if max_tokens is None:
             max_tokens = self._default_max_tokens(req.messages is not None, len(prompt))
         self._check_fits(len(prompt), max_tokens)
-        self._check_queue(params.n)
+        self._check_queue(req.num_choices)
         params = dataclasses.replace(params, max_tokens=max_tokens)
         return AdmittedRequest(req.request_id, prompt, params, req.priority)
 

@@ -3,6 +3,11 @@
 Requests and aborts cross into the loop thread through a command queue applied between steps, so the
 synchronous engine is only ever touched by one thread. Outputs cross back in one batch per step.
 
+The decode side of a disaggregated request pulls its prompt's KV on the event loop (a task per pull,
+through `KvPuller`) between its admission and its first step; the engine thread is told when the pull
+ended. Aborting such a request cancels its pull; the engine frees the pull's blocks only once the pull
+has stopped writing into them. The loop thread ends expired KV transfer leases between steps.
+
 A runner whose worker process failed (WorkerFailedError from a step, or a worker that died while the
 engine idled) stops the engine for good: every live request ends with FinishReason.ERROR, new ones are
 refused, and `on_fatal` tells the server, which stops the process.
@@ -19,8 +24,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from conduit_common.engine_dialer import PLAINTEXT, EngineDialer
 from conduit_engine.engine import EngineStats, LLMEngine
 from conduit_engine.errors import EngineUnavailableError, WorkerFailedError
+from conduit_engine.kv_transfer.consumer import PendingPull
+from conduit_engine.kv_transfer.puller import KvPuller
+from conduit_engine.kv_transfer.transport import KvPullResult
 from conduit_engine.observer import clock
 from conduit_engine.request import GenerationRequest, RequestOutput
 
@@ -37,11 +46,21 @@ class _Stream:
 class AsyncEngine:
     """Owns the loop thread that steps `core`; the only object that touches `core` after start."""
 
-    def __init__(self, core: LLMEngine, on_fatal: Callable[[str], None] | None = None) -> None:
-        """`on_fatal(reason)` is called once, on the loop thread, when the model can no longer run."""
+    def __init__(
+        self,
+        core: LLMEngine,
+        on_fatal: Callable[[str], None] | None = None,
+        max_message_bytes: int | None = None,
+        dialer: EngineDialer = PLAINTEXT,
+    ) -> None:
+        """`on_fatal(reason)` is called once, on the loop thread, when the model can no longer run.
+        `max_message_bytes` and `dialer`: how KV pulls reach other engines (gRPC limit, TLS, token)."""
         self.core = core
         self._on_fatal = on_fatal
         self.failure: str | None = None
+        timeout = core.config.disaggregation.pull_timeout_seconds
+        self._puller = KvPuller(core.runner, timeout, max_message_bytes, dialer)
+        self._pulls: dict[str, asyncio.Task[None]] = {}  # request id → its running pull (event loop)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -85,7 +104,7 @@ class AsyncEngine:
         if req.arrival_time is None:
             req.arrival_time = clock()  # queue and first-token times count from here
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), open_choices=req.params.n)
+        stream = _Stream(loop, asyncio.Queue(), open_choices=req.num_choices)
         admitted: asyncio.Future[None] = loop.create_future()
 
         def add() -> None:
@@ -95,6 +114,10 @@ class AsyncEngine:
                 with self._lock:
                     self.core.add_request(req, structure)
                     self._streams[req.request_id] = stream
+                pull = self.core.kv_consumer.pending(req.request_id)
+                if pull is not None:
+                    # Started even if the caller is gone by then: only the pull's end frees its blocks.
+                    loop.call_soon_threadsafe(self._start_pull, pull)
                 loop.call_soon_threadsafe(_set_result, admitted, None)
             except BaseException as exc:
                 loop.call_soon_threadsafe(_set_exception, admitted, exc)
@@ -130,7 +153,34 @@ class AsyncEngine:
         return live
 
     def abort_nowait(self, request_id: str) -> None:
+        pull = self._pulls.get(request_id)
+        if pull is not None:
+            pull.cancel()  # the engine frees its blocks when the pull task reports the end
         self._submit(lambda: self._deliver(self.core.abort(request_id)))
+
+    def _start_pull(self, pending: PendingPull) -> None:
+        task = asyncio.ensure_future(self._pull(pending))
+        self._pulls[pending.request_id] = task
+
+    async def _pull(self, pending: PendingPull) -> None:
+        """Run one pull and tell the engine thread how it ended (a failure or a cancel: None)."""
+        result: KvPullResult | None = None
+        try:
+            if not pending.orphaned:  # set by the engine thread if the request already ended
+                result = await self._puller.pull(pending.spec, pending.dest_block_ids)
+        except asyncio.CancelledError:
+            pass  # aborted: the request is ending; nothing writes into its blocks any more
+        finally:
+            self._pulls.pop(pending.request_id, None)
+            self._submit(lambda: self.core.finish_pull(pending.request_id, result))
+
+    async def close_transport(self) -> None:
+        """Close the KV transport's channels (at shutdown, on the loop that used them)."""
+        tasks = list(self._pulls.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._puller.close()
 
     async def run_sync(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread between steps (for reads that must not race a step)."""
@@ -170,6 +220,7 @@ class AsyncEngine:
         self._wakeup.set()
         self._thread.join(timeout=10)
         self.core.structured.shutdown()
+        self.core.kv_registry.release_all()
         self.core.shutdown()
 
     # ----- loop thread -------------------------------------------------------------------------------
@@ -180,6 +231,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping:
             self._drain_commands()
+            self.core.expire_kv_transfers()
             if self.failure is None and (failure := self.core.runner_failure()) is not None:
                 self._stop_on_failure(failure)
             if self.failure is not None or not self.core.has_work():

@@ -17,6 +17,7 @@ from conduit_common.env_flags import add_bool_flag, apply_env_defaults, describe
 from conduit_common.secret_files import SecretFileError
 from conduit_engine.config import (
     CacheConfig,
+    DisaggregationConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -75,6 +76,16 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--grpc-max-message-bytes", int, 64 * 1024 * 1024, "largest gRPC message sent or received"),
     ("--grpc-keepalive", float, 30.0, "HTTP/2 keepalive ping period towards clients, seconds"),
     ("--grpc-min-ping-interval", float, 5.0, "clients may ping no more often than this, seconds"),
+    ("--role", str, "both", "both | prefill | decode: the sides of disaggregated requests it serves"),
+    (
+        "--advertise-address",
+        str,
+        None,
+        "HOST:PORT other engines pull KV from (default: --host:--port; the host name when --host is 0.0.0.0)",
+    ),
+    ("--kv-transfer-lease-seconds", float, 30.0, "how long a prefill's KV stays pinned for a decode engine"),
+    ("--kv-transfer-chunk-bytes", int, 4 * 1024 * 1024, "KV bytes per PullKv message (whole blocks)"),
+    ("--kv-transfer-timeout", float, 60.0, "deadline of one KV pull from a prefill engine, seconds"),
     ("--tls-cert", str, None, "PEM server certificate (chain): serve gRPC over TLS (with --tls-key)"),
     ("--tls-key", str, None, "PEM private key of --tls-cert"),
     ("--tls-client-ca", str, None, "PEM CA: require client certificates it signed (mTLS)"),
@@ -168,6 +179,13 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             otlp_endpoint=args.otlp_endpoint,
             log_format=args.log_format,
             log_prompts=args.log_prompts,
+        ),
+        disaggregation=DisaggregationConfig(
+            role=args.role,
+            advertise_address=args.advertise_address,
+            lease_seconds=args.kv_transfer_lease_seconds,
+            chunk_bytes=args.kv_transfer_chunk_bytes,
+            pull_timeout_seconds=args.kv_transfer_timeout,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size, worker_process=args.worker_process

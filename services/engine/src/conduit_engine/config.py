@@ -11,6 +11,7 @@ from conduit_common.logs import LOG_FORMATS
 from conduit_common.tracing import check_otlp_endpoint
 
 GENERATION_CONFIG_MODES = ("auto", "vllm", "none")
+ROLES = ("both", "prefill", "decode")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -147,6 +148,42 @@ class TelemetryConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DisaggregationConfig:
+    """This engine's side of prefill/decode disaggregation (KV transfers between engines)."""
+
+    role: str = "both"  # both | prefill | decode: which sides of a disaggregated request it serves
+    advertise_address: str | None = None  # HOST:PORT other engines pull from; None → derived at start
+    lease_seconds: float = 30.0  # how long a produced transfer stays pinned when nobody pulls it
+    chunk_bytes: int = 4 * 1024 * 1024  # KV payload per PullKv message (whole blocks, at least one)
+    pull_timeout_seconds: float = 60.0  # deadline of one pull from a source engine
+
+    def __post_init__(self) -> None:
+        _require(self.role in ROLES, f"--role must be both, prefill or decode, got {self.role!r}")
+        if self.advertise_address is not None:
+            host, sep, port = self.advertise_address.rpartition(":")
+            _require(
+                bool(sep and host) and port.isdigit() and 1 <= int(port) <= 65535,
+                f"--advertise-address must be HOST:PORT, got {self.advertise_address!r}",
+            )
+        _require(self.lease_seconds > 0, f"--kv-transfer-lease-seconds must be > 0, got {self.lease_seconds}")
+        _require(self.chunk_bytes >= 1, f"--kv-transfer-chunk-bytes must be >= 1, got {self.chunk_bytes}")
+        _require(
+            self.pull_timeout_seconds > 0,
+            f"--kv-transfer-timeout must be > 0, got {self.pull_timeout_seconds}",
+        )
+
+    @property
+    def produces(self) -> bool:
+        """Whether this engine runs the prefill side (Generate with kv_transfer.produce)."""
+        return self.role in ("both", "prefill")
+
+    @property
+    def consumes(self) -> bool:
+        """Whether this engine runs the decode side (Generate with kv_transfer.consume)."""
+        return self.role in ("both", "decode")
+
+
+@dataclass(frozen=True, slots=True)
 class ParallelConfig:
     """Where the model runs: in the engine process, or in worker processes (one per tensor-parallel rank)."""
 
@@ -203,4 +240,5 @@ class EngineConfig:
     security: SecurityConfig = SecurityConfig()
     parallel: ParallelConfig = ParallelConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
     enforce_eager: bool = False

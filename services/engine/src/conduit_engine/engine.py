@@ -1,8 +1,10 @@
 """The synchronous engine: admits requests and runs each step as schedule → run → postprocess.
 
 Model and cache setup live in `model_setup`, request validation in `admission`, the stop rules in
-`stop_rules`. Not thread-safe by itself; `AsyncEngine` drives it from one thread. What it reports about
-its work goes to the attached `observer.EngineObserver`s (metrics, tracing), if any.
+`stop_rules`, the two sides of disaggregated requests in `kv_transfer` (the producer ends a prefill at its
+first token with the prompt's KV pinned; the consumer starts a decode from pulled KV). Not thread-safe by
+itself; `AsyncEngine` drives it from one thread. What it reports about its work goes to the attached
+`observer.EngineObserver`s (metrics, tracing), if any.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ from conduit_engine.admission import Admission, Limits
 from conduit_engine.block_manager import BlockManager, BlockStats
 from conduit_engine.config import EngineConfig
 from conduit_engine.detokenizer import IncrementalDetokenizer
+from conduit_engine.kv_transfer.checks import KvTransferLimits, check_kv_transfer
+from conduit_engine.kv_transfer.consumer import KvConsumer, replay_first_tokens
+from conduit_engine.kv_transfer.layout import KvLayoutSpec
+from conduit_engine.kv_transfer.producer import KvProducer
+from conduit_engine.kv_transfer.registry import KvTransferRegistry
+from conduit_engine.kv_transfer.transport import KvPullResult
 from conduit_engine.model_runner import SeqStepResult
 from conduit_engine.observer import EngineObserver, StepRecord, clock, request_record
 from conduit_engine.request import GenerationRequest, RequestOutput
@@ -42,6 +50,9 @@ class EngineStats:
     blocks: BlockStats
     finished_requests: int
     generated_tokens: int
+    kv_transfers_pending: int = 0  # produced here, not yet pulled, released or expired
+    kv_bytes_pulled: int = 0
+    kv_bytes_saved: int = 0  # not pulled: already in this engine's prefix cache
 
 
 class LLMEngine:
@@ -77,6 +88,7 @@ class LLMEngine:
             self.tokenizer, limits, self.scheduler, config.scheduler, facts.generation_defaults
         )
         self.structured = StructuredOutputs(self.tokenizer.hf, self.arch.vocab_size, self.eos_token_ids)
+        self._init_kv_transfer()
         self._requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self._finished_requests = 0
@@ -96,58 +108,90 @@ class LLMEngine:
             self.max_model_len,
         )
 
+    def _init_kv_transfer(self) -> None:
+        config = self.config.disaggregation
+        # The payload layout every runner's gather/scatter uses: all of the model's KV heads.
+        arch = self.arch
+        dtype = str(self.dtype).removeprefix("torch.")
+        self.kv_layout = KvLayoutSpec(
+            self.model_name, dtype, self.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim
+        )
+        self.kv_registry = KvTransferRegistry(self.block_manager, config.lease_seconds)
+        self.kv_producer = KvProducer(self.kv_registry)
+        self.kv_consumer = KvConsumer(self.block_manager, self.kv_layout)
+        window = self.arch.uniform_window
+        self.kv_limits = KvTransferLimits(config, self.kv_layout, self.arch.vocab_size, window)
+
     # ----- requests --------------------------------------------------------------------------------
     def add_request(self, req: GenerationRequest, structure: CompiledStructure | None = None) -> list[int]:
         """Admit and queue a request; returns its prompt token ids. Raises EngineError subclasses.
 
         `structure`: the request's compiled output structure, when the caller compiled it off the step
-        loop (AsyncEngine does); otherwise it is compiled here, synchronously.
+        loop (AsyncEngine does); otherwise it is compiled here, synchronously. A consume request is not
+        queued yet: its pull is pending (`kv_consumer.pending`) until `finish_pull`.
         """
         admitted = self.admission.admit(req, self._requests)
         params, prompt = admitted.params, admitted.prompt_token_ids
+        check_kv_transfer(req, params.n, len(prompt), self.kv_limits)
         spec = params.structured
         if spec is not None and structure is None:
             structure = self.structured.compile_now(spec)
-        arrival = next(self._arrivals)
-        seqs: list[Sequence] = []
-        for index in range(params.n):
-            seqs.append(
-                Sequence(
-                    request_id=req.request_id,
-                    prompt_token_ids=prompt,
-                    params=params,
-                    index=index,
-                    priority=admitted.priority,
-                    arrival=arrival,
-                    seed=None if params.seed is None else params.seed + index,
-                    parent=seqs[0] if seqs else None,
-                )
-            )
+        consume = req.kv_consume
+        indices = consume.choice_indices if consume is not None else list(range(params.n))
+        seqs = self._sequences(req.request_id, prompt, params, admitted.priority, indices)
         if spec is not None and structure is not None:
             for seq, grammar in zip(
                 seqs, self.structured.states(spec, structure, prompt, len(seqs)), strict=True
             ):
                 seq.grammar = grammar
-        self._requests[req.request_id] = RequestState(
+        state = RequestState(
             req.request_id,
             prompt,
             seqs,
-            [self._stop_rules(prompt, params) for _ in seqs],
+            {seq.index: self._stop_rules(prompt, params) for seq in seqs},
+            kv_produce=req.kv_produce,
             arrival=clock() if req.arrival_time is None else req.arrival_time,
             trace_context=req.trace_context,
         )
+        if consume is not None:
+            replay_first_tokens(consume, seqs, state.stop_rules)
+            self.kv_consumer.start(req.request_id, consume.handle, seqs)
+        self._requests[req.request_id] = state
         log.info(
-            "request %s queued: %d prompt tokens, n=%d, max_tokens=%d%s",
+            "request %s queued: %d prompt tokens, n=%d, max_tokens=%d%s%s",
             req.request_id,
             len(prompt),
             params.n,
             params.max_tokens,
+            " (prefill: KV hand-off)" if req.kv_produce else " (decode: KV pull)" if consume else "",
             f", prompt {self.tokenizer.decode(prompt, False)!r}" if self._log_prompts else "",
             extra=request_extra(req.request_id),
         )
-        for seq in seqs:
-            self.scheduler.add(seq)
+        if consume is None:
+            for seq in seqs:
+                self.scheduler.add(seq)
         return prompt
+
+    def _sequences(
+        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int, indices: list[int]
+    ) -> list[Sequence]:
+        """The choices `indices` of a request; the first computes the shared prompt, the others wait."""
+        arrival = next(self._arrivals)
+        seqs: list[Sequence] = []
+        for index in indices:
+            seqs.append(
+                Sequence(
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    params=params,
+                    index=index,
+                    priority=priority,
+                    arrival=arrival,
+                    seed=None if params.seed is None else params.seed + index,
+                    parent=seqs[0] if seqs else None,
+                )
+            )
+        return seqs
 
     def _stop_rules(self, prompt: list[int], params: SamplingParams) -> StopRules:
         detokenizer = IncrementalDetokenizer(
@@ -177,16 +221,32 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return []
+        held = self.kv_consumer.orphan(request_id)  # a running pull still writes into its blocks
         outputs = []
         for seq in req.seqs:
             if seq.is_finished:
                 continue
             seq.finish(reason)
-            self.scheduler.finish(seq)
+            if seq is not held:
+                self.scheduler.finish(seq)
             outputs.append(req.output(seq, [], "", [], error))
+        if req.kv_produce:
+            self.kv_producer.request_ended(req, completed=False)
         self._finished_requests += 1
         self._report_request(req, reason)
         return outputs
+
+    # ----- disaggregation ----------------------------------------------------------------------------
+    def finish_pull(self, request_id: str, result: KvPullResult | None) -> None:
+        """A consume request's pull ended (None: it failed, the prompt is recomputed here): queue its
+        choices, or free the blocks of a request that ended meanwhile."""
+        for seq in self.kv_consumer.finish(request_id, result):
+            self.scheduler.add(seq)
+
+    def expire_kv_transfers(self) -> None:
+        """Free the blocks of produced transfers whose lease ran out (the loop calls this between steps)."""
+        for transfer_id in self.kv_registry.expire_due():
+            log.info("KV transfer %s expired before anyone pulled it", transfer_id)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -242,16 +302,19 @@ class LLMEngine:
             if record is not None:
                 record.token(req, seq)
             text = req.stop_rules[seq.index].accept(seq, result.token_id)
+            handoff = self.kv_producer.after_first_token(req, seq) if req.kv_produce else None
             if seq.is_finished:
                 self.scheduler.finish(seq)
             logprobs = [result.logprobs] if result.logprobs is not None else []
-            outputs.append(req.output(seq, [result.token_id], text, logprobs))
+            outputs.append(req.output(seq, [result.token_id], text, logprobs, kv_transfer=handoff))
             if req.finished:
                 self._retire(req)
         return outputs
 
     def _retire(self, req: RequestState) -> None:
         del self._requests[req.request_id]
+        if req.kv_produce:
+            self.kv_producer.request_ended(req, completed=True)
         self._finished_requests += 1
         usage = req.usage()
         log.info(
@@ -260,7 +323,7 @@ class LLMEngine:
             ",".join(s.finish_reason.value for s in req.seqs if s.finish_reason is not None),
             usage.completion_tokens,
             usage.cached_tokens,
-            f", completion {[r.detokenizer.output_text for r in req.stop_rules]!r}"
+            f", completion {[r.detokenizer.output_text for r in req.stop_rules.values()]!r}"
             if self._log_prompts
             else "",
             extra=request_extra(req.request_id),
@@ -281,11 +344,16 @@ class LLMEngine:
             blocks=self.block_manager.stats(),
             finished_requests=self._finished_requests,
             generated_tokens=self._generated_tokens,
+            kv_transfers_pending=self.kv_registry.num_pending,
+            kv_bytes_pulled=self.kv_consumer.counters.bytes_pulled,
+            kv_bytes_saved=self.kv_consumer.counters.bytes_saved,
         )
 
     def check_integrity(self) -> None:
         live = [s for r in self._requests.values() for s in r.seqs if not s.is_finished and s.block_table]
+        live += [s for s in self.kv_consumer.held_sequences() if s not in live]
         self.block_manager.check_integrity(live)
+        self.kv_registry.check_integrity()
 
 
 def _placement(config: EngineConfig) -> str:

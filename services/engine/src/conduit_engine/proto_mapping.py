@@ -9,6 +9,8 @@ from typing import Any
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.errors import InvalidRequestError
+from conduit_engine.kv_transfer.proto import consume_from_pb
+from conduit_engine.kv_transfer.registry import KvTransfer
 from conduit_engine.request import GenerationRequest, RequestOutput
 from conduit_engine.sampling import TokenLogprobs
 from conduit_engine.sampling_params import SamplingParams
@@ -111,10 +113,6 @@ def _json_array(chat: pb.ChatInput, name: str) -> list[Any] | None:
 
 def request_from_pb(msg: pb.GenerateRequest) -> GenerationRequest:
     params = sampling_from_pb(msg.sampling)  # a bad structured spec is refused here, naming its field
-
-    # Contract fields whose engine side is not built yet: refused, never silently ignored.
-    if msg.HasField("kv_transfer"):
-        raise InvalidRequestError("kv_transfer", "KV transfer is not supported yet")
     req = GenerationRequest(
         request_id=msg.request_id or f"req-{uuid.uuid4().hex}",
         params=params,
@@ -130,6 +128,13 @@ def request_from_pb(msg: pb.GenerateRequest) -> GenerationRequest:
         req.tools, req.documents = template_extras_from_pb(msg.chat)
         if msg.chat.HasField("add_generation_prompt"):
             req.add_generation_prompt = msg.chat.add_generation_prompt
+    if msg.HasField("kv_transfer"):
+        mode = msg.kv_transfer.WhichOneof("mode")
+        if mode is None:
+            raise InvalidRequestError("kv_transfer", "set produce or consume")
+        req.kv_produce = mode == "produce"
+        if mode == "consume":
+            req.kv_consume = consume_from_pb(msg.kv_transfer.consume)
     return req
 
 
@@ -145,8 +150,13 @@ def _logprob_pb(lp: TokenLogprobs, decode: Callable[[int], str]) -> pb.PositionL
     )
 
 
-def output_to_pb(out: RequestOutput, decode: Callable[[int], str]) -> pb.GenerateResponse:
-    """`decode(token_id) -> str` gives the text of one token for logprob entries."""
+def output_to_pb(
+    out: RequestOutput,
+    decode: Callable[[int], str],
+    handle: Callable[[KvTransfer], pb.KvHandle] | None = None,
+) -> pb.GenerateResponse:
+    """`decode(token_id) -> str` gives the text of one token for logprob entries; `handle(transfer)` the
+    KvHandle a KV_HANDOFF output carries."""
     msg = pb.GenerateResponse(
         request_id=out.request_id,
         index=out.index,
@@ -168,6 +178,8 @@ def output_to_pb(out: RequestOutput, decode: Callable[[int], str]) -> pb.Generat
             msg.stop_token_id = out.stop_token_id
     if out.error is not None:
         msg.error = out.error
+    if out.kv_transfer is not None and handle is not None:
+        msg.kv_handle.CopyFrom(handle(out.kv_transfer))
     if out.prompt_token_ids is not None:
         msg.prompt_token_ids.extend(out.prompt_token_ids)
     if out.prompt_logprobs is not None:

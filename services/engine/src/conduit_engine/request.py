@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from conduit_engine.kv_transfer.params import KvConsume
+from conduit_engine.kv_transfer.registry import KvTransfer
 from conduit_engine.sampling import TokenLogprobs
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.sequence import FinishReason
@@ -28,6 +30,14 @@ class GenerationRequest:
     # Opaque to the engine: the caller's tracing context (an OpenTelemetry Context), handed back to the
     # observers in the request's RequestRecord so its spans join the caller's trace. None: not traced.
     trace_context: object | None = None
+    # Disaggregation (at most one): run only the prefill side and hand the KV off, or only the decode side.
+    kv_produce: bool = False
+    kv_consume: KvConsume | None = None
+
+    @property
+    def num_choices(self) -> int:
+        """Choices this engine runs: all n, or on the decode side those the prefill left running."""
+        return len(self.kv_consume.first_tokens) if self.kv_consume is not None else self.params.n
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,3 +64,4 @@ class RequestOutput:
     prompt_token_ids: list[int] | None = None  # on the first output of the request
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the first output, when asked for
     error: str | None = None  # with FinishReason.ERROR: what failed (a message, never a traceback)
+    kv_transfer: KvTransfer | None = None  # with FinishReason.KV_HANDOFF: the KV a decode engine pulls

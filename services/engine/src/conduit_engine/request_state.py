@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conduit_engine.kv_transfer.registry import KvTransfer
 from conduit_engine.request import RequestOutput, Usage
 from conduit_engine.sampling import TokenLogprobs
 from conduit_engine.sequence import Sequence
@@ -16,19 +17,22 @@ from conduit_engine.stop_rules import StopRules
 class RequestState:
     request_id: str
     prompt_token_ids: list[int]
-    seqs: list[Sequence]  # one per choice, indexed by choice
-    stop_rules: list[StopRules]  # one per choice
+    seqs: list[Sequence]  # one per choice this engine runs, by choice index (the decode side may skip some)
+    stop_rules: dict[int, StopRules]  # choice index → its stop rules
     sent_first: bool = False
+    kv_produce: bool = False  # prefill side of a disaggregated request: choices end at their first token
+    kv_transfer: KvTransfer | None = None  # the prompt's KV pinned for a decode engine (kv_produce)
     # Prompt logprobs computed so far (choice 0 computes them for all); sent on the first output.
     pending_prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     arrival: float = 0.0  # observer.clock() when the request reached the engine
     trace_context: object | None = None  # GenerationRequest.trace_context, for the request's spans
     first_scheduled: float | None = None
     first_token: float | None = None
-    token_times: list[float] = field(init=False)  # per choice: its latest token's time (0.0: none yet)
+    # Choice index → its latest token's time (0.0: none yet); the decode side may run only some choices.
+    token_times: dict[int, float] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.token_times = [0.0] * len(self.seqs)
+        self.token_times = dict.fromkeys((seq.index for seq in self.seqs), 0.0)
 
     @property
     def finished(self) -> bool:
@@ -48,6 +52,7 @@ class RequestState:
         text: str,
         logprobs: list[TokenLogprobs],
         error: str | None = None,
+        kv_transfer: KvTransfer | None = None,
     ) -> RequestOutput:
         """The output of `seq`'s new tokens (final when the sequence has finished)."""
         finished = seq.is_finished
@@ -63,6 +68,7 @@ class RequestState:
             stop_string=seq.stop_string if finished else None,
             stop_token_id=seq.stop_token_id if finished else None,
             error=error,
+            kv_transfer=kv_transfer,
         )
         if not self.sent_first:
             self.sent_first = True

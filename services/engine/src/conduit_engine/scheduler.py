@@ -140,7 +140,8 @@ class Scheduler:
             heapq.heappop(self._waiting)
             if not seq.was_admitted:
                 # Only the first admission counts: a recompute after preemption is not a new prompt.
-                seq.num_cached_tokens = seq.num_computed_tokens
+                # Tokens pulled from a prefill engine were computed there, not served by this cache.
+                seq.num_cached_tokens = seq.num_computed_tokens - seq.num_pulled_tokens
                 self.block_manager.record_prefix_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
                 out.admitted.append(seq)
             seq.status = SequenceStatus.RUNNING

@@ -1,10 +1,14 @@
-"""Thin grpc.aio servicer: proto → domain objects → engine → proto, plus health, reflection and drain."""
+"""Thin grpc.aio servicer: proto → domain objects → engine → proto, plus health, reflection and drain.
+
+PullKv and ReleaseKv (engine to engine, for disaggregation) delegate to `kv_transfer.service`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -27,6 +31,10 @@ from conduit_engine.errors import (
     QueueFullError,
     WorkerFailedError,
 )
+from conduit_engine.kv_transfer.errors import KvTransferError
+from conduit_engine.kv_transfer.proto import handle_to_pb, layout_to_pb
+from conduit_engine.kv_transfer.registry import KvTransfer
+from conduit_engine.kv_transfer.service import KvTransferService
 from conduit_engine.parallel.worker_group import WorkerGroup
 from conduit_engine.proto_mapping import (
     messages_from_pb,
@@ -36,13 +44,14 @@ from conduit_engine.proto_mapping import (
 )
 from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
-from conduit_engine.server_security import ServerSecurity
+from conduit_engine.server_security import ServerSecurity, engine_dialer
 from conduit_engine.telemetry import EngineTelemetry
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Engine"].full_name
 _METHOD_PREFIX = f"/{SERVICE_NAME}/"
+_ROLES = {"both": pb.ENGINE_ROLE_BOTH, "prefill": pb.ENGINE_ROLE_PREFILL, "decode": pb.ENGINE_ROLE_DECODE}
 
 
 class ModelNotFoundError(EngineError):
@@ -51,6 +60,8 @@ class ModelNotFoundError(EngineError):
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The one place engine errors become gRPC status codes."""
+    if isinstance(exc, KvTransferError):
+        return grpc.StatusCode[exc.grpc_code]
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, QueueFullError):
@@ -148,9 +159,21 @@ class EngineServicer(pb_grpc.EngineServicer):
         self.device = device
         self.telemetry = telemetry
         self._async_engine: AsyncEngine | None = None
+        self._kv_service: KvTransferService | None = None
+        self.advertise_address = ""
         self.ready = False
 
-    def attach(self, async_engine: AsyncEngine) -> None:
+    def attach(self, async_engine: AsyncEngine, advertise_address: str, max_message_bytes: int) -> None:
+        core = async_engine.core
+        self._kv_service = KvTransferService(
+            core.kv_registry,
+            core.runner,
+            core.kv_layout,
+            run_on_engine=async_engine.run_sync,
+            chunk_bytes=core.config.disaggregation.chunk_bytes,
+            max_message_bytes=max_message_bytes,
+        )
+        self.advertise_address = advertise_address
         self._async_engine = async_engine
 
     @property
@@ -180,7 +203,28 @@ class EngineServicer(pb_grpc.EngineServicer):
         req.trace_context = self.telemetry.request_trace(context.invocation_metadata())
         decode = self.core.tokenizer.token_text
         async for out in self.async_engine.generate(req):
-            yield output_to_pb(out, decode)
+            yield output_to_pb(out, decode, self._handle)
+
+    def _handle(self, transfer: KvTransfer) -> pb.KvHandle:
+        return handle_to_pb(transfer, self.advertise_address, self.core.kv_layout)
+
+    @property
+    def kv_service(self) -> KvTransferService:
+        if self._kv_service is None:
+            raise EngineUnavailableError("the engine is still loading the model")
+        return self._kv_service
+
+    async def PullKv(
+        self, request: pb.PullKvRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KvChunk]:
+        # Served while draining too: decode engines still pull the transfers produced here.
+        async for chunk in self.kv_service.pull_kv(request, context):
+            yield chunk
+
+    async def ReleaseKv(
+        self, request: pb.ReleaseKvRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseKvResponse:
+        return await self.kv_service.release_kv(request, context)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:
@@ -221,6 +265,9 @@ class EngineServicer(pb_grpc.EngineServicer):
             max_num_seqs=core.config.scheduler.max_num_seqs,
             eos_token_ids=list(core.eos_token_ids),
             has_chat_template=core.tokenizer.chat_template is not None,
+            role=_ROLES[core.config.disaggregation.role],
+            kv_layout=layout_to_pb(core.kv_layout),
+            advertise_address=self.advertise_address,
         )
 
     async def GetLoad(
@@ -236,6 +283,10 @@ class EngineServicer(pb_grpc.EngineServicer):
             prefix_cache_hit_rate=stats.blocks.hit_rate,
             finished_requests=stats.finished_requests,
             generated_tokens=stats.generated_tokens,
+            kv_transfers_pending=stats.kv_transfers_pending,
+            kv_blocks_pinned=stats.blocks.pinned,
+            kv_bytes_pulled=stats.kv_bytes_pulled,
+            kv_bytes_saved=stats.kv_bytes_saved,
         )
 
 
@@ -283,6 +334,8 @@ class EngineServer:
             ("grpc.keepalive_permit_without_calls", 1),
         ]
         self.security = ServerSecurity(config.security)
+        # Towards other engines (PullKv, ReleaseKv): TLS and the token of the --engine-tls-* flags.
+        self.engine_dialer = engine_dialer(config.security)
         self.server = grpc.aio.server(
             interceptors=[*self.security.interceptors(), ErrorMappingInterceptor()], options=options
         )
@@ -302,6 +355,18 @@ class EngineServer:
         pb_grpc.add_EngineServicer_to_server(self.servicer, self.server)
         self.async_engine: AsyncEngine | None = None
         self._stop = asyncio.Event()
+
+    @property
+    def advertise_address(self) -> str:
+        """Where other engines reach this one (--advertise-address; else the bound host and port, with the
+        machine's host name for a wildcard host)."""
+        configured = self.config.disaggregation.advertise_address
+        if configured is not None:
+            return configured
+        host = self.config.server.host
+        if host in ("", "0.0.0.0", "::", "[::]"):
+            host = socket.gethostname()
+        return f"{host}:{self.port}"
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -328,9 +393,12 @@ class EngineServer:
             self.telemetry.shutdown()
             raise
         self.async_engine = AsyncEngine(
-            core, on_fatal=lambda reason: loop.call_soon_threadsafe(self._fatal, reason)
+            core,
+            on_fatal=lambda reason: loop.call_soon_threadsafe(self._fatal, reason),
+            max_message_bytes=self.config.server.max_message_bytes,
+            dialer=self.engine_dialer,
         )
-        self.servicer.attach(self.async_engine)
+        self.servicer.attach(self.async_engine, self.advertise_address, self.config.server.max_message_bytes)
         try:
             await warm_up(self.async_engine)
         except BaseException:
@@ -351,12 +419,26 @@ class EngineServer:
         if self.async_engine is not None:
             self.async_engine.start_draining()
             deadline = asyncio.get_running_loop().time() + self.config.server.drain_seconds
-            while self.async_engine.num_active and asyncio.get_running_loop().time() < deadline:
+            while await self._busy() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.1)
         await self.server.stop(grace=1.0)
         if self.async_engine is not None:
+            await self.async_engine.close_transport()
             self.async_engine.shutdown()
         self.telemetry.shutdown()
+
+    async def _busy(self) -> bool:
+        """Streams still running, or KV transfers produced here that a decode engine has yet to pull."""
+        assert self.async_engine is not None
+        if self.async_engine.num_active:
+            return True
+        return (await self.async_engine.stats()).kv_transfers_pending > 0
+
+    def _reload(self) -> None:
+        """SIGHUP: re-read this engine's certificate and token, and the token it presents to others."""
+        self.security.reload()
+        if self.engine_dialer.reload():
+            log.info("SIGHUP: re-read the token presented to other engines")
 
     def _fatal(self, reason: str) -> None:
         self.failure = reason
@@ -379,7 +461,7 @@ class EngineServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
-        loop.add_signal_handler(signal.SIGHUP, self.security.reload)
+        loop.add_signal_handler(signal.SIGHUP, self._reload)
         await self.start()
         await self._stop.wait()
         if self.failure is not None:

@@ -94,6 +94,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="HOST:PORT whose every A record is an engine (e.g. a Kubernetes headless Service)",
     )
     parser.add_argument(
+        "--prefill-engine",
+        action="append",
+        help="prefill engine HOST:PORT (disaggregation, with --decode-engine); comma-separated or repeated",
+    )
+    parser.add_argument(
+        "--decode-engine",
+        action="append",
+        help="decode engine HOST:PORT (disaggregation, with --prefill-engine); comma-separated or repeated",
+    )
+    parser.add_argument(
+        "--prefill-engine-dns", default=None, help="HOST:PORT whose every A record is a prefill engine"
+    )
+    parser.add_argument(
+        "--decode-engine-dns", default=None, help="HOST:PORT whose every A record is a decode engine"
+    )
+    parser.add_argument(
         "--dns-interval", type=float, default=10.0, help="seconds between DNS resolutions (default 10)"
     )
     parser.add_argument(
@@ -238,6 +254,10 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> Gateway
         body_timeout_s=args.body_timeout,
         routing=args.routing,
         engine_dns=args.engine_dns,
+        prefill_engines=_split(args.prefill_engine or [from_env.get("prefill_engine", "")]),
+        decode_engines=_split(args.decode_engine or [from_env.get("decode_engine", "")]),
+        prefill_engine_dns=args.prefill_engine_dns,
+        decode_engine_dns=args.decode_engine_dns,
         dns_interval_s=args.dns_interval,
         admin_keys=_split(args.admin_key or [from_env.get("admin_key", "")]),
         load_interval_s=args.load_interval,

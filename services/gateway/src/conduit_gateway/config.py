@@ -50,6 +50,12 @@ class GatewayConfig:
     routing: str = "round_robin"
     # HOST:PORT whose every A record is an engine (a Kubernetes headless Service), re-resolved periodically.
     engine_dns: str | None = None
+    # Prefill/decode disaggregation: the prefill and decode pools (static addresses and DNS names, as for
+    # `engines`). With both pools, a request runs its prompt on a prefill engine and decodes elsewhere.
+    prefill_engines: tuple[str, ...] = ()
+    decode_engines: tuple[str, ...] = ()
+    prefill_engine_dns: str | None = None
+    decode_engine_dns: str | None = None
     dns_interval_s: float = 10.0
     # Keys of the /admin API; none means the admin API does not exist.
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -134,21 +140,48 @@ class GatewayConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
 
+    @property
+    def disaggregated(self) -> bool:
+        """Whether prefill and decode pools are configured (they may also come from the admin API)."""
+        return bool(self.prefill_engines or self.prefill_engine_dns) and bool(
+            self.decode_engines or self.decode_engine_dns
+        )
+
     def _check_engine_sources(self) -> None:
-        if not self.engines and self.engine_dns is None and not self.admin_keys:
+        has_prefill = bool(self.prefill_engines or self.prefill_engine_dns)
+        has_decode = bool(self.decode_engines or self.decode_engine_dns)
+        if not (self.engines or self.engine_dns or has_prefill or has_decode or self.admin_keys):
             raise ConfigError(
-                "engine: at least one HOST:PORT is required (or --engine-dns, or --admin-key to add "
-                "engines at run time)"
+                "engine: at least one HOST:PORT is required (or --engine-dns, --prefill-engine with "
+                "--decode-engine, or --admin-key to add engines at run time)"
             )
-        for address in self.engines:
-            parse_engine_address(address)
-        if self.engine_dns is not None:
-            parse_engine_address(self.engine_dns, field="engine_dns")
+        if has_prefill != has_decode and not self.admin_keys:
+            given, missing = ("prefill", "decode") if has_prefill else ("decode", "prefill")
+            raise ConfigError(
+                f"{missing}_engine: --{given}-engine needs {missing} engines too (--{missing}-engine or "
+                f"--{missing}-engine-dns, or --admin-key to add them at run time)"
+            )
+        self._check_addresses()
         _positive("dns_interval", self.dns_interval_s)
         if any(not key for key in self.admin_keys):
             raise ConfigError("admin_key: keys must not be empty")
         if set(self.admin_keys) & set(self.api_keys):
             raise ConfigError("admin_key: must differ from every api_key (an API key must not grant admin)")
+
+    def _check_addresses(self) -> None:
+        seen: dict[str, str] = {}
+        for pool in ("engines", "prefill_engines", "decode_engines"):
+            name = pool.removesuffix("s")
+            for address in getattr(self, pool):
+                address = parse_engine_address(address, field=name)
+                if address in seen and seen[address] != name:
+                    raise ConfigError(
+                        f"{name}: {address} is also given as {seen[address]}; an engine serves one pool"
+                    )
+                seen[address] = name
+        for dns in ("engine_dns", "prefill_engine_dns", "decode_engine_dns"):
+            if getattr(self, dns) is not None:
+                parse_engine_address(getattr(self, dns), field=dns)
 
     def _check_http(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -83,6 +83,17 @@ class GrpcKvTransport(KvTransport):
             )
         return KvPullResult(num_blocks=spec.num_blocks, num_bytes=num_bytes)
 
+    async def release(self, source_address: str, transfer_id: str) -> bool:
+        stub = pb_grpc.EngineStub(self._channel(source_address))
+        try:
+            request = pb.ReleaseKvRequest(transfer_id=transfer_id)
+            reply = await stub.ReleaseKv(request, timeout=self._timeout_s, metadata=self._dialer.metadata())
+        except grpc.aio.AioRpcError as exc:
+            kind = _ERRORS.get(exc.code(), KvTransferError)
+            where = f"ReleaseKv {transfer_id} at {source_address}"
+            raise kind(f"{where}: {exc.code().name}: {exc.details()}") from None
+        return reply.released
+
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:

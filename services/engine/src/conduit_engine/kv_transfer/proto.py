@@ -1,15 +1,17 @@
-"""KV transfer objects ↔ engine.proto messages (KvLayout, KvHandle) and pull specs from handles."""
+"""KV transfer objects ↔ engine.proto messages (KvLayout, KvHandle, KvConsume) and pull specs from handles."""
 
 from __future__ import annotations
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.errors import InvalidRequestError
-from conduit_engine.kv_transfer.errors import KvLayoutMismatchError
+from conduit_engine.kv_transfer.checks import check_layout
 from conduit_engine.kv_transfer.layout import KvLayoutSpec
+from conduit_engine.kv_transfer.params import KvConsume, KvFirstToken, KvHandleRef
 from conduit_engine.kv_transfer.registry import KvTransfer
 from conduit_engine.kv_transfer.transport import KvPullSpec
 
 _HANDLE = "kv_transfer.consume.handle"
+_FIRST_TOKENS = "kv_transfer.consume.first_tokens"
 
 
 def layout_to_pb(layout: KvLayoutSpec) -> pb.KvLayout:
@@ -36,24 +38,41 @@ def handle_to_pb(transfer: KvTransfer, source_address: str, layout: KvLayoutSpec
     )
 
 
-def check_handle(handle: pb.KvHandle, layout: KvLayoutSpec) -> None:
-    """Validate a consume request's handle against this (the puller's) layout, naming the bad field."""
+def handle_from_pb(handle: pb.KvHandle) -> KvHandleRef:
+    """A consume request's handle, each field checked (InvalidRequestError naming it)."""
     if not handle.transfer_id:
         raise InvalidRequestError(f"{_HANDLE}.transfer_id", "must not be empty")
     if not handle.source_address:
         raise InvalidRequestError(f"{_HANDLE}.source_address", "must not be empty")
     if handle.num_tokens < 1:
         raise InvalidRequestError(f"{_HANDLE}.num_tokens", "must be >= 1")
-    if handle.layout.fingerprint != layout.fingerprint:
-        raise KvLayoutMismatchError(
-            f"{_HANDLE}.layout.fingerprint: {handle.layout.fingerprint or '(empty)'} differs from this "
-            f"engine's {layout.fingerprint}: the two engines cannot exchange KV blocks"
-        )
+    return KvHandleRef(
+        transfer_id=handle.transfer_id,
+        source_address=handle.source_address,
+        num_tokens=handle.num_tokens,
+        layout_fingerprint=handle.layout.fingerprint,
+    )
 
 
-def pull_spec_for(handle: pb.KvHandle, layout: KvLayoutSpec, start_block: int) -> KvPullSpec:
+def consume_from_pb(consume: pb.KvConsume) -> KvConsume:
+    """kv_transfer.consume as a KvConsume: the handle's fields and at least one first token, each choice
+    at most once (indices and token ids are checked against the request when it is admitted)."""
+    handle = handle_from_pb(consume.handle)
+    if not consume.first_tokens:
+        raise InvalidRequestError(_FIRST_TOKENS, "at least one choice must continue on the decode engine")
+    indices = [first.index for first in consume.first_tokens]
+    if len(set(indices)) != len(indices):
+        raise InvalidRequestError(_FIRST_TOKENS, f"a choice index appears twice in {indices}")
+    firsts = sorted(consume.first_tokens, key=lambda first: first.index)
+    return KvConsume(
+        handle=handle,
+        first_tokens=tuple(KvFirstToken(first.index, first.token_id) for first in firsts),
+    )
+
+
+def pull_spec(handle: KvHandleRef, layout: KvLayoutSpec, start_block: int) -> KvPullSpec:
     """The pull of `handle`'s blocks from `start_block` on (from the pull plan)."""
-    check_handle(handle, layout)
+    check_layout(handle, layout)
     return KvPullSpec(
         source_address=handle.source_address,
         transfer_id=handle.transfer_id,
@@ -61,3 +80,8 @@ def pull_spec_for(handle: pb.KvHandle, layout: KvLayoutSpec, start_block: int) -
         total_blocks=layout.num_blocks(handle.num_tokens),
         layout=layout,
     )
+
+
+def pull_spec_for(handle: pb.KvHandle, layout: KvLayoutSpec, start_block: int) -> KvPullSpec:
+    """`pull_spec` of a KvHandle message."""
+    return pull_spec(handle_from_pb(handle), layout, start_block)

@@ -8,8 +8,9 @@ completed after the last chunk was handed to gRPC, failed if the puller went awa
 The registry belongs to the engine loop thread: every registry call goes through `run_on_engine`
 (AsyncEngine.run_sync in the engine) as a task that finishes even when the RPC is cancelled, and a pull
 whose start lands after its RPC was cancelled is finished too, so no pull is left holding its blocks.
-Gathering runs in a worker thread: pinned blocks are not written.
-Errors abort the call with their status code here, since server.status_for does not know the KV errors.
+Gathering runs in a worker thread: pinned blocks are not written (a worker-backed runner orders the
+gather with its steps itself).
+Errors abort the call with their status code here (the same codes server.status_for gives them).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import grpc
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.errors import InvalidRequestError
-from conduit_engine.kv_transfer.cache_io import CacheBlockReader
+from conduit_engine.kv_transfer.cache_io import KvBlockStore
 from conduit_engine.kv_transfer.errors import KvLayoutMismatchError, KvTransferError
 from conduit_engine.kv_transfer.grpc_transport import DEFAULT_MAX_MESSAGE_BYTES
 from conduit_engine.kv_transfer.layout import KvLayoutSpec
@@ -55,7 +56,7 @@ class KvTransferService:
     def __init__(
         self,
         registry: KvTransferRegistry,
-        reader: CacheBlockReader,
+        store: KvBlockStore,
         layout: KvLayoutSpec,
         run_on_engine: RunOnEngine,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -68,7 +69,7 @@ class KvTransferService:
                 f"kv block of {layout.block_bytes} bytes does not fit a {max_message_bytes}-byte gRPC message"
             )
         self._registry = registry
-        self._reader = reader
+        self._store = store
         self._layout = layout
         self._run = run_on_engine
         self._tasks: set[asyncio.Future[Any]] = set()  # engine calls that outlive a cancelled RPC
@@ -112,7 +113,7 @@ class KvTransferService:
                 yield pb.KvChunk(first_block=total, num_blocks=0, total_blocks=total)
             for first in range(request.start_block, total, self.blocks_per_chunk):
                 ids = transfer.block_ids[first : first + self.blocks_per_chunk]
-                data = await asyncio.to_thread(self._reader.read, ids)
+                data = await asyncio.to_thread(self._store.gather_kv_blocks, ids)
                 yield pb.KvChunk(first_block=first, num_blocks=len(ids), total_blocks=total, data=data)
             completed = True
         finally:

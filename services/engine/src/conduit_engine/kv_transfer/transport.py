@@ -15,7 +15,8 @@ that); the source answers a small control call with its block ids and memory des
 streaming data; the transport then issues one-sided reads of each (layer, K|V, block) region, which is
 contiguous in both caches, straight into the destination blocks, and tells the source the pull completed
 (the same `finish_pull` the PullKv handler calls after its last chunk). The spec, the sink's ordering
-guarantee, the errors and the registry's lifecycle stay as they are.
+guarantee, the errors and the registry's lifecycle stay as they are. `release` stays a small control call
+(ReleaseKv) in any transport.
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ class KvTransport(ABC):
 
         Raises KvTransferNotFoundError, KvSourceUnavailableError, KvLayoutMismatchError or another
         KvTransferError; after an error some blocks may have been written, none committed.
+        """
+
+    @abstractmethod
+    async def release(self, source_address: str, transfer_id: str) -> bool:
+        """Ask the source to free a transfer now (after a failed pull); True when it was pending there.
+
+        Raises KvTransferError when the source cannot be asked.
         """
 
     @abstractmethod

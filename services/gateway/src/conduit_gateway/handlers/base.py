@@ -26,7 +26,8 @@ from conduit_gateway.handlers.choices import (
     UsageTotals,
     prompt_logprobs_entries,
 )
-from conduit_gateway.handlers.streams import PromptStream, close_all, open_streams, read_messages
+from conduit_gateway.handlers.disaggregated import stream_opener
+from conduit_gateway.handlers.streams import EngineStream, close_all, open_streams, read_messages
 from conduit_gateway.http.sse import DONE_EVENT, ChunkEncoder, EventStreamResponse, error_event
 from conduit_gateway.keys.keys_file import ApiKey
 from conduit_gateway.keys.rate_limit import Admission
@@ -134,7 +135,7 @@ class GenerationHandler(ABC):
             )
         self.ctx.metrics.generations_in_flight.inc()
         streaming = False
-        streams: list[PromptStream] = []
+        streams: list[EngineStream] = []
         try:
             streams = await self._open(requests)
             # Labelled by model only now: the model is served, so clients cannot invent label values.
@@ -186,7 +187,7 @@ class GenerationHandler(ABC):
             response.headers.update(self.admission.headers())
         return response
 
-    def _release(self, streams: list[PromptStream]) -> None:
+    def _release(self, streams: list[EngineStream]) -> None:
         # Also here, not only where the events end: a response closed before its first event never runs
         # the event generator's cleanup, and the streams must still give back their nodes' slots.
         close_all(streams)
@@ -199,15 +200,15 @@ class GenerationHandler(ABC):
         if self.body.prompt_logprobs is not None and self.body.stream:
             raise invalid_param("prompt_logprobs", "not available when stream is true")
 
-    async def _open(self, requests: list[engine_pb2.GenerateRequest]) -> list[PromptStream]:
+    async def _open(self, requests: list[engine_pb2.GenerateRequest]) -> list[EngineStream]:
+        opener = stream_opener(
+            self.ctx.pool,
+            self.body.model,
+            self.ctx.config.request_timeout_s,
+            on_retry=lambda code: self.ctx.metrics.retries.labels(code.name).inc(),
+        )
         try:
-            return await open_streams(
-                self.ctx.pool,
-                self.body.model,
-                requests,
-                self.ctx.config.request_timeout_s,
-                on_retry=lambda code: self.ctx.metrics.retries.labels(code.name).inc(),
-            )
+            return await open_streams(requests, opener)
         except grpc.aio.AioRpcError as exc:
             raise self._rpc_error(exc) from None
 
@@ -251,7 +252,7 @@ class GenerationHandler(ABC):
             log.info("request %s: completion %r", self.request_id, texts)
 
     async def _accumulate(
-        self, streams: list[PromptStream], choices: ChoiceSet, usage: UsageTotals
+        self, streams: list[EngineStream], choices: ChoiceSet, usage: UsageTotals
     ) -> Response:
         try:
             async for prompt_index, message in read_messages(streams):
@@ -288,7 +289,7 @@ class GenerationHandler(ABC):
         return prompt_logprobs_entries(self.prompt_logprobs.get(prompt_index, ()))
 
     async def _events(
-        self, streams: list[PromptStream], choices: ChoiceSet, usage: UsageTotals
+        self, streams: list[EngineStream], choices: ChoiceSet, usage: UsageTotals
     ) -> AsyncIterator[str]:
         options = self.body.stream_options
         include_usage = bool(options and options.include_usage)

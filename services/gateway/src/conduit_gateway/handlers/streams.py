@@ -5,6 +5,9 @@ output (bad parameters, queue full, not ready) become the HTTP status of the res
 event inside a 200 stream. A refusal before the first message (UNAVAILABLE: the engine is down or
 draining; RESOURCE_EXHAUSTED: its queue is full) is retried on another engine, `config.retries` times at
 most; once output has reached the client a request is never retried.
+
+`EngineStream` is what the shared flow reads: a `PromptStream` (one engine), or a disaggregated stream
+(handlers/disaggregated.py: a prefill engine, then a decode engine) that reads the same way.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 from prometheus_client import Histogram
@@ -23,6 +27,7 @@ from conduit_gateway.errors import OpenAIError
 from conduit_gateway.http.tracing import engine_trace_metadata
 from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.pool import EnginePool
+from conduit_gateway.routing.roles import NodeRole
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +35,28 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXH
 
 # Told the status of each refusal that is retried on another node (for metrics).
 OnRetry = Callable[[grpc.StatusCode], None]
+
+
+class EngineStream(Protocol):
+    """One prompt's messages, its first one already received."""
+
+    @property
+    def prompt_index(self) -> int: ...
+
+    @property
+    def first(self) -> engine_pb2.GenerateResponse: ...
+
+    async def read(self) -> engine_pb2.GenerateResponse | None:
+        """The next message, or None at the end; engine errors propagate (AioRpcError)."""
+        ...
+
+    def close(self) -> None:
+        """Cancel what is still open and give back the nodes' slots; safe to call more than once."""
+        ...
+
+
+# Opens one prompt's stream: (prompt index, request) → an open stream.
+OpenOne = Callable[[int, engine_pb2.GenerateRequest], Awaitable[EngineStream]]
 
 
 @dataclass(slots=True)
@@ -91,15 +118,17 @@ async def open_stream(
     request: engine_pb2.GenerateRequest,
     timeout_s: float | None,
     on_retry: OnRetry,
+    role: NodeRole = NodeRole.COLOCATED,
 ) -> PromptStream:
-    """Send `request` to a node for `model` and wait for its first message, retrying refusals elsewhere."""
+    """Send `request` to a node of the `role` pool for `model` and wait for its first message, retrying
+    refusals elsewhere."""
     route = pool.route_request(model, request)
     metadata = (("x-request-id", request.request_id), *engine_trace_metadata())
     tried: list[EngineNode] = []
     refusal: grpc.aio.AioRpcError | None = None
     while True:
         try:
-            node = await pool.acquire(route, exclude=tried)
+            node = await pool.acquire(route, exclude=tried, role=role)
         except OpenAIError:
             if refusal is not None:
                 raise refusal from None  # no other node to try: the client sees the refusal (429/503)
@@ -141,19 +170,12 @@ async def open_stream(
 
 
 async def open_streams(
-    pool: EnginePool,
-    model: str,
-    requests: Sequence[engine_pb2.GenerateRequest],
-    timeout_s: float | None,
-    on_retry: OnRetry,
-) -> list[PromptStream]:
+    requests: Sequence[engine_pb2.GenerateRequest], open_one: OpenOne
+) -> list[EngineStream]:
     """Open one stream per prompt concurrently; if any fails, close the others and raise its error."""
     if len(requests) == 1:
-        return [await open_stream(pool, model, 0, requests[0], timeout_s, on_retry)]
-    tasks = [
-        asyncio.create_task(open_stream(pool, model, index, request, timeout_s, on_retry))
-        for index, request in enumerate(requests)
-    ]
+        return [await open_one(0, requests[0])]
+    tasks = [asyncio.ensure_future(open_one(index, request)) for index, request in enumerate(requests)]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
@@ -161,13 +183,13 @@ async def open_streams(
             task.cancel()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for result in results:
-            if isinstance(result, PromptStream):
+            if not isinstance(result, BaseException):
                 result.close()
         raise
 
 
 async def read_messages(
-    streams: Sequence[PromptStream],
+    streams: Sequence[EngineStream],
 ) -> AsyncIterator[tuple[int, engine_pb2.GenerateResponse]]:
     """Yield (prompt index, message) as messages arrive, first messages first, until every stream ends.
 
@@ -183,7 +205,7 @@ async def read_messages(
         return
     queue: asyncio.Queue[tuple[int, engine_pb2.GenerateResponse | BaseException | None]] = asyncio.Queue()
 
-    async def pump(stream: PromptStream) -> None:
+    async def pump(stream: EngineStream) -> None:
         try:
             while (message := await stream.read()) is not None:
                 queue.put_nowait((stream.prompt_index, message))
@@ -207,6 +229,6 @@ async def read_messages(
             task.cancel()
 
 
-def close_all(streams: Sequence[PromptStream]) -> None:
+def close_all(streams: Sequence[EngineStream]) -> None:
     for stream in streams:
         stream.close()

@@ -12,6 +12,7 @@ from conduit_gateway.config import ConfigError
 from conduit_gateway.errors import OpenAIError, invalid_param
 from conduit_gateway.routing.node import EngineNode, NodeSource
 from conduit_gateway.routing.pool import DuplicateNodeError, EnginePool, UnknownNodeError
+from conduit_gateway.routing.roles import NodeRole
 from conduit_gateway.schemas.admin import AddNodeRequest, NodeList, NodeView
 from conduit_gateway.schemas.common import error_responses
 
@@ -29,7 +30,9 @@ def node_view(node: EngineNode, removed: bool = False) -> NodeView:
     return NodeView(
         address=node.address,
         source=node.source.value,
+        role=node.role.value,
         state="removed" if removed else node.state,
+        refusal=node.refusal,
         serving=node.serving,
         model=node.model,
         in_flight=node.in_flight,
@@ -62,9 +65,15 @@ async def list_nodes(request: Request) -> NodeList:
 
 @router.post("/nodes", status_code=201, response_model=NodeView, responses=error_responses(400, 401, 409))
 async def add_node(body: AddNodeRequest, request: Request) -> JSONResponse:
-    """Add an engine; it receives requests once its health says SERVING."""
+    """Add an engine; it receives requests once its health says SERVING.
+
+    A prefill or decode engine that answers now is checked at once: one whose engine role does not cover
+    the pool, or whose KV layout differs from the other disaggregated engines' of its model, is not added
+    (409 `node_refused`). One that does not answer yet is checked when it starts serving.
+    """
+    pool = _pool(request)
     try:
-        node = _pool(request).add(body.address, NodeSource.ADMIN)
+        node = pool.add(body.address, NodeSource.ADMIN, NodeRole(body.role))
     except ConfigError as exc:
         raise invalid_param("address", str(exc).removeprefix("address: ")) from None
     except DuplicateNodeError:
@@ -74,6 +83,16 @@ async def add_node(body: AddNodeRequest, request: Request) -> JSONResponse:
             param="address",
             code="node_exists",
         ) from None
+    if node.role.disaggregated:
+        await node.check(pool.config.health_check_timeout_s)
+        if node.refusal is not None:
+            pool.remove(node.address)
+            raise OpenAIError(
+                409,
+                f"The {node.role} engine {node.address} was not added: {node.refusal}.",
+                param="address",
+                code="node_refused",
+            )
     return JSONResponse(node_view(node).model_dump(), status_code=201)
 
 

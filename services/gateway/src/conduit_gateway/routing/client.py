@@ -83,5 +83,11 @@ class EngineClient:
     ) -> grpc.aio.UnaryStreamCall:
         return self._engine.Generate(request, metadata=self._dialer.metadata(*metadata), timeout=timeout_s)
 
+    async def release_kv(self, transfer_id: str, timeout_s: float) -> bool:
+        """ReleaseKv: free a prefill's pinned KV that no decode engine will pull; True when it was pending."""
+        request = engine_pb2.ReleaseKvRequest(transfer_id=transfer_id)
+        reply = await self._engine.ReleaseKv(request, timeout=timeout_s, metadata=self._dialer.metadata())
+        return reply.released
+
     async def close(self) -> None:
         await self._channel.close(grace=None)

@@ -3,6 +3,11 @@
 A node is routable while its engine says SERVING (and its model is known) and nobody drains it. It is
 ejected (out of rotation, `ejections` + 1) when its health watch breaks or reports NOT_SERVING, or when a
 request sees UNAVAILABLE, and it is re-admitted as soon as its health watch reports SERVING again.
+
+Each node serves one pool (`role`: whole requests, or the prefill or decode side of disaggregated ones).
+Before it joins the rotation its pool's admission check reads the engine's model info; a node it refuses
+(a wrong engine role, a KV layout other than its peers') stays out, with the reason in `refusal`, until a
+later SERVING report passes the check.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import contextlib
 import enum
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -22,6 +28,7 @@ from conduit_gateway.routing.client import EngineClient
 from conduit_gateway.routing.health import HealthWatch
 from conduit_gateway.routing.latency import TokenLatency
 from conduit_gateway.routing.load import LoadReport, poll_load
+from conduit_gateway.routing.roles import NodeRole
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +52,28 @@ class NodeSource(enum.StrEnum):
     ADMIN = "admin"
 
 
+# Why an engine (node, its model info) may not join the node's pool; None when it may.
+Admission = Callable[["EngineNode", engine_pb2.GetModelInfoResponse], str | None]
+
+
 class EngineNode:
     """State of one engine as the router sees it. Made and used on the gateway's event loop (its grpc.aio
     channel belongs to the loop it was created on)."""
 
     def __init__(
-        self, address: str, source: NodeSource, config: GatewayConfig, dialer: EngineDialer = PLAINTEXT
+        self,
+        address: str,
+        source: NodeSource,
+        config: GatewayConfig,
+        dialer: EngineDialer = PLAINTEXT,
+        role: NodeRole = NodeRole.COLOCATED,
+        admission: Admission | None = None,
     ) -> None:
         self.address = address
         self.source = source
+        self.role = role
+        self._admission = admission
+        self.refusal: str | None = None  # why the pool's admission check keeps the engine out
         self._config = config
         self.client = EngineClient(address, config, dialer)
         self.serving = False
@@ -99,7 +119,9 @@ class EngineNode:
     def state(self) -> str:
         if self.draining:
             return "draining"
-        return "serving" if self.serving else "unavailable"
+        if self.serving:
+            return "serving"
+        return "refused" if self.refusal is not None else "unavailable"
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -159,11 +181,21 @@ class EngineNode:
                 except grpc.aio.AioRpcError as exc:
                     log.warning("engine %s GetModelInfo failed: %s", self.address, exc.code().name)
                     return
+                if not self._admit(self.model_info):
+                    return
                 self.model_seen_at = int(time.time())
                 self.serving = True
                 log.info("engine %s is SERVING %s", self.address, self.model)
             elif not serving:
                 self._leave_rotation("stopped serving")
+
+    def _admit(self, info: engine_pb2.GetModelInfoResponse) -> bool:
+        """Run the pool's admission check; a refusal is logged once per new reason."""
+        problem = self._admission(self, info) if self._admission is not None else None
+        if problem is not None and problem != self.refusal:
+            log.error("%s engine %s refused: %s", self.role, self.address, problem)
+        self.refusal = problem
+        return problem is None
 
     def eject(self, reason: str) -> None:
         """Out of rotation until a fresh health watch says SERVING (for news from outside the watch: a

@@ -2,6 +2,12 @@
 
 Nodes are keyed by address. Removing a node (admin DELETE, or its DNS record going away) takes it out of
 rotation at once; its channel closes only after this gateway's requests on it have finished.
+
+Each node serves one pool (its `role`): whole requests (--engine), or the prefill or decode side of
+disaggregated requests (--prefill-engine, --decode-engine); an address belongs to one pool. `--routing`
+picks within a pool: each has its own selector. A prefill or decode engine joins only when its role
+covers the pool and its KV layout equals the other disaggregated engines' of its model; at start a static
+engine refused that way stops the gateway with the reason.
 """
 
 from __future__ import annotations
@@ -9,15 +15,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from conduit.engine.v1 import engine_pb2
 from conduit_common.engine_dialer import PLAINTEXT, EngineDialer
-from conduit_gateway.config import GatewayConfig, parse_engine_address
+from conduit_gateway.config import ConfigError, GatewayConfig, parse_engine_address
 from conduit_gateway.errors import model_not_found, no_engine_ready
 from conduit_gateway.routing.discovery import DnsDiscovery, Resolver
 from conduit_gateway.routing.node import EngineNode, NodeSource
 from conduit_gateway.routing.prefix_key import prefix_key
+from conduit_gateway.routing.roles import NodeRole, admission_problem
 from conduit_gateway.routing.selection import RouteRequest, SelectionOptions, make_selector
 
 log = logging.getLogger(__name__)
@@ -40,15 +47,24 @@ class EnginePool:
         self.config = config
         self.dialer = dialer  # TLS and token towards the engines
         self._nodes: dict[str, EngineNode] = {}
-        self._selector = make_selector(
-            config.routing, SelectionOptions(affinity_load_factor=config.affinity_load_factor)
-        )
-        self._discovery = (
-            DnsDiscovery(config.engine_dns, config.dns_interval_s, self.sync_dns, resolver)
-            if config.engine_dns is not None
-            else None
-        )
-        self._discovery_task: asyncio.Task[None] | None = None
+        options = SelectionOptions(affinity_load_factor=config.affinity_load_factor)
+        self._selectors = {role: make_selector(config.routing, options) for role in NodeRole}
+        self._static = {
+            NodeRole.COLOCATED: config.engines,
+            NodeRole.PREFILL: config.prefill_engines,
+            NodeRole.DECODE: config.decode_engines,
+        }
+        dns = {
+            NodeRole.COLOCATED: config.engine_dns,
+            NodeRole.PREFILL: config.prefill_engine_dns,
+            NodeRole.DECODE: config.decode_engine_dns,
+        }
+        self._discoveries = [
+            DnsDiscovery(target, config.dns_interval_s, self._dns_sync_for(role), resolver)
+            for role, target in dns.items()
+            if target is not None
+        ]
+        self._discovery_tasks: list[asyncio.Task[None]] = []
         # Removed nodes whose requests are still finishing, with the task that closes them afterwards.
         self._retiring: dict[EngineNode, asyncio.Task[None]] = {}
         self._refreshing: asyncio.Future[bool] | None = None
@@ -56,19 +72,28 @@ class EnginePool:
     # -- lifecycle -----------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        for address in self.config.engines:
-            self.add(address, NodeSource.STATIC)
-        if self._discovery is not None:
-            await self._discovery.resolve_now()
-            self._discovery_task = asyncio.create_task(self._discovery.run(), name="dns-discovery")
+        """Add the static nodes, resolve the DNS names, and check every node once. Raises ConfigError when
+        a static prefill or decode engine is refused (wrong role, or a KV layout other than its peers')."""
+        for role, addresses in self._static.items():
+            for address in addresses:
+                self.add(address, NodeSource.STATIC, role)
+        for discovery in self._discoveries:
+            await discovery.resolve_now()
+            self._discovery_tasks.append(asyncio.create_task(discovery.run(), name="dns-discovery"))
         # The health watches report within moments; checking now means the first request finds them.
         await self.refresh()
+        refused = [n for n in self._nodes.values() if n.source is NodeSource.STATIC and n.refusal]
+        if refused:
+            raise ConfigError(
+                "; ".join(f"{node.role}_engine: {node.address} refused: {node.refusal}" for node in refused)
+            )
 
     async def stop(self) -> None:
-        if self._discovery_task is not None:
-            self._discovery_task.cancel()
+        for task in self._discovery_tasks:
+            task.cancel()
+        for task in self._discovery_tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._discovery_task
+                await task
         if self._refreshing is not None and not self._refreshing.done():
             self._refreshing.cancel()
         for task in self._retiring.values():
@@ -90,15 +115,24 @@ class EnginePool:
         except KeyError:
             raise UnknownNodeError(address) from None
 
-    def add(self, address: str, source: NodeSource) -> EngineNode:
-        """Add and start a node (ConfigError naming `address` when it is not HOST:PORT)."""
+    def add(self, address: str, source: NodeSource, role: NodeRole = NodeRole.COLOCATED) -> EngineNode:
+        """Add and start a node of the `role` pool (ConfigError naming `address` when it is not HOST:PORT)."""
         address = parse_engine_address(address, field="address")
         if address in self._nodes:
             raise DuplicateNodeError(address)
-        node = self._nodes[address] = EngineNode(address, source, self.config, self.dialer)
+        node = EngineNode(address, source, self.config, self.dialer, role, self._admission)
+        self._nodes[address] = node
         node.start()
-        log.info("engine %s joined the pool (%s)", address, source)
+        log.info("engine %s joined the %s pool (%s)", address, role, source)
         return node
+
+    def _admission(self, node: EngineNode, info: engine_pb2.GetModelInfoResponse) -> str | None:
+        peers = [peer for peer in self._nodes.values() if peer is not node and peer.serving]
+        return admission_problem(node.role, info, peers)
+
+    def members(self, role: NodeRole) -> list[EngineNode]:
+        """The nodes of one pool, routable or not."""
+        return [node for node in self._nodes.values() if node.role is role]
 
     def remove(self, address: str) -> EngineNode:
         """Take a node out of the pool now; its open requests finish, then its channel closes."""
@@ -126,13 +160,25 @@ class EnginePool:
         node.draining = False
         return node
 
-    def sync_dns(self, addresses: set[str]) -> None:
-        """Make the DNS-sourced nodes exactly `addresses` (nodes from other sources are left alone)."""
+    def sync_dns(self, addresses: set[str], role: NodeRole = NodeRole.COLOCATED) -> None:
+        """Make the DNS-sourced nodes of the `role` pool exactly `addresses` (nodes from other sources or
+        of other pools are left alone; an address another pool holds is skipped)."""
         for address in sorted(addresses - self._nodes.keys()):
-            self.add(address, NodeSource.DNS)
+            self.add(address, NodeSource.DNS, role)
+        for address in sorted(addresses & self._nodes.keys()):
+            if self._nodes[address].role is not role:
+                log.warning(
+                    "DNS lists %s as a %s engine, but it is in the %s pool",
+                    address,
+                    role,
+                    self._nodes[address].role,
+                )
         for address, node in list(self._nodes.items()):
-            if node.source is NodeSource.DNS and address not in addresses:
+            if node.source is NodeSource.DNS and node.role is role and address not in addresses:
                 self.remove(address)
+
+    def _dns_sync_for(self, role: NodeRole) -> Callable[[set[str]], None]:
+        return lambda addresses: self.sync_dns(addresses, role)
 
     # -- health --------------------------------------------------------------------------------------
 
@@ -150,8 +196,9 @@ class EnginePool:
         await asyncio.gather(*(node.check(self.config.health_check_timeout_s) for node in self.engines))
         return bool(self.routable())
 
-    def routable(self) -> list[EngineNode]:
-        return [node for node in self._nodes.values() if node.routable]
+    def routable(self, role: NodeRole | None = None) -> list[EngineNode]:
+        """Nodes that take requests now, of one pool or of all."""
+        return [node for node in self._nodes.values() if node.routable and role in (None, node.role)]
 
     def served_models(self) -> dict[str, EngineNode]:
         """Model name → one routable node that serves it (the first, for its model info)."""
@@ -170,23 +217,29 @@ class EnginePool:
     def route_request(self, model: str, request: engine_pb2.GenerateRequest) -> RouteRequest:
         return RouteRequest(model=model, prefix_key=prefix_key(request, self.config.affinity_prefix_chars))
 
-    async def acquire(self, request: RouteRequest, exclude: Collection[EngineNode] = ()) -> EngineNode:
-        """Pick a routable node for `request.model`, skipping `exclude`.
+    async def acquire(
+        self,
+        request: RouteRequest,
+        exclude: Collection[EngineNode] = (),
+        role: NodeRole = NodeRole.COLOCATED,
+    ) -> EngineNode:
+        """Pick a routable node of the `role` pool for `request.model`, skipping `exclude`.
 
         Raises 503 when no node is ready and 404 when no node (ready or not) serves the model.
         """
-        if not self.routable():
+        if not self.routable(role):
             # A just-started engine may not have reported yet.
             await self.refresh()
-        ready = [node for node in self.routable() if node not in exclude]
+        ready = [node for node in self.routable(role) if node not in exclude]
         candidates = [node for node in ready if node.model == request.model]
         if not candidates:
+            pool = "" if role is NodeRole.COLOCATED else f"{role} "
             if not ready:
-                raise no_engine_ready()
-            if any(node.model == request.model for node in self._nodes.values()):
-                raise no_engine_ready(f"no engine serving `{request.model}` is ready")
+                raise no_engine_ready(f"no {pool}engine is ready")
+            if any(node.model == request.model for node in self.members(role)):
+                raise no_engine_ready(f"no {pool}engine serving `{request.model}` is ready")
             raise model_not_found(request.model)
-        return self._selector.choose(candidates, request)
+        return self._selectors[role].choose(candidates, request)
 
 
 def require_serving(pool: EnginePool) -> None:

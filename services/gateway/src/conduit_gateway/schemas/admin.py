@@ -9,17 +9,29 @@ from pydantic import BaseModel, Field
 from conduit_gateway.routing.load import LoadReport
 from conduit_gateway.schemas.common import StrictModel
 
+Role = Literal["colocated", "prefill", "decode"]
+
 
 class AddNodeRequest(StrictModel):
     address: str = Field(description="The engine's gRPC address, HOST:PORT.")
+    role: Role = Field(
+        "colocated",
+        description="The pool it joins: colocated (whole requests, like --engine), or the prefill or decode "
+        "side of disaggregated requests (like --prefill-engine / --decode-engine).",
+    )
 
 
 class NodeView(BaseModel):
     address: str
     source: Literal["static", "dns", "admin"] = Field(description="--engine, DNS discovery or this API.")
-    state: Literal["serving", "unavailable", "draining", "removed"] = Field(
-        description="serving: receives requests; unavailable: its health is not SERVING; draining: drained "
-        "(or removed) by an operator, open requests finish; removed: no longer in the pool."
+    role: Role = Field(description="The pool it serves: colocated, prefill or decode.")
+    state: Literal["serving", "unavailable", "refused", "draining", "removed"] = Field(
+        description="serving: receives requests; unavailable: its health is not SERVING; refused: its engine "
+        "serves but may not join its pool (see `refusal`); draining: drained (or removed) by an operator, "
+        "open requests finish; removed: no longer in the pool."
+    )
+    refusal: str | None = Field(
+        None, description="Why the engine may not join its pool (wrong engine role, another KV layout)."
     )
     serving: bool = Field(description="Its engine's health says SERVING.")
     model: str | None

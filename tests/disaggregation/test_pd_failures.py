@@ -1,0 +1,266 @@
+"""Every way a disaggregated request can fail, on real engine processes, each ending with no KV block, no
+pending transfer and no request left on any engine (GetLoad).
+
+- A prefill engine refuses (queue full) or is down (UNAVAILABLE): the request runs on another one. The
+  refusing engine is a fake standing in the prefill pool with a real engine's role and KV layout.
+- A decode engine has no room for the pull (RESOURCE_EXHAUSTED): the request goes to another decode engine
+  with the same handle; when none is left the gateway releases the transfer and answers 429 (an error
+  event once the first token was streamed). The decode engines are filled with transfers of their own.
+- The client goes away between prefill and decode: the gateway releases the transfer (the lease is 30 s;
+  it is freed at once).
+- A decode engine dies mid-stream: the client gets an error event.
+- The source dies before the pull, or the handle expires: the decode engine recomputes the prompt and the
+  client's stream goes on with the tokens colocated serving gives.
+
+The windows between prefill and decode are made by stopping the decode engine (SIGSTOP): the first token
+reaches the client while it is stopped, so it comes from the prefill engine at once.
+"""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import pytest
+
+from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
+from tests.disaggregation.conftest import Gateways
+from tests.disaggregation.helpers import load, model_info, sdk, wait_idle
+from tests.gateway.sse import parse_events
+from tests.support.engine_fleet import EngineFleet
+from tests.support.fake_engine import FakeEngine, Script
+from tests.support.polling import wait_for
+from tests.support.processes import require_shared
+from tests.support.stories import MODEL
+
+pytestmark = pytest.mark.integration
+
+# Two prefill engines (the second's leases last one second), two `both` engines as the decode pool with
+# small caches (24 blocks of 16 tokens) that transfers of their own can fill, and a decode engine with a
+# full-size cache, killed mid-stream.
+P, P_SHORT, D1, D2, D_VICTIM = range(5)
+FLAGS = [
+    ("--role", "prefill"),
+    ("--role", "prefill", "--kv-transfer-lease-seconds", "1"),
+    ("--role", "both", "--kv-cache-blocks", "24"),
+    ("--role", "both", "--kv-cache-blocks", "24"),
+    ("--role", "decode"),
+]
+PROMPT = [1, *range(60, 119)]  # 60 tokens: 4 blocks
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    model = require_shared(f"models/{MODEL}")
+    with EngineFleet(model, len(FLAGS), ("--max-num-seqs", "8"), per_engine=FLAGS) as engines:
+        yield engines
+
+
+@pytest.fixture
+def gateways(fleet):
+    started = Gateways(fleet)
+    yield started
+    started.stop_all()
+
+
+@pytest.fixture
+def healthy(fleet):
+    """Resume or restart whatever a test stopped or killed, then check that every engine holds nothing."""
+    yield
+    for index, engine in enumerate(fleet.engines):
+        if engine.process.poll() is not None:
+            fleet.restart(index)
+        else:
+            fleet.resume(index)
+    wait_idle(fleet)
+
+
+def stub(fleet, index: int) -> engine_pb2_grpc.EngineStub:
+    return fleet.stub(index)
+
+
+def colocated_text(fleet, max_tokens: int) -> str:
+    """The greedy text of PROMPT from one engine alone (a `both` decode engine serves whole requests)."""
+    request = engine_pb2.GenerateRequest(
+        token_ids=engine_pb2.TokenIds(ids=PROMPT),
+        sampling=engine_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+    )
+    return "".join(message.text for message in stub(fleet, D2).Generate(request, timeout=60))
+
+
+def fill(fleet, index: int, blocks: int) -> list[str]:
+    """Pin `blocks` of engine `index`'s cache under transfers of its own (7 blocks each), leaving the rest."""
+    transfer_ids = []
+    for n in range(blocks // 7):
+        ids = [1, 400 + 10 * index + n, *range(100, 210)]  # 112 tokens (7 blocks), its own from the start
+        request = engine_pb2.GenerateRequest(
+            token_ids=engine_pb2.TokenIds(ids=ids),
+            sampling=engine_pb2.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+            kv_transfer=engine_pb2.KvTransferParams(produce=engine_pb2.KvProduce()),
+        )
+        (message,) = stub(fleet, index).Generate(request, timeout=60)
+        transfer_ids.append(message.kv_handle.transfer_id)
+    assert load(fleet.addresses[index]).kv_blocks_pinned == blocks
+    return transfer_ids
+
+
+def release(fleet, index: int, transfer_ids: list[str]) -> None:
+    for transfer_id in transfer_ids:
+        reply = stub(fleet, index).ReleaseKv(engine_pb2.ReleaseKvRequest(transfer_id=transfer_id), timeout=10)
+        assert reply.released
+
+
+def _moved(fleet, index: int) -> int:
+    """KV bytes the engine pulled, or did not need to pull (prefix-cache hits), since it started."""
+    reply = load(fleet.addresses[index])
+    return reply.kv_bytes_pulled + reply.kv_bytes_saved
+
+
+def complete(url: str, max_tokens: int = 20, stream: bool = False):
+    with sdk(url) as client:
+        kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0, stream=stream)
+        return client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+
+
+def retries(url: str, code: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(f'conduit_gateway_retries_total{{code="{code}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+class SseReader:
+    """A streamed completion read event by event over raw HTTP (closing it is the client going away)."""
+
+    def __init__(self, url: str, max_tokens: int, n: int = 1) -> None:
+        body = {
+            "model": MODEL,
+            "prompt": PROMPT,
+            "max_tokens": max_tokens,
+            "n": n,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        self._client = httpx.Client(base_url=url, timeout=60)
+        self._response = self._client.send(
+            self._client.build_request("POST", "/v1/completions", json={**body, "stream": True}), stream=True
+        )
+        assert self._response.status_code == 200
+        self._lines = (line for line in self._response.iter_lines() if line)
+
+    def next(self) -> dict | str:
+        line = next(self._lines)
+        return "[DONE]" if line == "data: [DONE]" else parse_events(line + "\n\n")[0]
+
+    def rest(self) -> list[dict | str]:
+        events = []
+        while not events or events[-1] != "[DONE]":
+            events.append(self.next())
+        return events
+
+    def close(self) -> None:
+        self._response.close()
+        self._client.close()
+
+
+def text_of(events: list) -> str:
+    return "".join(
+        event["choices"][0]["text"] for event in events if isinstance(event, dict) and "choices" in event
+    )
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE])
+def test_a_refusing_prefill_engine_is_retried_on_another(fleet, gateways, healthy, code):
+    with FakeEngine(MODEL) as fake:
+        fake.model_info = model_info(fleet.addresses[P])  # a prefill engine of the same KV layout
+        fake.script = Script(error_before=code, error_message="refused by the fake")
+        gateway = gateways(prefill=[fake.address, P], decode=[D1])  # round robin tries the fake first
+        assert complete(gateway.url).choices[0].text == colocated_text(fleet, 20)
+        assert len(fake.record.requests) == 1 and fake.record.requests[0].kv_transfer.HasField("produce")
+        assert retries(gateway.url, code.name) == 1
+
+
+def test_a_decode_engine_without_room_hands_the_same_transfer_to_another(fleet, gateways, healthy):
+    expected = colocated_text(fleet, 20)
+    fillers = fill(fleet, D1, 21)  # 3 blocks free: the prompt needs 4
+    gateway = gateways(prefill=[P], decode=[D1, D2])  # round robin tries D1 first
+    moved = [_moved(fleet, i) for i in (D1, D2)]
+    assert complete(gateway.url).choices[0].text == expected
+    assert retries(gateway.url, "RESOURCE_EXHAUSTED") == 1
+    block_bytes = 2 * 5 * 16 * 4 * 8 * 4
+    # D2 took the transfer D1 refused: its 4 blocks were pulled there (or already in D2's prefix cache).
+    assert (_moved(fleet, D1), _moved(fleet, D2)) == (moved[0], moved[1] + 4 * block_bytes)
+    assert load(fleet.addresses[P]).kv_transfers_pending == 0  # pulled by D2
+    release(fleet, D1, fillers)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["response", "stream"])
+def test_no_decode_engine_with_room_releases_the_transfer_and_answers_429(fleet, gateways, healthy, stream):
+    first_text = colocated_text(fleet, 1)  # before the fill: D2 would queue it until the fillers' leases end
+    fillers = {index: fill(fleet, index, 21) for index in (D1, D2)}
+    gateway = gateways(prefill=[P], decode=[D1, D2])
+    if stream:
+        events = SseReader(gateway.url, 20)
+        first = events.next()
+        assert first["choices"][0]["text"] == first_text  # streamed before any decode engine took it
+        error = events.rest()[-2]["error"]
+        events.close()
+    else:
+        with pytest.raises(Exception) as caught:
+            complete(gateway.url)
+        assert caught.value.status_code == 429
+        assert caught.value.response.headers["retry-after"] == "1"
+        error = caught.value.body
+    assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+    assert "no room for the pulled prompt now (4 blocks, 3 free)" in error["message"]
+    # Released by the gateway, long before its 30-second lease would have freed it.
+    wait_for(lambda: load(fleet.addresses[P]).kv_transfers_pending == 0, "the gateway's ReleaseKv")
+    for index, transfer_ids in fillers.items():
+        release(fleet, index, transfer_ids)
+
+
+def test_a_client_gone_between_prefill_and_decode_releases_the_transfer(fleet, gateways, healthy):
+    gateway = gateways(prefill=[P], decode=[D1])
+    fleet.pause(D1)
+    events = SseReader(gateway.url, 20)
+    assert events.next()["choices"][0]["text"] == colocated_text(fleet, 1)  # the decode engine is stopped
+    assert load(fleet.addresses[P]).kv_transfers_pending == 1
+    events.close()
+    wait_for(lambda: load(fleet.addresses[P]).kv_transfers_pending == 0, "the gateway's ReleaseKv")
+    assert load(fleet.addresses[P]).kv_blocks_used == 0
+
+
+def test_a_decode_engine_dying_mid_stream_ends_the_stream_with_an_error_event(fleet, gateways, healthy):
+    gateway = gateways(prefill=[P], decode=[D_VICTIM])
+    # Four choices of 440 tokens keep the decode engine busy for about a second: it is still generating
+    # when this client, however slow the machine, has read the first decode event.
+    events = SseReader(gateway.url, 440, n=4)
+    for _ in range(4 + 1):  # the prefill's four first tokens, then the decode engine's first event
+        events.next()
+    fleet.pause(D_VICTIM)
+    fleet.kill(D_VICTIM)
+    rest = events.rest()
+    events.close()
+    error = rest[-2]["error"]
+    assert (error["type"], error["code"]) == ("server_error", "engine_unavailable")
+    assert load(fleet.addresses[P]).kv_transfers_pending == 0  # it had been pulled
+
+
+@pytest.mark.parametrize("gone", ["source killed", "lease expired"])
+def test_a_transfer_gone_before_the_pull_is_recomputed_and_the_stream_goes_on(fleet, gateways, healthy, gone):
+    source = P if gone == "source killed" else P_SHORT
+    gateway = gateways(prefill=[source], decode=[D1])
+    pulled = load(fleet.addresses[D1]).kv_bytes_pulled
+    fleet.pause(D1)
+    events = SseReader(gateway.url, 30)
+    first = events.next()
+    wait_for(lambda: load(fleet.addresses[source]).kv_transfers_pending == 1, "the produced transfer")
+    if gone == "source killed":
+        fleet.kill(source)
+    else:
+        wait_for(lambda: load(fleet.addresses[source]).kv_transfers_pending == 0, "the lease to end", 800)
+    fleet.resume(D1)
+    rest = events.rest()
+    events.close()
+    assert text_of([first, *rest]) == colocated_text(fleet, 30)
+    assert rest[-2]["choices"][0]["finish_reason"] == "length"
+    assert load(fleet.addresses[D1]).kv_bytes_pulled == pulled  # nothing came over: it recomputed
