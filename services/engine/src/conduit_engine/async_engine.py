@@ -32,6 +32,7 @@ from conduit_engine.kv_transfer.puller import KvPuller
 from conduit_engine.kv_transfer.transport import KvPullResult
 from conduit_engine.observer import clock
 from conduit_engine.request import GenerationRequest, RequestOutput
+from conduit_engine.telemetry.tracing import end_kv_transfer, kv_transfer_span, span_metadata
 
 log = logging.getLogger(__name__)
 
@@ -167,12 +168,26 @@ class AsyncEngine:
         result: KvPullResult | None = None
         try:
             if not pending.orphaned:  # set by the engine thread if the request already ended
-                result = await self._puller.pull(pending.spec, pending.dest_block_ids)
+                result = await self._traced_pull(pending)
         except asyncio.CancelledError:
             pass  # aborted: the request is ending; nothing writes into its blocks any more
         finally:
             self._pulls.pop(pending.request_id, None)
             self._submit(lambda: self.core.finish_pull(pending.request_id, result))
+
+    async def _traced_pull(self, pending: PendingPull) -> KvPullResult | None:
+        """The pull inside the request's `engine.kv_transfer` span, whose context goes with the pull."""
+        spec = pending.spec
+        with kv_transfer_span(
+            pending.trace_context,
+            request_id=pending.request_id,
+            transfer_id=spec.transfer_id,
+            peer=spec.source_address,
+            num_blocks=spec.num_blocks,
+        ) as span:
+            result = await self._puller.pull(spec, pending.dest_block_ids, span_metadata(span))
+            end_kv_transfer(span, *((result.num_blocks, result.num_bytes) if result else (None, None)))
+        return result
 
     async def close_transport(self) -> None:
         """Close the KV transport's channels (at shutdown, on the loop that used them)."""

@@ -53,6 +53,7 @@ class EngineStats:
     kv_transfers_pending: int = 0  # produced here, not yet pulled, released or expired
     kv_bytes_pulled: int = 0
     kv_bytes_saved: int = 0  # not pulled: already in this engine's prefix cache
+    kv_pulls: int = 0  # pulls into this engine that completed
 
 
 class LLMEngine:
@@ -155,7 +156,7 @@ class LLMEngine:
         )
         if consume is not None:
             replay_first_tokens(consume, seqs, state.stop_rules)
-            self.kv_consumer.start(req.request_id, consume.handle, seqs)
+            self.kv_consumer.start(req.request_id, consume.handle, seqs, req.trace_context)
         self._requests[req.request_id] = state
         log.info(
             "request %s queued: %d prompt tokens, n=%d, max_tokens=%d%s%s",
@@ -347,6 +348,7 @@ class LLMEngine:
             kv_transfers_pending=self.kv_registry.num_pending,
             kv_bytes_pulled=self.kv_consumer.counters.bytes_pulled,
             kv_bytes_saved=self.kv_consumer.counters.bytes_saved,
+            kv_pulls=self.kv_consumer.counters.pulls,
         )
 
     def check_integrity(self) -> None:

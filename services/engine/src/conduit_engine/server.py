@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Status, StatusCode
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -46,6 +47,7 @@ from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.server_security import ServerSecurity, engine_dialer
 from conduit_engine.telemetry import EngineTelemetry
+from conduit_engine.telemetry.tracing import KV_BLOCKS, KV_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -200,10 +202,17 @@ class EngineServicer(pb_grpc.EngineServicer):
         if not request.request_id:
             req.request_id = _metadata_request_id(context) or req.request_id
         current_request_id.set(req.request_id)  # this call's log lines carry it
-        req.trace_context = self.telemetry.request_trace(context.invocation_metadata())
+        req.trace_context = trace = self.telemetry.request_trace(context.invocation_metadata())
         decode = self.core.tokenizer.token_text
-        async for out in self.async_engine.generate(req):
-            yield output_to_pb(out, decode, self._handle)
+        sent = False
+        try:
+            async for out in self.async_engine.generate(req):
+                sent = True
+                yield output_to_pb(out, decode, self._handle)
+        except EngineError as exc:
+            if not sent:  # refused at admission: the engine never saw it, no record ends its span
+                self.telemetry.refused(trace, exc)
+            raise
 
     def _handle(self, transfer: KvTransfer) -> pb.KvHandle:
         return handle_to_pb(transfer, self.advertise_address, self.core.kv_layout)
@@ -218,8 +227,20 @@ class EngineServicer(pb_grpc.EngineServicer):
         self, request: pb.PullKvRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.KvChunk]:
         # Served while draining too: decode engines still pull the transfers produced here.
-        async for chunk in self.kv_service.pull_kv(request, context):
-            yield chunk
+        span = self.telemetry.pull_kv_span(context.invocation_metadata(), request.transfer_id)
+        blocks = sent = 0
+        try:
+            async for chunk in self.kv_service.pull_kv(request, context):
+                blocks, sent = blocks + chunk.num_blocks, sent + len(chunk.data)
+                yield chunk
+        except BaseException as exc:  # refused (aborted with a status) or cancelled by the puller
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            if span is not None:
+                span.set_attributes({KV_BLOCKS: blocks, KV_BYTES: sent})
+                span.end()
 
     async def ReleaseKv(
         self, request: pb.ReleaseKvRequest, context: grpc.aio.ServicerContext
@@ -355,6 +376,7 @@ class EngineServer:
         pb_grpc.add_EngineServicer_to_server(self.servicer, self.server)
         self.async_engine: AsyncEngine | None = None
         self._stop = asyncio.Event()
+        self._drained = False
 
     @property
     def advertise_address(self) -> str:
@@ -413,7 +435,11 @@ class EngineServer:
         log.info("SERVING %s", core.model_name)
 
     async def drain_and_stop(self) -> None:
-        """Stop taking requests, let in-flight streams finish (up to drain_seconds), then stop."""
+        """Stop taking requests, let in-flight streams finish (up to drain_seconds), then stop. Once: a
+        second call returns at once (the stopped engine thread would never answer its stats)."""
+        if self._drained:
+            return
+        self._drained = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.telemetry.set_state("draining")
         if self.async_engine is not None:

@@ -12,18 +12,21 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIServer
 
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Span, Status, StatusCode
 from prometheus_client import start_http_server
 
 from conduit_common.tracing import otlp_tracer_provider
-from conduit_engine.async_engine import AsyncEngine
 from conduit_engine.config import TelemetryConfig
 from conduit_engine.engine import EngineStats
 from conduit_engine.telemetry.metrics import EngineMetrics
 from conduit_engine.telemetry.tracing import EngineTracing, RequestTrace, kv_transfer_span
+
+if TYPE_CHECKING:  # the async engine imports kv_transfer_span from here
+    from conduit_engine.async_engine import AsyncEngine
 
 __all__ = ["EngineTelemetry", "RequestTrace", "kv_transfer_span"]
 
@@ -92,6 +95,16 @@ class EngineTelemetry:
     def request_trace(self, metadata: Any) -> RequestTrace | None:
         """The trace of one Generate call (None when tracing is off)."""
         return None if self.tracing is None else self.tracing.request_trace(metadata)
+
+    def refused(self, trace: RequestTrace | None, error: BaseException) -> None:
+        """End the Generate span of a call refused before its request entered the engine."""
+        if trace is not None:
+            trace.span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+            trace.span.end()
+
+    def pull_kv_span(self, metadata: Any, transfer_id: str) -> Span | None:
+        """The span of a PullKv served here (None when tracing is off); the caller ends it."""
+        return None if self.tracing is None else self.tracing.pull_kv_span(metadata, transfer_id)
 
     def shutdown(self) -> None:
         """Stop the endpoint and flush the spans (of the provider made here; a given one is the giver's)."""

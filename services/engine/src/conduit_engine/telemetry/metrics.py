@@ -222,6 +222,7 @@ class EngineStateCollector(Collector):
             "Prompt tokens served from the prefix cache.",
             blocks.prefix_hits,
         )
+        yield from _kv_transfers(stats)
         if self.vllm_compat:
             yield from self._vllm(stats, usage)
 
@@ -249,3 +250,24 @@ class EngineStateCollector(Collector):
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _kv_transfers(stats: EngineStats) -> Iterator[Metric]:
+    """Disaggregation: what a prefill engine holds for decode engines, what a decode engine pulled."""
+    yield _gauge(
+        "conduit_engine_kv_transfers_pending",
+        "KV transfers produced here that no decode engine has pulled, released or let expire yet.",
+        stats.kv_transfers_pending,
+    )
+    yield _gauge("conduit_engine_kv_blocks_pinned", "KV blocks pinned for KV transfers.", stats.blocks.pinned)
+    yield CounterMetricFamily(
+        "conduit_engine_kv_pulls", "KV transfers pulled into this engine completely.", stats.kv_pulls
+    )
+    yield CounterMetricFamily(
+        "conduit_engine_kv_pulled_bytes", "KV bytes pulled from prefill engines.", stats.kv_bytes_pulled
+    )
+    yield CounterMetricFamily(
+        "conduit_engine_kv_saved_bytes",
+        "KV bytes not pulled: the blocks were already in this engine's prefix cache.",
+        stats.kv_bytes_saved,
+    )
