@@ -4,6 +4,7 @@
         [--tensor-parallel-size N] [--worker-process] [--num-threads T] [--skip-transformers]
         [--cpu-kernels auto torch]   # CPU ops side by side
     .venv/bin/python bench/engine_throughput.py --model 110m --compare-parallel [--requests 32] [--rounds 3]
+    .venv/bin/python bench/engine_throughput.py --model stories --observe [--repeats 5]
 
 Also prints the share of engine step time spent in scheduling + block management (goal < 10%), and,
 when the model runs in worker processes, the per-step cost of broadcasting the step to them.
@@ -12,6 +13,11 @@ when the model runs in worker processes, the per-step cost of broadcasting the s
 threads, in one worker process with two threads (the cost of the split), and two tensor-parallel
 workers with one thread each (TP=2 on two cores), interleaved over --rounds rounds, and prints the
 best and median of each and the ratios of the best runs.
+
+--observe instead measures what the Prometheus metrics observer (--metrics-port) costs: two engines serve
+the same requests in lockstep, one step each in turn, one without observers and one with the metrics
+observer, and it prints their time outside the model per step and per token (interleaving step by step
+keeps other processes' noise out of the difference).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from conduit_engine.engine import LLMEngine
 from conduit_engine.parallel.worker_runner import BroadcastStats, WorkerRunner
 from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
+from conduit_engine.telemetry.metrics import EngineMetrics
 
 
 def make_engine(
@@ -42,20 +49,24 @@ def make_engine(
     )
 
 
-def run_engine(engine: LLMEngine, requests) -> tuple[int, float, float]:
-    """(output tokens, wall seconds, seconds outside the runner) for `requests`, after a warm-up."""
+def warm(engine: LLMEngine) -> LLMEngine:
+    """One short request through `engine`, outside any timed region."""
     engine.add_request(
         GenerationRequest("w", SamplingParams(max_tokens=4, temperature=0), token_ids=[1, 5, 6])
     )
     while engine.has_work():
         engine.step()
-    if isinstance(engine.runner, WorkerRunner):  # count the measured steps only
-        engine.runner.stats = BroadcastStats()
-    start = time.perf_counter()
+    return engine
+
+
+def submit(engine: LLMEngine, requests) -> None:
     for i, (prompt, max_tokens) in enumerate(requests):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         engine.add_request(GenerationRequest(f"r{i}", params, token_ids=prompt))
-    # Everything of a step but the model run is scheduling, block management and postprocessing.
+
+
+def time_the_model(engine: LLMEngine) -> list[float]:
+    """Wrap the model run; the returned one-item list accumulates its seconds."""
     model_time = [0.0]
     execute = engine.runner.execute
 
@@ -67,6 +78,18 @@ def run_engine(engine: LLMEngine, requests) -> tuple[int, float, float]:
             model_time[0] += time.perf_counter() - t0
 
     engine.runner.execute = timed_execute
+    return model_time
+
+
+def run_engine(engine: LLMEngine, requests) -> tuple[int, float, float]:
+    """(output tokens, wall seconds, seconds outside the runner) for `requests`, after a warm-up."""
+    warm(engine)
+    if isinstance(engine.runner, WorkerRunner):  # count the measured steps only
+        engine.runner.stats = BroadcastStats()
+    start = time.perf_counter()
+    submit(engine, requests)
+    # Everything of a step but the model run is scheduling, block management and postprocessing.
+    model_time = time_the_model(engine)
     tokens, step_time = 0, 0.0
     while engine.has_work():
         t0 = time.perf_counter()
@@ -156,6 +179,58 @@ def compare_parallel(name: str, folder, args: argparse.Namespace) -> None:
     )
 
 
+def bench_observer(name: str, folder, args: argparse.Namespace) -> None:
+    """The cost of the metrics observer: two engines in lockstep, without and with it.
+
+    Both do exactly the same steps; per step, the observed engine's time outside the model minus the
+    other's is one paired sample, and the median of all samples is the cost (robust to the other
+    processes of a shared machine, which a sum or a mean is not).
+    """
+    n, repeats = args.requests, args.repeats
+    vocab = 512 if name == "stories260K" else 32000
+    requests = request_set(n, vocab)
+    parallel = ParallelConfig(args.tensor_parallel_size, args.worker_process)
+    kernels = args.cpu_kernels[0]
+    differences: list[float] = []
+    plain: list[float] = []  # the unobserved engine's step: time outside the model
+    whole: list[float] = []  # the unobserved engine's step: all of it
+    tokens = steps = 0
+    for _ in range(repeats):
+        engines = {
+            observed: warm(make_engine(folder, args.max_num_seqs, parallel, args.num_threads, kernels))
+            for observed in (False, True)
+        }
+        engines[True].observers.append(EngineMetrics(vllm_compat=True))
+        model_time = {observed: time_the_model(engine) for observed, engine in engines.items()}
+        for engine in engines.values():
+            submit(engine, requests)
+        order = [False, True]
+        while engines[False].has_work():
+            order.reverse()  # neither engine always steps right after the other
+            outside, total = {}, {}
+            for observed in order:
+                model_before = model_time[observed][0]
+                t0 = time.perf_counter()
+                outputs = engines[observed].step()
+                total[observed] = time.perf_counter() - t0
+                outside[observed] = total[observed] - (model_time[observed][0] - model_before)
+            differences.append(outside[True] - outside[False])
+            plain.append(outside[False])
+            whole.append(total[False])
+            tokens += sum(len(o.token_ids) for o in outputs)
+            steps += 1
+        for engine in engines.values():
+            engine.shutdown()
+    extra, base, step = statistics.median(differences), statistics.median(plain), statistics.median(whole)
+    print(
+        f"{name}: {n} requests x {repeats} runs, {tokens // repeats} tokens in {steps // repeats} steps "
+        f"per run | median step {1e6 * step:.0f} us, of which {1e6 * base:.0f} us outside the model, without "
+        f"observers; the metrics observer adds {1e6 * extra:.1f} us/step (median of paired steps), "
+        f"{1e6 * extra * steps / tokens:.2f} us/token: {100 * extra / base:+.1f}% of the time outside the "
+        f"model, {100 * extra / step:+.2f}% of the step"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=["stories", "110m", "both"], default="both")
@@ -170,9 +245,13 @@ def main() -> None:
         "--compare-parallel", action="store_true", help="TP=1, worker process, TP=2 side by side"
     )
     parser.add_argument("--rounds", type=int, default=1, help="--compare-parallel: interleaved rounds")
+    parser.add_argument(
+        "--observe", action="store_true", help="the metrics observer's cost (no transformers)"
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="--observe: paired runs, medians of all steps")
     parser.add_argument("--cpu-kernels", nargs="+", default=["auto"], help="CPU ops to run, side by side")
     args = parser.parse_args()
-    run = compare_parallel if args.compare_parallel else bench
+    run = bench_observer if args.observe else compare_parallel if args.compare_parallel else bench
     if args.model in ("stories", "both"):
         run("stories260K", stories_path(), args)
     if args.model in ("110m", "both"):

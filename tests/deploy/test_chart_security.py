@@ -109,7 +109,7 @@ def test_engines_accept_grpc_only_from_the_stack_and_metrics_only_from_monitorin
     policy = find(objects, "NetworkPolicy", engine["metadata"]["name"])
     assert selected(objects, policy["spec"]["podSelector"]) == [engine["metadata"]["name"]]
     assert policy["spec"]["policyTypes"] == ["Ingress"]
-    grpc_rule, *metrics_rules = policy["spec"]["ingress"]
+    grpc_rule, metrics_rule = policy["spec"]["ingress"]
     own, others = split_peers(objects, grpc_rule["from"])
     envoy = ["conduit-envoy"] if values.get("envoy", {}).get("enabled") else []
     gateway = component(objects, "Deployment", "gateway")["metadata"]["name"]
@@ -117,16 +117,15 @@ def test_engines_accept_grpc_only_from_the_stack_and_metrics_only_from_monitorin
     assert others == np_values.get("engineClients", [])
     assert grpc_rule["ports"] == [{"port": "grpc", "protocol": "TCP"}]
     assert "grpc" in container_port_names(engine)
-    metrics_port = np_values.get("engineMetricsPort")
-    if metrics_port is None:
-        assert metrics_rules == []
-    else:
-        (rule,) = metrics_rules
-        monitoring = np_values["monitoring"]["namespaceSelector"]
-        assert rule == {
-            "from": [{"namespaceSelector": monitoring}],
-            "ports": [{"port": metrics_port, "protocol": "TCP"}],
-        }
+    # The engines always serve metrics (engine.metrics.port): only the monitoring namespace reaches them.
+    monitoring = np_values.get("monitoring", DEFAULTS["networkPolicy"]["monitoring"])["namespaceSelector"]
+    assert metrics_rule == {
+        "from": [{"namespaceSelector": monitoring}],
+        "ports": [{"port": "metrics", "protocol": "TCP"}],
+    }
+    default_port = DEFAULTS["engine"]["metrics"]["port"]
+    metrics_port = values.get("engine", {}).get("metrics", {}).get("port", default_port)
+    assert container_port_names(engine)["metrics"] == metrics_port
 
 
 def test_gateways_accept_only_envoy_the_ingress_and_monitoring_and_never_on_the_admin_port(release):

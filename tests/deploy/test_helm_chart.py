@@ -39,12 +39,14 @@ def _container(obj):
 # What every release renders, and what each values file adds to it.
 BASE_KINDS = ["Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "PodDisruptionBudget"]
 BASE_KINDS += ["Service", "Service", "Service", "ServiceAccount", "StatefulSet"]
-ENVOY_KINDS = ["ConfigMap", "Deployment", "Service", "ServiceMonitor"]
+ENVOY_KINDS = ["ConfigMap", "Deployment", "Service"]
+MONITOR_KINDS = ["ServiceMonitor", "ServiceMonitor"]  # the gateways' and the engines'
+DASHBOARD_KINDS = ["ConfigMap"]
 EXTRA_KINDS = {
     "default": ["NetworkPolicy", "NetworkPolicy"],
     "gpu": ["NetworkPolicy", "NetworkPolicy"],
-    "full": [*ENVOY_KINDS, "NetworkPolicy", "NetworkPolicy", "NetworkPolicy"],
-    "secure": [*ENVOY_KINDS, "NetworkPolicy", "NetworkPolicy", "NetworkPolicy", *["Certificate"] * 4],
+    "full": [*ENVOY_KINDS, *MONITOR_KINDS, *DASHBOARD_KINDS, *["NetworkPolicy"] * 3],
+    "secure": [*ENVOY_KINDS, *MONITOR_KINDS, *["NetworkPolicy"] * 3, *["Certificate"] * 4],
 }
 
 
@@ -286,9 +288,20 @@ def test_envoy_config_in_the_chart_validates_and_targets_the_release_services(tm
     }
 
 
-def test_service_monitor_scrapes_the_gateway_metrics():
+@pytest.mark.parametrize(
+    ("monitor_name", "port", "scraped_service", "container_port"),
+    [
+        ("conduit-gateway", "http", "conduit-gateway", 8000),
+        # Both engine Services match the selector; only the headless one has the metrics port, so each
+        # pod (loading and draining ones too: their addresses are published) is scraped once.
+        ("conduit-engine", "metrics", "conduit-engine-headless", 9500),
+    ],
+)
+def test_service_monitors_scrape_the_gateway_and_every_engine(
+    monitor_name, port, scraped_service, container_port
+):
     objects = chart_render.manifests(chart_render.render(chart_render.values("full")))
-    monitor = find(objects, "ServiceMonitor")
+    monitor = find(objects, "ServiceMonitor", monitor_name)
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     selected = [
@@ -297,11 +310,53 @@ def test_service_monitor_scrapes_the_gateway_metrics():
         if s["kind"] == "Service"
         and monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
     ]
-    assert [s["metadata"]["name"] for s in selected] == ["conduit-gateway"]
     (endpoint,) = monitor["spec"]["endpoints"]
-    assert endpoint["path"] == "/metrics"
-    assert endpoint["port"] in {p["name"] for p in selected[0]["spec"]["ports"]}
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == (port, "/metrics", "15s")
+    with_port = [s for s in selected if port in {p["name"] for p in s["spec"]["ports"]}]
+    assert [s["metadata"]["name"] for s in with_port] == [scraped_service]
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (service_port,) = [p for p in with_port[0]["spec"]["ports"] if p["name"] == port]
+    workload = component(
+        objects, "StatefulSet" if port == "metrics" else "Deployment", monitor_name.split("-")[1]
+    )
+    ports = {p["name"]: p["containerPort"] for p in _container(workload)["ports"]}
+    assert ports[service_port["targetPort"]] == container_port
+
+
+def test_an_https_gateway_is_scraped_over_https_checking_its_certificate():
+    objects = chart_render.manifests(chart_render.render(chart_render.values("secure")))
+    (gateway_endpoint,) = find(objects, "ServiceMonitor", "conduit-gateway")["spec"]["endpoints"]
+    (certificate,) = [
+        c for c in objects if c["kind"] == "Certificate" and c["metadata"]["name"].endswith("-gateway")
+    ]
+    assert gateway_endpoint["scheme"] == "https"
+    assert gateway_endpoint["tlsConfig"] == {
+        "serverName": f"conduit-gateway.{NAMESPACE}.svc.cluster.local",
+        "ca": {"secret": {"name": certificate["spec"]["secretName"], "key": "ca.crt"}},
+    }
+    assert gateway_endpoint["tlsConfig"]["serverName"] in certificate["spec"]["dnsNames"]
+    # The engines' metrics port is plain HTTP whatever their gRPC uses (the NetworkPolicy guards it).
+    (engine_endpoint,) = find(objects, "ServiceMonitor", "conduit-engine")["spec"]["endpoints"]
+    assert "scheme" not in engine_endpoint and "tlsConfig" not in engine_endpoint
+    full = chart_render.manifests(chart_render.render(chart_render.values("full")))
+    assert "scheme" not in find(full, "ServiceMonitor", "conduit-gateway")["spec"]["endpoints"][0]
+
+
+def test_engine_metrics_port_and_observability_flags_reach_both_clis(release):
+    name, values, _, objects = release
+    engine = engine_cli.config_from_args(
+        engine_cli.build_parser().parse_args(_container(find(objects, "StatefulSet"))["args"])
+    ).telemetry
+    gateway_container = _container(component(objects, "Deployment", "gateway"))
+    # Variables from Secrets get a stand-in value each (the admin key must differ from the API keys).
+    env = {e["name"]: e.get("value", f"from-secret-{e['name']}") for e in gateway_container.get("env", [])}
+    gateway = gateway_cli.config_from_args(gateway_container["args"], env)
+    assert engine.metrics_port == {"full": 9500, "secure": 9090}.get(name, 9400)
+    assert engine.metrics_vllm_compat is (name == "full")
+    otlp = "http://otel-collector.observability:4317" if name == "full" else None
+    assert engine.otlp_endpoint == gateway.otlp_endpoint == otlp
+    assert engine.log_format == gateway.log_format == ("json" if name == "full" else "text")
+    assert not engine.log_prompts and not gateway.log_prompts
 
 
 def test_notes_tell_how_to_call_it(release):
@@ -335,6 +390,9 @@ def test_shipped_values_files_satisfy_the_schema():
         ({"engine": {"replica": 2}}, "replica"),
         # There is no place for a literal key in values.
         ({"gateway": {"apiKeys": {"existingSecret": "", "secretKey": "k", "value": "sk-123"}}}, "value"),
+        ({"engine": {"metrics": {"port": 0}}}, "/engine/metrics/port"),
+        ({"logging": {"format": "xml"}}, "/logging/format"),
+        ({"tracing": {"otlpEndpoint": "collector:4317"}}, "/tracing/otlpEndpoint"),
     ],
 )
 def test_schema_rejects_bad_values(overrides, message):

@@ -158,11 +158,58 @@ def test_each_pool_accepts_grpc_from_the_gateway_envoy_and_both_pools(objects, p
     policy = find(objects, "NetworkPolicy", statefulset["metadata"]["name"])
     pods = statefulset["spec"]["template"]["metadata"]["labels"]
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= pods.items()
-    (grpc_rule,) = policy["spec"]["ingress"]
+    grpc_rule, metrics_rule = policy["spec"]["ingress"]
     peers = {peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in grpc_rule["from"]}
     # Decode engines pull from prefill engines (PullKv) and release on them (ReleaseKv).
     assert peers == {"gateway", "envoy", "prefill", "decode"}
     assert grpc_rule["ports"] == [{"port": "grpc", "protocol": "TCP"}]
+    # The metrics port: the monitoring namespace only, as for colocated engines.
+    monitoring = load((CHART / "values.yaml").read_text())["networkPolicy"]["monitoring"]["namespaceSelector"]
+    assert metrics_rule == {
+        "from": [{"namespaceSelector": monitoring}],
+        "ports": [{"port": "metrics", "protocol": "TCP"}],
+    }
+
+
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_each_pool_serves_metrics_on_its_named_port_through_its_headless_service(objects, pool):
+    statefulset = component(objects, "StatefulSet", pool)
+    config = _engine_config(statefulset).telemetry
+    ports = {port["name"]: port["containerPort"] for port in _container(statefulset)["ports"]}
+    assert config.metrics_port == ports["metrics"] == 9400
+    headless = find(objects, "Service", statefulset["spec"]["serviceName"])
+    (metrics,) = [port for port in headless["spec"]["ports"] if port["name"] == "metrics"]
+    assert metrics == {
+        "name": "metrics",
+        "port": 9400,
+        "targetPort": "metrics",
+        "protocol": "TCP",
+        "appProtocol": "http",
+    }
+    # The clients' ClusterIP Service (the decode pods) names no metrics port: each pod is scraped once.
+    client_service = find(objects, "Service", "conduit-engine")
+    assert [port["name"] for port in client_service["spec"]["ports"]] == ["grpc"]
+
+
+def test_a_service_monitor_per_pool_scrapes_the_metrics_port_of_exactly_its_pods(values):
+    monitored = {**values, "metrics": {"serviceMonitor": {"enabled": True}}}
+    objects = chart_render.manifests(chart_render.render(monitored))
+    monitors = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ServiceMonitor"}
+    assert sorted(monitors) == ["conduit-decode", "conduit-gateway", "conduit-prefill"]
+    services = [o for o in objects if o["kind"] == "Service"]
+    for pool in POOLS:
+        spec = monitors[f"conduit-{pool}"]["spec"]
+        assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+        (endpoint,) = spec["endpoints"]
+        assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+        # The Services it selects that name a metrics port: the pool's headless Service only.
+        selected = [
+            s["metadata"]["name"]
+            for s in services
+            if spec["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+            and any(port["name"] == "metrics" for port in s["spec"]["ports"])
+        ]
+        assert selected == [f"conduit-{pool}-headless"]
 
 
 def test_with_mtls_and_a_token_every_engine_dials_the_others_securely(values):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -15,9 +16,14 @@ from conduit_engine.server import EngineServer
 
 class ServerThread:
     def __init__(
-        self, config: EngineConfig, before_start: Callable[[EngineServer], None] | None = None
+        self,
+        config: EngineConfig,
+        before_start: Callable[[EngineServer], None] | None = None,
+        **server_options: Any,
     ) -> None:
+        """`server_options`: EngineServer's keyword arguments (tracer_provider)."""
         self.config = config
+        self._server_options = server_options
         self.server: EngineServer | None = None
         self.loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -28,7 +34,7 @@ class ServerThread:
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         try:
-            self.server = EngineServer(self.config)
+            self.server = EngineServer(self.config, **self._server_options)
             if self._before_start is not None:
                 self._before_start(self.server)
             self.loop.run_until_complete(self.server.start())
@@ -65,6 +71,12 @@ class ServerThread:
         asyncio.run_coroutine_threadsafe(
             async_engine.run_sync(async_engine.core.check_integrity), self.loop
         ).result(30)
+
+    @property
+    def metrics_url(self) -> str:
+        """The engine's /metrics (its config has a metrics_port; 0 picks a free one)."""
+        assert self.server is not None and self.server.telemetry.metrics_port is not None
+        return f"http://127.0.0.1:{self.server.telemetry.metrics_port}/metrics"
 
     def stop(self) -> None:
         if self.server is not None and self._error is None:

@@ -7,6 +7,7 @@ followed by a call that works: a refused client never stops the engine serving.
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import threading
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -26,7 +28,7 @@ from conduit_engine.server_security import MALFORMED_TOKEN, MISSING_TOKEN, WRONG
 from tests.engine.server_thread import ServerThread
 from tests.engine.test_grpc_server import engine_config
 from tests.support.certs import bearer, make_pki, tls_channel
-from tests.support.processes import start_engine
+from tests.support.processes import free_port, start_engine
 from tests.support.stories import PROMPT
 
 pytestmark = pytest.mark.integration
@@ -257,6 +259,10 @@ def test_reflection_public_and_sighup_on_a_real_engine_process(stories_path, pki
     token.write_text(TOKEN)
     flags = ["--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key)]
     flags += ["--auth-token-file", str(token), "--reflection-public", "true", "--kv-cache-blocks", "64"]
+    # The most the engine ever logs (debug, JSON, prompts and completions): still never a token.
+    flags += ["--log-level", "DEBUG", "--log-format", "json", "--log-prompts"]
+    metrics_port = free_port()  # plain HTTP without the token, beside the TLS gRPC port
+    flags += ["--metrics-port", str(metrics_port)]
     credentials = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
     engine = start_engine(stories_path, *flags, credentials=credentials)
     try:
@@ -282,6 +288,8 @@ def test_reflection_public_and_sighup_on_a_real_engine_process(stories_path, pki
             assert refused.value.details() == WRONG_TOKEN
             assert len(first.token_ids) + token_count(stream) == 150
         assert engine.process.poll() is None
+        scrape = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+        assert scrape.status_code == 200 and 'conduit_engine_state{state="serving"} 1.0' in scrape.text
         # The exec probe the chart uses when the kubelet's plaintext gRPC probe cannot reach a TLS engine.
         probe = [sys.executable, "-m", "conduit_engine.health_probe", "--address", engine.address]
         assert subprocess.run([*probe, "--ca", str(pki.ca)], timeout=60).returncode == 0
@@ -292,7 +300,9 @@ def test_reflection_public_and_sighup_on_a_real_engine_process(stories_path, pki
         assert (
             "is not SERVING: UNAVAILABLE" in refused.stderr and "CERTIFICATE_VERIFY_FAILED" in refused.stderr
         )
-        assert TOKEN not in engine.output_tail(max_chars=1_000_000)
-        assert "new-token" not in engine.output_tail(max_chars=1_000_000)
+        log = engine.output_tail(max_chars=1_000_000)
+        assert TOKEN not in log and "new-token" not in log
+        records = [json.loads(line) for line in log.splitlines() if line.strip()]
+        assert any("SIGHUP" in record["message"] for record in records)
     finally:
         assert engine.stop() == 0

@@ -68,6 +68,24 @@ def test_flags_and_env_vars_map_onto_config(monkeypatch):
     assert env_name("--kv-cache-blocks") == "CONDUIT_KV_CACHE_BLOCKS"
 
 
+def test_observability_flags_map_onto_config(monkeypatch):
+    monkeypatch.setenv("CONDUIT_LOG_PROMPTS", "false")
+    argv = ["--model", "m", "--metrics-port", "9400", "--metrics-vllm-compat", "--log-format", "json"]
+    telemetry = config_from_args(
+        build_parser().parse_args([*argv, "--otlp-endpoint", "http://otel:4317"])
+    ).telemetry
+    assert (telemetry.metrics_port, telemetry.metrics_vllm_compat) == (9400, True)
+    assert (telemetry.log_format, telemetry.log_prompts) == ("json", False)
+    assert telemetry.otlp_endpoint == "http://otel:4317"
+    # Off unless asked for: no endpoint, no vLLM names, no tracing, no prompts in the logs.
+    defaults = config_from_args(build_parser().parse_args(["--model", "m"])).telemetry
+    assert defaults.metrics_port is None and not defaults.metrics_vllm_compat
+    assert defaults.otlp_endpoint is None and not defaults.log_prompts and defaults.log_format == "text"
+    assert config_from_args(
+        build_parser().parse_args(["--model", "m", "--log-prompts"])
+    ).telemetry.log_prompts
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -75,6 +93,9 @@ def test_flags_and_env_vars_map_onto_config(monkeypatch):
         (["--model", "m", "--device", "tpu"], "--device must be cpu or cuda"),
         (["--model", "m", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         ([], "--model is required"),
+        (["--model", "m", "--metrics-port", "70000"], "--metrics-port must be in"),
+        (["--model", "m", "--log-format", "xml"], "--log-format must be text or json"),
+        (["--model", "m", "--otlp-endpoint", "localhost:4317"], "--otlp-endpoint: expected http://HOST:PORT"),
     ],
 )
 def test_bad_flags_are_refused(argv, message, monkeypatch):

@@ -110,6 +110,9 @@ def test_bad_environment_value_names_the_flag(capsys):
         ({"log_level": "loud"}, "log_level"),
         ({"tool_call_parser": "pythonic"}, "tool_call_parser"),
         ({"reasoning_parser": "o1"}, "reasoning_parser"),
+        ({"log_format": "xml"}, "log_format"),
+        ({"otlp_endpoint": "collector:4317"}, "otlp_endpoint"),
+        ({"otlp_endpoint": "grpc://collector:4317"}, "otlp_endpoint"),
     ],
 )
 def test_config_errors_name_the_field(kwargs, field):

@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from tests.gateway.conftest import MODEL
+from tests.support.prometheus import scrape
 
 pytestmark = pytest.mark.integration
 
@@ -47,3 +48,33 @@ def test_metrics_completion_tokens_increase_exactly(make_gateway, fake):
     text = httpx.get(f"{gateway.url}/metrics").text
     assert "conduit_gateway_completion_tokens_total 5.0" in text
     assert "conduit_gateway_prompt_tokens_total 4.0" in text  # the fake counts "x" as 2 tokens (BOS + 1)
+
+
+def test_metrics_time_first_tokens_and_token_gaps_per_model(make_gateway, fake):
+    gateway = make_gateway([fake.address])
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "n": 2, "stream": True}
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        response.read()
+    httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
+    httpx.post(f"{gateway.url}/v1/completions", json={"model": "no-such-model", "prompt": "x"})
+    metrics = scrape(f"{gateway.url}/metrics")
+    ttft = "conduit_gateway_time_to_first_token_seconds_count"
+    assert metrics.value(ttft, endpoint="completions", model=MODEL) == 2
+    # A gap per token after each choice's first: 2 choices x 4, then 1 choice x 2.
+    assert metrics.value("conduit_gateway_inter_token_latency_seconds_count", model=MODEL) == 2 * 4 + 2
+    # Only served models become label values.
+    assert {labels["model"] for labels in metrics.labels(ttft)} == {MODEL}
+
+
+def test_client_trace_context_reaches_the_engine_unchanged_without_tracing(http, fake):
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+        headers={"traceparent": traceparent, "tracestate": "a=1"},
+    )
+    metadata = fake.record.metadata[-1]
+    assert (metadata["traceparent"], metadata["tracestate"]) == (traceparent, "a=1")
+    http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+    assert "traceparent" not in fake.record.metadata[-1]

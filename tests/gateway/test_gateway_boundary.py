@@ -1,7 +1,8 @@
 """The gateway process at its client-facing boundary: HTTPS, the admin API on its own port, bounded
 request heads and bodies (slowloris), and SIGHUP re-reading the keys file and the certificate while a
 stream stays open. The engine is the fake one (tests/support/fake_engine.py); nothing here is timed:
-each slow-client test waits for the gateway's answer, whatever it takes.
+each slow-client test waits for the gateway's answer, whatever it takes. The gateway logs JSON lines at
+debug level with --log-prompts, the most it ever logs, and still no key or token may appear.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def stack(tmp_path_factory):
     args = ["--tls-cert", str(directory / "https.crt"), "--tls-key", str(directory / "https.key")]
     args += ["--api-keys-file", str(directory / "keys.json"), "--admin-key", ADMIN_KEY]
     args += ["--admin-port", str(admin_port), "--header-timeout", "1", "--body-timeout", "1"]
-    args += ["--max-header-bytes", "4096", "--log-level", "debug"]
+    args += ["--max-header-bytes", "4096", "--log-level", "debug", "--log-format", "json", "--log-prompts"]
     args += ["--engine-auth-token-file", str(directory / "engine-token")]
     with FakeEngine(MODEL) as fake:
         gateway = start_gateway(fake.address, *args, https_ca=pki.ca)
@@ -219,3 +220,5 @@ def test_no_key_or_token_ever_reaches_the_log(stack):
     assert "SIGHUP" in log and "/v1/completions" in log  # the log is the debug-level one, and full
     for secret in (OLD_KEY, NEW_KEY, ADMIN_KEY, ENGINE_TOKEN):
         assert secret not in log
+    records = [json.loads(line) for line in log.splitlines() if line.strip()]
+    assert any(" input=" in record["message"] for record in records)  # --log-prompts was in force

@@ -1,5 +1,6 @@
 """The real gateway app (uvicorn on 127.0.0.1, a free port) in a background thread, built from a
-GatewayConfig plus what only an in-process app can take: an injected DNS resolver and clock."""
+GatewayConfig plus what only an in-process app can take: an injected DNS resolver, clock and tracer
+provider."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 import time
 
 import uvicorn
+from opentelemetry.sdk.trace import TracerProvider
 
 from conduit_gateway.config import GatewayConfig
 from conduit_gateway.http.app import create_app
@@ -25,12 +27,14 @@ class GatewayThread:
         engines: list[str],
         resolver: Resolver | None = None,
         clock: Clock = time.monotonic,
+        tracer_provider: TracerProvider | None = None,
         **overrides: object,
     ) -> None:
-        """`clock` replaces the rate limits' time source (a ManualClock drives them exactly)."""
+        """`clock` replaces the rate limits' time source (a ManualClock drives them exactly);
+        `tracer_provider` receives the app's spans (tests read them with an in-memory exporter)."""
         self.port = free_port()
         self.config = GatewayConfig(engines=tuple(engines), host="127.0.0.1", port=self.port, **overrides)
-        self.app = create_app(self.config, resolver=resolver, clock=clock)
+        self.app = create_app(self.config, resolver=resolver, clock=clock, tracer_provider=tracer_provider)
         self._server = uvicorn.Server(
             uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="asyncio", log_level="warning")
         )

@@ -66,6 +66,13 @@ spec:
             - {{ $e.drainSeconds | quote }}
             - --tensor-parallel-size
             - {{ $ranks | quote }}
+            # Prometheus metrics on their own port: they answer while the model loads and while draining.
+            - --metrics-port
+            - {{ $e.metrics.port | quote }}
+            {{- if $e.metrics.vllmCompat }}
+            - --metrics-vllm-compat
+            {{- end }}
+            {{- include "conduit.observabilityArgs" $root | nindent 12 }}
             {{- with $e.servedModelName }}
             - --served-model-name
             - {{ . | quote }}
@@ -146,6 +153,9 @@ spec:
           ports:
             - name: grpc
               containerPort: {{ $e.port }}
+              protocol: TCP
+            - name: metrics
+              containerPort: {{ $e.metrics.port }}
               protocol: TCP
           # grpc.health.v1 answers SERVING only once the model is loaded and warmed up.
           startupProbe:

@@ -123,6 +123,16 @@ seccompProfile:
   type: RuntimeDefault
 {{- end }}
 
+{{/* Log and trace flags both services take, from .Values.logging and .Values.tracing. */}}
+{{- define "conduit.observabilityArgs" -}}
+- --log-format
+- {{ .Values.logging.format | quote }}
+{{- if .Values.tracing.otlpEndpoint }}
+- --otlp-endpoint
+- {{ .Values.tracing.otlpEndpoint | quote }}
+{{- end }}
+{{- end }}
+
 {{/* Secure boundaries: the Secrets each part reads (an existing one, or the one cert-manager writes). */}}
 {{- define "conduit.tlsSecret" -}}
 {{- $part := index .root.Values.tls .part }}

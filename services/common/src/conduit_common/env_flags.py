@@ -17,6 +17,21 @@ def env_name(flag: str) -> str:
     return ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
 
 
+def flag_bool(value: str) -> bool:
+    """The type of a boolean flag: true/false, yes/no, on/off or 1/0 (from the command line or CONDUIT_*)."""
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
+
+
+def add_bool_flag(parser: argparse.ArgumentParser, flag: str, default: bool, help_text: str) -> None:
+    """`--flag` alone means true; `--flag false` (or CONDUIT_FLAG=false) still works."""
+    parser.add_argument(flag, type=flag_bool, default=default, help=help_text, nargs="?", const=True)
+
+
 def long_flags(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Action]]:
     """(`--flag`, its action) for every option of `parser` that has a long flag, except --help."""
     flags = []

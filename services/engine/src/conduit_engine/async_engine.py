@@ -18,6 +18,7 @@ refused, and `on_fatal` tells the server, which stops the process.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -31,7 +32,9 @@ from conduit_engine.errors import EngineUnavailableError, WorkerFailedError
 from conduit_engine.kv_transfer.consumer import PendingPull
 from conduit_engine.kv_transfer.puller import KvPuller
 from conduit_engine.kv_transfer.transport import KvPullResult
+from conduit_engine.observer import clock
 from conduit_engine.request import GenerationRequest, RequestOutput
+from conduit_engine.telemetry.tracing import end_kv_transfer, kv_transfer_span, span_metadata
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +106,8 @@ class AsyncEngine:
             raise EngineUnavailableError(f"the engine has stopped: {self.failure}")
         if self._draining or self._stopping:
             raise EngineUnavailableError("the engine is draining and accepts no new requests")
+        if req.arrival_time is None:
+            req.arrival_time = clock()  # queue and first-token times count from here
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), open_choices=req.num_choices)
         admitted: asyncio.Future[None] = loop.create_future()
@@ -167,12 +172,26 @@ class AsyncEngine:
         result: KvPullResult | None = None
         try:
             if not pending.orphaned:  # set by the engine thread if the request already ended
-                result = await self._puller.pull(pending.spec, pending.dest_block_ids)
+                result = await self._traced_pull(pending)
         except asyncio.CancelledError:
             pass  # aborted: the request is ending; nothing writes into its blocks any more
         finally:
             self._pulls.pop(pending.request_id, None)
             self._submit(lambda: self.core.finish_pull(pending.request_id, result))
+
+    async def _traced_pull(self, pending: PendingPull) -> KvPullResult | None:
+        """The pull inside the request's `engine.kv_transfer` span, whose context goes with the pull."""
+        spec = pending.spec
+        with kv_transfer_span(
+            pending.trace_context,
+            request_id=pending.request_id,
+            transfer_id=spec.transfer_id,
+            peer=spec.source_address,
+            num_blocks=spec.num_blocks,
+        ) as span:
+            result = await self._puller.pull(spec, pending.dest_block_ids, span_metadata(span))
+            end_kv_transfer(span, *((result.num_blocks, result.num_bytes) if result else (None, None)))
+        return result
 
     async def close_transport(self) -> None:
         """Close the KV transport's channels (at shutdown, on the loop that used them)."""
@@ -184,17 +203,33 @@ class AsyncEngine:
 
     async def run_sync(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread between steps (for reads that must not race a step)."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
+        return await asyncio.wrap_future(self.call_soon(fn))
+
+    def call_soon(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run `fn` on the engine thread between steps; any thread may wait for the future's result.
+
+        `fn` runs even if the future was cancelled meanwhile (a command submitted is a command run).
+        After shutdown nothing runs it: wait with a timeout.
+        """
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def call() -> None:
             try:
-                loop.call_soon_threadsafe(_set_result, fut, fn())
+                result = fn()
             except BaseException as exc:
-                loop.call_soon_threadsafe(_set_exception, fut, exc)
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(exc)
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_result(result)
 
         self._submit(call)
-        return await fut
+        return future
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop thread still runs commands (false once shutdown began)."""
+        return not self._stopping and self._thread.is_alive()
 
     async def stats(self) -> EngineStats:
         return await self.run_sync(self.core.stats)

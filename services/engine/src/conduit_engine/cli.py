@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from conduit_common.env_flags import apply_env_defaults, describe_env, env_name
+from conduit_common.env_flags import add_bool_flag, apply_env_defaults, describe_env, env_name, flag_bool
 from conduit_common.secret_files import SecretFileError
 from conduit_engine.config import (
     CacheConfig,
@@ -24,18 +24,10 @@ from conduit_engine.config import (
     SchedulerConfig,
     SecurityConfig,
     ServerConfig,
+    TelemetryConfig,
 )
 from conduit_engine.errors import ModelLoadError, WorkerFailedError
-
-
-def _bool(value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
-
+from conduit_engine.log_setup import configure_logging
 
 # (flag, type, default, help). None as default means "not set".
 FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
@@ -65,16 +57,21 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--block-size", int, 16, "KV cache block size in tokens (power of two)"),
     ("--kv-cache-blocks", int, None, "number of KV cache blocks (default: from the memory fraction)"),
     ("--kv-cache-memory-fraction", float, 0.1, "share of memory for the KV cache when blocks are not given"),
-    ("--enable-prefix-caching", _bool, True, "reuse cached KV blocks of shared prompt prefixes"),
-    ("--enable-chunked-prefill", _bool, True, "split long prompts over several steps"),
-    ("--enforce-eager", _bool, False, "on cuda: do not capture CUDA graphs"),
+    ("--enable-prefix-caching", flag_bool, True, "reuse cached KV blocks of shared prompt prefixes"),
+    ("--enable-chunked-prefill", flag_bool, True, "split long prompts over several steps"),
+    ("--enforce-eager", flag_bool, False, "on cuda: do not capture CUDA graphs"),
     (
         "--tensor-parallel-size",
         int,
         1,
         "shard the model over this many worker processes (one per GPU on cuda; gloo between CPU processes)",
     ),
-    ("--worker-process", _bool, False, "with --tensor-parallel-size 1: run the model in a worker process"),
+    (
+        "--worker-process",
+        flag_bool,
+        False,
+        "with --tensor-parallel-size 1: run the model in a worker process",
+    ),
     ("--drain-seconds", float, 30.0, "on SIGTERM, how long in-flight streams may finish"),
     ("--grpc-max-message-bytes", int, 64 * 1024 * 1024, "largest gRPC message sent or received"),
     ("--grpc-keepalive", float, 30.0, "HTTP/2 keepalive ping period towards clients, seconds"),
@@ -93,7 +90,7 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--tls-key", str, None, "PEM private key of --tls-cert"),
     ("--tls-client-ca", str, None, "PEM CA: require client certificates it signed (mTLS)"),
     ("--auth-token-file", str, None, "file holding the bearer token every RPC but health must present"),
-    ("--reflection-public", _bool, False, "with --auth-token-file: serve reflection without the token"),
+    ("--reflection-public", flag_bool, False, "with --auth-token-file: serve reflection without the token"),
     ("--engine-tls-ca", str, None, "towards other engines (PullKv): PEM CA their certificates chain to"),
     ("--engine-tls-cert", str, None, "towards other engines: PEM client certificate (mTLS)"),
     ("--engine-tls-key", str, None, "towards other engines: PEM private key of --engine-tls-cert"),
@@ -109,6 +106,21 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
         "avx512, avx2 or scalar",
     ),
     ("--log-level", str, "INFO", "logging level"),
+    ("--log-format", str, "text", "text (one line per record) or json (one object per line)"),
+    ("--log-prompts", flag_bool, False, "log prompt and completion text (never logged otherwise)"),
+    (
+        "--metrics-port",
+        int,
+        None,
+        "serve Prometheus metrics on http://HOST:PORT/metrics (unset: no endpoint)",
+    ),
+    (
+        "--metrics-vllm-compat",
+        flag_bool,
+        False,
+        "also export vllm:num_requests_running/waiting, vllm:kv_cache_usage_perc, vllm:cache_config_info",
+    ),
+    ("--otlp-endpoint", str, None, "send traces over OTLP/gRPC to http(s)://HOST:PORT (unset: no tracing)"),
 )
 
 
@@ -123,7 +135,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         epilog="Every flag can also be set through the environment variable CONDUIT_<FLAG_NAME>.",
     )
     for flag, kind, default, help_text in FLAGS:
-        parser.add_argument(flag, type=kind, default=default, help=help_text)
+        if kind is flag_bool:
+            add_bool_flag(parser, flag, default, help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=help_text)
     apply_env_defaults(parser, os.environ if environ is None else environ)
     describe_env(parser)
     return parser
@@ -170,6 +185,13 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             keepalive_seconds=args.grpc_keepalive,
             min_ping_interval_seconds=args.grpc_min_ping_interval,
         ),
+        telemetry=TelemetryConfig(
+            metrics_port=args.metrics_port,
+            metrics_vllm_compat=args.metrics_vllm_compat,
+            otlp_endpoint=args.otlp_endpoint,
+            log_format=args.log_format,
+            log_prompts=args.log_prompts,
+        ),
         disaggregation=DisaggregationConfig(
             role=args.role,
             advertise_address=args.advertise_address,
@@ -203,11 +225,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level, config.telemetry.log_format)
     from conduit_engine.server import EngineServer
 
     async def run() -> None:

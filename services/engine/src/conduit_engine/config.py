@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conduit_common.logs import LOG_FORMATS
+from conduit_common.tracing import check_otlp_endpoint
+
 GENERATION_CONFIG_MODES = ("auto", "vllm", "none")
 ROLES = ("both", "prefill", "decode")
 # the CPU ops backend: the best instruction set of kernels/cpu, the torch reference, or one set
@@ -130,6 +133,28 @@ class ServerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TelemetryConfig:
+    """Metrics, traces and logs."""
+
+    metrics_port: int | None = None  # Prometheus endpoint; None: none (0: any free port, for tests)
+    metrics_vllm_compat: bool = False  # also export vLLM's names for Kubernetes inference routers
+    otlp_endpoint: str | None = None  # OTLP/gRPC receiver of the spans; None: no tracing
+    log_format: str = "text"
+    log_prompts: bool = False  # prompt and completion text in the logs (never by default)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.metrics_port is None or 0 <= self.metrics_port <= 65535,
+            f"--metrics-port must be in [0, 65535], got {self.metrics_port}",
+        )
+        if self.otlp_endpoint is not None:
+            check_otlp_endpoint(self.otlp_endpoint)
+        _require(
+            self.log_format in LOG_FORMATS, f"--log-format must be text or json, got {self.log_format!r}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class DisaggregationConfig:
     """This engine's side of prefill/decode disaggregation (KV transfers between engines)."""
 
@@ -221,5 +246,6 @@ class EngineConfig:
     server: ServerConfig = ServerConfig()
     security: SecurityConfig = SecurityConfig()
     parallel: ParallelConfig = ParallelConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     enforce_eager: bool = False

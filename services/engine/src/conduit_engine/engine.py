@@ -3,7 +3,8 @@
 Model and cache setup live in `model_setup`, request validation in `admission`, the stop rules in
 `stop_rules`, the two sides of disaggregated requests in `kv_transfer` (the producer ends a prefill at its
 first token with the prompt's KV pinned; the consumer starts a decode from pulled KV). Not thread-safe by
-itself; `AsyncEngine` drives it from one thread.
+itself; `AsyncEngine` drives it from one thread. What it reports about its work goes to the attached
+`observer.EngineObserver`s (metrics, tracing), if any.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from conduit_common.logs import request_extra
 from conduit_engine import model_setup, runner_setup
 from conduit_engine.admission import Admission, Limits
 from conduit_engine.block_manager import BlockManager, BlockStats
@@ -25,6 +27,7 @@ from conduit_engine.kv_transfer.producer import KvProducer
 from conduit_engine.kv_transfer.registry import KvTransferRegistry
 from conduit_engine.kv_transfer.transport import KvPullResult
 from conduit_engine.model_runner import SeqStepResult
+from conduit_engine.observer import EngineObserver, StepRecord, clock, request_record
 from conduit_engine.request import GenerationRequest, RequestOutput
 from conduit_engine.request_state import RequestState
 from conduit_engine.sampling_params import SamplingParams
@@ -50,6 +53,7 @@ class EngineStats:
     kv_transfers_pending: int = 0  # produced here, not yet pulled, released or expired
     kv_bytes_pulled: int = 0
     kv_bytes_saved: int = 0  # not pulled: already in this engine's prefix cache
+    kv_pulls: int = 0  # pulls into this engine that completed
 
 
 class LLMEngine:
@@ -90,6 +94,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._finished_requests = 0
         self._generated_tokens = 0
+        self._log_prompts = config.telemetry.log_prompts
+        # Attach on the engine thread (AsyncEngine.run_sync), between steps.
+        self.observers: list[EngineObserver] = []
         log.info(
             "loaded %s (%s, %s) on %s%s: %d KV blocks of %d tokens, max_model_len %d",
             self.model_name,
@@ -144,18 +151,22 @@ class LLMEngine:
             seqs,
             {seq.index: self._stop_rules(prompt, params) for seq in seqs},
             kv_produce=req.kv_produce,
+            arrival=clock() if req.arrival_time is None else req.arrival_time,
+            trace_context=req.trace_context,
         )
         if consume is not None:
             replay_first_tokens(consume, seqs, state.stop_rules)
-            self.kv_consumer.start(req.request_id, consume.handle, seqs)
+            self.kv_consumer.start(req.request_id, consume.handle, seqs, req.trace_context)
         self._requests[req.request_id] = state
         log.info(
-            "request %s queued: %d prompt tokens, n=%d, max_tokens=%d%s",
+            "request %s queued: %d prompt tokens, n=%d, max_tokens=%d%s%s",
             req.request_id,
             len(prompt),
             params.n,
             params.max_tokens,
             " (prefill: KV hand-off)" if req.kv_produce else " (decode: KV pull)" if consume else "",
+            f", prompt {self.tokenizer.decode(prompt, False)!r}" if self._log_prompts else "",
+            extra=request_extra(req.request_id),
         )
         if consume is None:
             for seq in seqs:
@@ -196,14 +207,14 @@ class LLMEngine:
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Stop a request; returns the final outputs of its unfinished choices (empty if unknown)."""
         if request_id in self._requests:
-            log.info("request %s aborted", request_id)
+            log.info("request %s aborted", request_id, extra=request_extra(request_id))
         return self._end(request_id, FinishReason.ABORT)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every live request with FinishReason.ERROR (the step failed); frees all their blocks."""
         outputs: list[RequestOutput] = []
         for request_id in list(self._requests):
-            log.error("request %s failed: %s", request_id, error)
+            log.error("request %s failed: %s", request_id, error, extra=request_extra(request_id))
             outputs.extend(self._end(request_id, FinishReason.ERROR, error))
         return outputs
 
@@ -223,6 +234,7 @@ class LLMEngine:
         if req.kv_produce:
             self.kv_producer.request_ended(req, completed=False)
         self._finished_requests += 1
+        self._report_request(req, reason)
         return outputs
 
     # ----- disaggregation ----------------------------------------------------------------------------
@@ -253,14 +265,25 @@ class LLMEngine:
 
     # ----- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = clock() if self.observers else 0.0
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
+        record = StepRecord.begin(started, scheduled, self._requests) if self.observers else None
         results = self.runner.execute(scheduled)
         self.scheduler.update_after_step(scheduled)
-        return self._postprocess(scheduled, results)
+        if record is None:
+            return self._postprocess(scheduled, results, None)
+        record.sampled_at = clock()
+        outputs = self._postprocess(scheduled, results, record)
+        record.finished = clock()
+        for observer in self.observers:
+            observer.on_step(record)
+        return outputs
 
-    def _postprocess(self, scheduled: SchedulerOutput, results: list[SeqStepResult]) -> list[RequestOutput]:
+    def _postprocess(
+        self, scheduled: SchedulerOutput, results: list[SeqStepResult], record: StepRecord | None
+    ) -> list[RequestOutput]:
         for seq in scheduled.preempted:
             req = self._requests.get(seq.request_id)
             if req is not None and seq.index == 0 and not req.sent_first:
@@ -277,6 +300,8 @@ class LLMEngine:
             if result.token_id is None:
                 continue
             self._generated_tokens += 1
+            if record is not None:
+                record.token(req, seq)
             text = req.stop_rules[seq.index].accept(seq, result.token_id)
             handoff = self.kv_producer.after_first_token(req, seq) if req.kv_produce else None
             if seq.is_finished:
@@ -294,12 +319,23 @@ class LLMEngine:
         self._finished_requests += 1
         usage = req.usage()
         log.info(
-            "request %s finished (%s): %d completion tokens, %d cached prompt tokens",
+            "request %s finished (%s): %d completion tokens, %d cached prompt tokens%s",
             req.request_id,
             ",".join(s.finish_reason.value for s in req.seqs if s.finish_reason is not None),
             usage.completion_tokens,
             usage.cached_tokens,
+            f", completion {[r.detokenizer.output_text for r in req.stop_rules.values()]!r}"
+            if self._log_prompts
+            else "",
+            extra=request_extra(req.request_id),
         )
+        self._report_request(req, None)
+
+    def _report_request(self, req: RequestState, reason: FinishReason | None) -> None:
+        if self.observers:
+            record = request_record(req, reason, clock())
+            for observer in self.observers:
+                observer.on_request_end(record)
 
     # ----- introspection ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -312,6 +348,7 @@ class LLMEngine:
             kv_transfers_pending=self.kv_registry.num_pending,
             kv_bytes_pulled=self.kv_consumer.counters.bytes_pulled,
             kv_bytes_saved=self.kv_consumer.counters.bytes_saved,
+            kv_pulls=self.kv_consumer.counters.pulls,
         )
 
     def check_integrity(self) -> None:

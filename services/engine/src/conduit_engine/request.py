@@ -26,6 +26,10 @@ class GenerationRequest:
     tools: list[Any] | None = None  # with messages: given to the chat template as `tools`
     documents: list[Any] | None = None  # with messages: given to the chat template as `documents`
     priority: int = 0
+    arrival_time: float | None = None  # observer.clock() at arrival; None: when the engine admits it
+    # Opaque to the engine: the caller's tracing context (an OpenTelemetry Context), handed back to the
+    # observers in the request's RequestRecord so its spans join the caller's trace. None: not traced.
+    trace_context: object | None = None
     # Disaggregation (at most one): run only the prefill side and hand the KV off, or only the decode side.
     kv_produce: bool = False
     kv_consume: KvConsume | None = None

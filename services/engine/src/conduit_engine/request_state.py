@@ -1,5 +1,6 @@
-"""One admitted request inside the engine: its choices (sequences), their stop rules, and how their new
-tokens become `RequestOutput`s (usage, prompt ids and prompt logprobs on the request's first output)."""
+"""One admitted request inside the engine: its choices (sequences), their stop rules, how their new
+tokens become `RequestOutput`s (usage, prompt ids and prompt logprobs on the request's first output), and
+the times its observers report (`observer.StepRecord` fills them only while an observer is attached)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ class RequestState:
     kv_transfer: KvTransfer | None = None  # the prompt's KV pinned for a decode engine (kv_produce)
     # Prompt logprobs computed so far (choice 0 computes them for all); sent on the first output.
     pending_prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    arrival: float = 0.0  # observer.clock() when the request reached the engine
+    trace_context: object | None = None  # GenerationRequest.trace_context, for the request's spans
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    # Choice index → its latest token's time (0.0: none yet); the decode side may run only some choices.
+    token_times: dict[int, float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_times = dict.fromkeys((seq.index for seq in self.seqs), 0.0)
 
     @property
     def finished(self) -> bool:

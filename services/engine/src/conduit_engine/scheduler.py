@@ -32,10 +32,20 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # scheduled for the first time (not recomputes)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens computed for prompts or recomputed after preemption: all but single-token decodes."""
+        return sum(
+            s.num_new_tokens
+            for s in self.scheduled
+            if s.num_new_tokens > 1 or s.seq.num_computed_tokens < s.seq.num_prompt_tokens
+        )
 
     @property
     def is_empty(self) -> bool:
@@ -133,6 +143,7 @@ class Scheduler:
                 # Tokens pulled from a prefill engine were computed there, not served by this cache.
                 seq.num_cached_tokens = seq.num_computed_tokens - seq.num_pulled_tokens
                 self.block_manager.record_prefix_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
+                out.admitted.append(seq)
             seq.status = SequenceStatus.RUNNING
             seq.was_admitted = True
             self.running.append(seq)

@@ -17,9 +17,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Status, StatusCode
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc as pb_grpc
+from conduit_common.logs import current_request_id
 from conduit_engine.async_engine import AsyncEngine
 from conduit_engine.config import EngineConfig
 from conduit_engine.engine import LLMEngine
@@ -44,6 +47,8 @@ from conduit_engine.proto_mapping import (
 from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.server_security import ServerSecurity, engine_dialer
+from conduit_engine.telemetry import EngineTelemetry
+from conduit_engine.telemetry.tracing import KV_BLOCKS, KV_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +158,9 @@ class EngineServicer(pb_grpc.EngineServicer):
     converts messages and refuses what is gRPC-specific (a wrong model name, warm-up not done).
     """
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, telemetry: EngineTelemetry) -> None:
         self.device = device
+        self.telemetry = telemetry
         self._async_engine: AsyncEngine | None = None
         self._kv_service: KvTransferService | None = None
         self.advertise_address = ""
@@ -196,9 +202,18 @@ class EngineServicer(pb_grpc.EngineServicer):
         req = request_from_pb(request)
         if not request.request_id:
             req.request_id = _metadata_request_id(context) or req.request_id
+        current_request_id.set(req.request_id)  # this call's log lines carry it
+        req.trace_context = trace = self.telemetry.request_trace(context.invocation_metadata())
         decode = self.core.tokenizer.token_text
-        async for out in self.async_engine.generate(req):
-            yield output_to_pb(out, decode, self._handle)
+        sent = False
+        try:
+            async for out in self.async_engine.generate(req):
+                sent = True
+                yield output_to_pb(out, decode, self._handle)
+        except EngineError as exc:
+            if not sent:  # refused at admission: the engine never saw it, no record ends its span
+                self.telemetry.refused(trace, exc)
+            raise
 
     def _handle(self, transfer: KvTransfer) -> pb.KvHandle:
         return handle_to_pb(transfer, self.advertise_address, self.core.kv_layout)
@@ -213,8 +228,20 @@ class EngineServicer(pb_grpc.EngineServicer):
         self, request: pb.PullKvRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.KvChunk]:
         # Served while draining too: decode engines still pull the transfers produced here.
-        async for chunk in self.kv_service.pull_kv(request, context):
-            yield chunk
+        span = self.telemetry.pull_kv_span(context.invocation_metadata(), request.transfer_id)
+        blocks = sent = 0
+        try:
+            async for chunk in self.kv_service.pull_kv(request, context):
+                blocks, sent = blocks + chunk.num_blocks, sent + len(chunk.data)
+                yield chunk
+        except BaseException as exc:  # refused (aborted with a status) or cancelled by the puller
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            if span is not None:
+                span.set_attributes({KV_BLOCKS: blocks, KV_BYTES: sent})
+                span.end()
 
     async def ReleaseKv(
         self, request: pb.ReleaseKvRequest, context: grpc.aio.ServicerContext
@@ -311,11 +338,14 @@ class EngineServer:
     and makes `serve` raise WorkerFailedError (the CLI then exits non-zero).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tracer_provider: TracerProvider | None = None) -> None:
+        """`tracer_provider` replaces the one --otlp-endpoint would make (tests read spans in memory)."""
         self.config = config
         parallel = config.parallel
         self.workers = WorkerGroup(parallel.tensor_parallel_size) if parallel.uses_workers else None
         self.failure: str | None = None
+        # After the workers: an OTLP exporter opens a gRPC channel.
+        self.telemetry = EngineTelemetry(config.telemetry, config.server.host, tracer_provider)
         self.health = health.aio.HealthServicer()
         server = config.server
         options = [
@@ -343,10 +373,11 @@ class EngineServer:
             ),
             self.server,
         )
-        self.servicer = EngineServicer(config.model.device)
+        self.servicer = EngineServicer(config.model.device, self.telemetry)
         pb_grpc.add_EngineServicer_to_server(self.servicer, self.server)
         self.async_engine: AsyncEngine | None = None
         self._stop = asyncio.Event()
+        self._drained = False
 
     @property
     def advertise_address(self) -> str:
@@ -375,12 +406,14 @@ class EngineServer:
         )
         loop = asyncio.get_running_loop()
         try:
+            self.telemetry.start_endpoint()
             core = await loop.run_in_executor(None, LLMEngine, self.config, self.workers)
         except BaseException:
             # A model that cannot load ends the process with a message: stop gRPC cleanly first.
             if self.workers is not None:
                 self.workers.shutdown()
             await self.server.stop(grace=None)
+            self.telemetry.shutdown()
             raise
         self.async_engine = AsyncEngine(
             core,
@@ -394,17 +427,25 @@ class EngineServer:
         except BaseException:
             await self.server.stop(grace=None)
             self.async_engine.shutdown()
+            self.telemetry.shutdown()
             raise
+        await self.telemetry.attach(self.async_engine)
         # What is alive now (the model, torch, transformers) lives as long as the process: keep the
         # garbage collector from walking it again in every full collection during serving.
         gc.freeze()
         self.servicer.ready = True
+        self.telemetry.set_state("serving")
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("SERVING %s", core.model_name)
 
     async def drain_and_stop(self) -> None:
-        """Stop taking requests, let in-flight streams finish (up to drain_seconds), then stop."""
+        """Stop taking requests, let in-flight streams finish (up to drain_seconds), then stop. Once: a
+        second call returns at once (the stopped engine thread would never answer its stats)."""
+        if self._drained:
+            return
+        self._drained = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.telemetry.set_state("draining")
         if self.async_engine is not None:
             self.async_engine.start_draining()
             deadline = asyncio.get_running_loop().time() + self.config.server.drain_seconds
@@ -414,6 +455,7 @@ class EngineServer:
         if self.async_engine is not None:
             await self.async_engine.close_transport()
             self.async_engine.shutdown()
+        self.telemetry.shutdown()
 
     async def _busy(self) -> bool:
         """Streams still running, or KV transfers produced here that a decode engine has yet to pull."""
@@ -442,6 +484,7 @@ class EngineServer:
         await self.server.stop(grace=1.0)
         if self.async_engine is not None:
             self.async_engine.shutdown()
+        self.telemetry.shutdown()
 
     async def serve(self) -> None:
         """Serve until a signal (drain, then return) or a worker failure (raises WorkerFailedError)."""

@@ -6,12 +6,12 @@ Each flag --some-name can also come from CONDUIT_SOME_NAME; a flag given on the 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from conduit_common.env_flags import apply_env_defaults, describe_env
+from conduit_common import logs
+from conduit_common.env_flags import add_bool_flag, apply_env_defaults, describe_env
 from conduit_gateway.config import (
     REASONING_PARSERS,
     ROUTING_STRATEGIES,
@@ -213,6 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="split the model's reasoning into reasoning_content (default none)",
     )
     parser.add_argument("--log-level", default="info", help="critical|error|warning|info|debug|trace")
+    parser.add_argument(
+        "--log-format", default="text", help="text (one line per record) or json (one object per line)"
+    )
+    add_bool_flag(parser, "--log-prompts", False, "log prompt and completion text (never logged otherwise)")
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="send traces over OTLP/gRPC to http(s)://HOST:PORT (default: no tracing)",
+    )
     describe_env(parser)
     return parser
 
@@ -272,6 +281,9 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> Gateway
         log_level=args.log_level.lower(),
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        log_format=args.log_format,
+        log_prompts=args.log_prompts,
+        otlp_endpoint=args.otlp_endpoint,
     )
 
 
@@ -286,10 +298,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from conduit_gateway.http.server import serve
     from conduit_gateway.keys.keys_file import KeysFileError
 
-    logging.basicConfig(
-        level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure("DEBUG" if config.log_level == "trace" else config.log_level, config.log_format)
     try:
         app = create_app(config)
         serve(config, app)

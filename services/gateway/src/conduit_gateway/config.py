@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from conduit_common.logs import LOG_FORMATS
+from conduit_common.tracing import check_otlp_endpoint
 from conduit_gateway.parsers.reasoning import reasoning_parser_names
 from conduit_gateway.parsers.tool_calls import tool_call_parser_names
 from conduit_gateway.routing.selection import strategy_names
@@ -112,6 +114,11 @@ class GatewayConfig:
     tool_call_parser: str | None = None
     # How reasoning is split from the answer (reasoning_content); None: the text is all content.
     reasoning_parser: str | None = None
+    # Logs: text or json lines; prompt and completion text only with log_prompts.
+    log_format: str = "text"
+    log_prompts: bool = False
+    # OTLP/gRPC receiver of the gateway's spans (http(s)://HOST:PORT); None: no tracing.
+    otlp_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         self._check_engine_sources()
@@ -120,8 +127,18 @@ class GatewayConfig:
         self._check_engine_calls()
         self._check_parsers()
         self._check_security()
+        self._check_telemetry()
+
+    def _check_telemetry(self) -> None:
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format: must be text or json, got {self.log_format!r}")
+        if self.otlp_endpoint is not None:
+            try:
+                check_otlp_endpoint(self.otlp_endpoint, flag="otlp_endpoint")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
 
     @property
     def disaggregated(self) -> bool:

@@ -48,6 +48,7 @@ class PendingPull:
     spec: KvPullSpec
     dest_block_ids: list[int]  # a copy for the event loop: transfer block start_block + i → dest[i]
     orphaned: bool = False  # the request ended meanwhile: free the blocks when the pull ends
+    trace_context: object | None = None  # the request's GenerationRequest.trace_context (its pull's span)
 
 
 def replay_first_tokens(
@@ -84,7 +85,13 @@ class KvConsumer:
         """The sequences holding blocks a pull writes into (ended requests' included)."""
         return [pull.plan.seq for pull in self._pulls.values()]
 
-    def start(self, request_id: str, handle: KvHandleRef, seqs: list[Sequence]) -> PendingPull:
+    def start(
+        self,
+        request_id: str,
+        handle: KvHandleRef,
+        seqs: list[Sequence],
+        trace_context: object | None = None,
+    ) -> PendingPull:
         """Allocate the pull's blocks for the consumed choices `seqs` (the first pulls, the others wait
         for it), each already holding its first token. Raises QueueFullError when the cache has no room
         now (the caller can try another engine)."""
@@ -103,6 +110,7 @@ class KvConsumer:
                 handle.source_address, handle.transfer_id, plan.start_block, plan.total_blocks, self.layout
             ),
             dest_block_ids=list(plan.dest_block_ids),
+            trace_context=trace_context,
         )
         self._pulls[request_id] = pending
         return pending

@@ -8,6 +8,8 @@ a confused or hostile source cannot write outside the blocks the pull planned.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 
 from conduit.engine.v1 import engine_pb2 as pb
@@ -56,14 +58,16 @@ class GrpcKvTransport(KvTransport):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._dialer = dialer
 
-    async def pull(self, spec: KvPullSpec, sink: KvBlockSink) -> KvPullResult:
+    async def pull(
+        self, spec: KvPullSpec, sink: KvBlockSink, metadata: Sequence[tuple[str, str]] = ()
+    ) -> KvPullResult:
         request = pb.PullKvRequest(
             transfer_id=spec.transfer_id,
             start_block=spec.start_block,
             layout_fingerprint=spec.layout.fingerprint,
         )
         stub = pb_grpc.EngineStub(self._channel(spec.source_address))
-        call = stub.PullKv(request, timeout=self._timeout_s, metadata=self._dialer.metadata())
+        call = stub.PullKv(request, timeout=self._timeout_s, metadata=self._dialer.metadata(*metadata))
         next_block, num_bytes = spec.start_block, 0
         try:
             async for chunk in call:

@@ -77,12 +77,14 @@ def abandon_pull(block_manager: BlockManager, plan: KvPullPlan) -> None:
 
 @dataclass(slots=True)
 class KvPullCounters:
-    """GetLoad's kv_bytes_pulled and kv_bytes_saved since start."""
+    """GetLoad's kv_bytes_pulled and kv_bytes_saved since start, and the committed pulls."""
 
     bytes_pulled: int = 0
     bytes_saved: int = 0  # blocks already in the prefix cache, not pulled
+    pulls: int = 0
 
     def record(self, plan: KvPullPlan, block_bytes: int) -> None:
         """Count one committed pull."""
+        self.pulls += 1
         self.bytes_pulled += plan.num_pull_blocks * block_bytes
         self.bytes_saved += plan.start_block * block_bytes

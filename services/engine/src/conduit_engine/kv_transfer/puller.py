@@ -40,11 +40,14 @@ class KvPuller:
             self._transport = create_transport("grpc", **self._options)
         return self._transport
 
-    async def pull(self, spec: KvPullSpec, dest_block_ids: Sequence[int]) -> KvPullResult | None:
-        """Pull `spec`'s blocks into `dest_block_ids`; None when the transfer failed (logged)."""
+    async def pull(
+        self, spec: KvPullSpec, dest_block_ids: Sequence[int], metadata: Sequence[tuple[str, str]] = ()
+    ) -> KvPullResult | None:
+        """Pull `spec`'s blocks into `dest_block_ids`; None when the transfer failed (logged). `metadata`:
+        more of the pull's call metadata (its trace context)."""
         writer = CacheBlockWriter(self._store, spec.layout.block_bytes, dest_block_ids, spec.start_block)
         try:
-            return await self.transport.pull(spec, writer)
+            return await self.transport.pull(spec, writer, metadata)
         except KvTransferError as exc:
             log.warning("KV pull %s failed, recomputing the prompt: %s", spec.transfer_id, exc)
             if not isinstance(exc, KvTransferNotFoundError):

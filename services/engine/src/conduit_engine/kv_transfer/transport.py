@@ -22,6 +22,7 @@ guarantee, the errors and the registry's lifecycle stay as they are. `release` s
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,8 +71,11 @@ class KvTransport(ABC):
     """Fetches transfer blocks from a source engine into a sink."""
 
     @abstractmethod
-    async def pull(self, spec: KvPullSpec, sink: KvBlockSink) -> KvPullResult:
+    async def pull(
+        self, spec: KvPullSpec, sink: KvBlockSink, metadata: Sequence[tuple[str, str]] = ()
+    ) -> KvPullResult:
         """Deliver blocks [spec.start_block, spec.total_blocks) to `sink`; return when all are written.
+        `metadata` goes with the pull's call (the W3C trace context of the puller's span).
 
         Raises KvTransferNotFoundError, KvSourceUnavailableError, KvLayoutMismatchError or another
         KvTransferError; after an error some blocks may have been written, none committed.

@@ -17,7 +17,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import time
 from multiprocessing.connection import Connection, wait
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from conduit_engine.log_setup import configure_logging
 from conduit_engine.model_executor import ModelExecutor
 from conduit_engine.model_setup import set_cpu_threads
 from conduit_engine.models.loader import DTYPES, load_model
@@ -47,11 +47,7 @@ def worker_main(
     _exit_with_parent()
     try:
         init = _control(commands)
-        logging.basicConfig(
-            level=init["log_level"],
-            format=f"%(asctime)s %(levelname)s worker rank {rank}: %(message)s",
-            stream=sys.stderr,
-        )
+        configure_logging(init["log_level"], init["log_format"], worker_rank=rank)
         worker = Worker(rank, world_size, init, store_path)
         replies.send_bytes(control(Kind.LOADED, worker.memory_report()))
         worker.allocate(_control(commands))

@@ -126,6 +126,7 @@ def start_workers(group: WorkerGroup, config: EngineConfig, facts: ModelFacts) -
         "seed": config.model.seed,
         "num_threads": config.model.num_threads,
         "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+        "log_format": config.telemetry.log_format,
     }
     try:
         group.send(control(Kind.INIT, init))

@@ -10,10 +10,12 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, ClassVar
 
 import grpc
+from opentelemetry import trace
 from pydantic import BaseModel
 from starlette.responses import Response
 
 from conduit.engine.v1 import engine_pb2
+from conduit_common import tracing
 from conduit_gateway.context import GatewayContext
 from conduit_gateway.errors import OpenAIError, from_rpc_error, invalid_param, too_many_requests
 from conduit_gateway.handlers import fields
@@ -33,6 +35,9 @@ from conduit_gateway.schemas.common import SamplingRequest, Usage
 from conduit_gateway.structured.constraints import Constraint
 
 log = logging.getLogger(__name__)
+
+# The request fields that hold prompt text, logged only with --log-prompts.
+_PROMPT_FIELDS = {"prompt", "messages", "suffix"}
 
 
 class GenerationHandler(ABC):
@@ -118,16 +123,7 @@ class GenerationHandler(ABC):
             request.sampling.CopyFrom(sampling)
             if self.body.priority is not None:
                 request.priority = fields.int32("priority", self.body.priority)
-        log.info(
-            "request %s: %s model=%s prompts=%d n=%d stream=%s user=%s",
-            self.request_id,
-            self.endpoint,
-            self.body.model,
-            len(requests),
-            self.n,
-            bool(self.body.stream),
-            self.body.user,
-        )
+        self._log_start(len(requests))
         if self.api_key is not None:
             self.admission = self.ctx.rate_limiter.admit(self.api_key)  # 429 when the key is spent
         limiter = self.ctx.limiter
@@ -142,9 +138,13 @@ class GenerationHandler(ABC):
         streams: list[EngineStream] = []
         try:
             streams = await self._open(requests)
-            self.ctx.metrics.first_token_seconds.labels(self.endpoint).observe(
+            # Labelled by model only now: the model is served, so clients cannot invent label values.
+            metrics = self.ctx.metrics
+            metrics.first_token_seconds.labels(self.endpoint, self.body.model).observe(
                 time.perf_counter() - self._started
             )
+            for stream in streams:
+                stream.token_gaps = metrics.inter_token_seconds.labels(self.body.model)
             # The engine admitted the prompts: they count against the key's tokens now.
             self._charge(sum(stream.first.usage.prompt_tokens for stream in streams))
             choices = ChoiceSet(self.n, self.new_choice)
@@ -158,6 +158,23 @@ class GenerationHandler(ABC):
         finally:
             if not streaming:
                 self._release(streams)
+
+    def _log_start(self, prompts: int) -> None:
+        """The request's log line (its prompt text only with --log-prompts) and its span's model."""
+        log.info(
+            "request %s: %s model=%s prompts=%d n=%d stream=%s user=%s%s",
+            self.request_id,
+            self.endpoint,
+            self.body.model,
+            prompts,
+            self.n,
+            bool(self.body.stream),
+            self.body.user,
+            f" input={self.body.model_dump_json(include=_PROMPT_FIELDS, exclude_none=True)}"
+            if self.ctx.config.log_prompts
+            else "",
+        )
+        trace.get_current_span().set_attribute(tracing.MODEL, self.body.model)
 
     def _charge(self, tokens: int) -> None:
         """The request has used `tokens` (prompt + output) so far: the key's limits count them."""
@@ -223,9 +240,16 @@ class GenerationHandler(ABC):
             )
         choice.finish_reason = FINISH_REASONS.get(message.finish_reason, "stop")
 
-    def _record_usage(self, usage: UsageTotals) -> None:
+    def _finished(self, usage: UsageTotals, choices: ChoiceSet) -> None:
+        """The request's output is complete: count its tokens, add them to its span, log its text."""
         self.ctx.metrics.prompt_tokens.inc(usage.prompt_tokens)
         self.ctx.metrics.completion_tokens.inc(usage.completion_tokens)
+        trace.get_current_span().set_attributes(
+            {tracing.INPUT_TOKENS: usage.prompt_tokens, tracing.OUTPUT_TOKENS: usage.completion_tokens}
+        )
+        if self.ctx.config.log_prompts:
+            texts = ["".join(choice.texts) for choice in choices.ordered()]
+            log.info("request %s: completion %r", self.request_id, texts)
 
     async def _accumulate(
         self, streams: list[EngineStream], choices: ChoiceSet, usage: UsageTotals
@@ -244,7 +268,7 @@ class GenerationHandler(ABC):
             raise self._rpc_error(exc) from None
         finally:
             close_all(streams)
-        self._record_usage(usage)
+        self._finished(usage, choices)
         # prompt_logprobs is a vLLM extra: absent (not null) unless asked for, like OpenAI's shape.
         exclude = self.absent_prompt_logprobs if self.body.prompt_logprobs is None else None
         body = self.response(choices.ordered(), usage).model_dump_json(exclude=exclude)
@@ -294,7 +318,7 @@ class GenerationHandler(ABC):
                         yield events
                 if include_usage:
                     yield encoder.usage_chunk(usage.as_dict())
-                self._record_usage(usage)
+                self._finished(usage, choices)
             except grpc.aio.AioRpcError as exc:
                 yield self._stream_error(self._rpc_error(exc))
             except OpenAIError as exc:

@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+from prometheus_client import Histogram
 
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.errors import OpenAIError
+from conduit_gateway.http.tracing import engine_trace_metadata
 from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.pool import EnginePool
 from conduit_gateway.routing.roles import NodeRole
@@ -72,6 +74,12 @@ class PromptStream:
     opened_at: float = field(default_factory=time.perf_counter)
     tokens_after_first: int = 0
     closed: bool = False
+    # Observes the time between consecutive token messages of each choice (its inter-token latency).
+    token_gaps: Histogram | None = None
+    _last_token_at: dict[int, float] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self._last_token_at[self.first.index] = self.opened_at
 
     async def read(self) -> engine_pb2.GenerateResponse | None:
         """The next message, or None at the end of the stream; engine errors propagate (AioRpcError)."""
@@ -82,10 +90,16 @@ class PromptStream:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.pool.eject(self.node, f"stream of {self.first.request_id} broke: {exc.details()}")
             raise
+        now = time.perf_counter()
         if message is grpc.aio.EOF:
-            self.node.record_decode(time.perf_counter() - self.opened_at, self.tokens_after_first)
+            self.node.record_decode(now - self.opened_at, self.tokens_after_first)
             return None
         self.tokens_after_first += len(message.token_ids)
+        if message.token_ids and self.token_gaps is not None:
+            last = self._last_token_at.get(message.index)
+            if last is not None:
+                self.token_gaps.observe(now - last)
+            self._last_token_at[message.index] = now
         return message
 
     def close(self) -> None:
@@ -109,7 +123,7 @@ async def open_stream(
     """Send `request` to a node of the `role` pool for `model` and wait for its first message, retrying
     refusals elsewhere."""
     route = pool.route_request(model, request)
-    metadata = (("x-request-id", request.request_id),)
+    metadata = (("x-request-id", request.request_id), *engine_trace_metadata())
     tried: list[EngineNode] = []
     refusal: grpc.aio.AioRpcError | None = None
     while True:

@@ -13,8 +13,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from opentelemetry.sdk.trace import TracerProvider
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from conduit_common.tracing import otlp_tracer_provider
 from conduit_gateway import __version__
 from conduit_gateway.config import GatewayConfig
 from conduit_gateway.context import GatewayContext
@@ -29,21 +31,29 @@ from conduit_gateway.http.middleware import (
     RequestIdMiddleware,
 )
 from conduit_gateway.http.routes import router
+from conduit_gateway.http.tracing import TracingMiddleware
 from conduit_gateway.http.validation import validation_error
 from conduit_gateway.keys.rate_limit import Clock
 from conduit_gateway.routing.discovery import Resolver
 
 
 def create_app(
-    config: GatewayConfig, resolver: Resolver | None = None, clock: Clock = time.monotonic
+    config: GatewayConfig,
+    resolver: Resolver | None = None,
+    clock: Clock = time.monotonic,
+    tracer_provider: TracerProvider | None = None,
 ) -> FastAPI:
     """The gateway app for `config`; engine channels open when the app starts (its lifespan).
 
-    `resolver` replaces the DNS lookups of --engine-dns, `clock` the rate limits' time (tests inject
-    them). Reads the keys file and the engines' TLS and token files now (KeysFileError,
-    SecretFileError).
+    `resolver` replaces the DNS lookups of --engine-dns, `clock` the rate limits' time, `tracer_provider`
+    the one --otlp-endpoint would make (tests inject them; they read spans in memory). Reads the keys
+    file and the engines' TLS and token files now (KeysFileError, SecretFileError).
     """
     ctx = GatewayContext.create(config, resolver, clock)
+    owned_provider = None
+    if tracer_provider is None and config.otlp_endpoint is not None:
+        tracer_provider = owned_provider = otlp_tracer_provider("conduit-gateway", config.otlp_endpoint)
+    tracer = tracer_provider.get_tracer("conduit_gateway") if tracer_provider is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,6 +65,8 @@ def create_app(
             yield
         finally:
             await ctx.pool.stop()
+            if owned_provider is not None:
+                owned_provider.shutdown()  # flushes the spans not yet exported
 
     app = FastAPI(
         title="Conduit gateway",
@@ -77,6 +89,7 @@ def create_app(
         app.add_middleware(AdminPortMiddleware, admin_port=config.admin_port)
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
+    app.add_middleware(TracingMiddleware, tracer=tracer)
     app.add_middleware(RequestIdMiddleware)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

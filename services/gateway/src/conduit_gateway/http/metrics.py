@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from conduit_common.metric_buckets import TOKEN_GAP_SECONDS
 from conduit_gateway.routing.node import EngineNode
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -34,9 +35,16 @@ class GatewayMetrics:
         )
         self.first_token_seconds = Histogram(
             "conduit_gateway_time_to_first_token_seconds",
-            "Time from request to the engine's first message, by endpoint.",
-            ["endpoint"],
+            "Time from request to the engine's first message (its first token), by endpoint and model.",
+            ["endpoint", "model"],
             buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_seconds = Histogram(
+            "conduit_gateway_inter_token_latency_seconds",
+            "Time between consecutive token messages of a choice from the engine, by model.",
+            ["model"],
+            buckets=TOKEN_GAP_SECONDS,
             registry=self.registry,
         )
         self.generations_in_flight = Gauge(

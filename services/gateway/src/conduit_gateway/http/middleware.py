@@ -15,6 +15,7 @@ import uuid
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from conduit_common.logs import current_request_id
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.http.metrics import GatewayMetrics
 from conduit_gateway.keys.store import ApiKeyStore
@@ -31,6 +32,21 @@ async def send_error(send: Send, error: OpenAIError) -> None:
     headers += [(key.lower().encode(), value.encode()) for key, value in error.headers.items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+class ResponseStatus:
+    """Wraps `send` to see the response start: `code` stays 499 until then (the client left first)."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.code = 499
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.code = message["status"]
+        await self._send(message)
 
 
 class HttpMiddleware:
@@ -51,7 +67,8 @@ class HttpMiddleware:
 
 
 class RequestIdMiddleware(HttpMiddleware):
-    """Echo the client's X-Request-Id (or make one) in every response and in `request.state.request_id`."""
+    """Echo the client's X-Request-Id (or make one) in every response and in `request.state.request_id`;
+    every log line of the request (uvicorn's access line included) carries it."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = Headers(scope=scope).get("x-request-id", "")
@@ -63,7 +80,11 @@ class RequestIdMiddleware(HttpMiddleware):
                 MutableHeaders(scope=message)["x-request-id"] = request_id
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        token = current_request_id.set(request_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            current_request_id.reset(token)
 
 
 class MetricsMiddleware(HttpMiddleware):
@@ -75,22 +96,15 @@ class MetricsMiddleware(HttpMiddleware):
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
-        status = 499  # stays so when the client left before any response started
-
-        async def send_and_watch(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        status = ResponseStatus(send)
         try:
-            await self.app(scope, receive, send_and_watch)
+            await self.app(scope, receive, status.send)
         except Exception:
-            status = 500
+            status.code = 500
             raise
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
+            self.metrics.requests.labels(route, scope["method"], str(status.code)).inc()
             self.metrics.request_seconds.labels(route).observe(time.perf_counter() - started)
 
 
@@ -99,18 +113,12 @@ class InternalErrorMiddleware(HttpMiddleware):
     so even that response carries X-Request-Id)."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
-
-        async def send_and_watch(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        status = ResponseStatus(send)
         try:
-            await self.app(scope, receive, send_and_watch)
+            await self.app(scope, receive, status.send)
         except Exception:
             log.exception("unhandled error in %s %s", scope["method"], scope["path"])
-            if started:
+            if status.started:
                 raise
             await send_error(send, OpenAIError(500, "Internal server error.", type="server_error"))
 

@@ -65,6 +65,8 @@ def build_server(config: GatewayConfig, app: FastAPI) -> tuple[uvicorn.Server, l
         loop="asyncio",
         timeout_graceful_shutdown=config.shutdown_grace_s,
         http=bounded_http_protocol(config.max_header_bytes, config.header_timeout_s),
+        # uvicorn's loggers go to the root handler, in --log-format like every other line.
+        log_config=None,
         **options,  # type: ignore[arg-type]
     )
     ports = [config.port, *([config.admin_port] if config.admin_port is not None else [])]

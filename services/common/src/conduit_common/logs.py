@@ -1,0 +1,83 @@
+"""Process logging of both services: `text` or `json` lines on stderr, each carrying its request id.
+
+A record is about a request when it has a `request_id` attribute: given explicitly
+(`log.info(..., extra=request_extra(rid))`, as the engine's step thread does) or taken from
+`current_request_id`, the context variable the request's own task sets (the gateway's middleware, the
+engine's servicer). The text format appends ` request_id=<id>`; the JSON format has a `request_id` field.
+
+Prompt and completion text is never logged here: each service logs it only under its own --log-prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from contextvars import ContextVar
+from datetime import UTC, datetime
+from typing import Any
+
+LOG_FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# The request the current task is serving (None outside a request).
+current_request_id: ContextVar[str | None] = ContextVar("conduit_request_id", default=None)
+
+
+def request_extra(request_id: str) -> dict[str, str]:
+    """`extra=` of a log call about `request_id` made outside the request's task (the engine thread)."""
+    return {"request_id": request_id}
+
+
+class RequestIdFilter(logging.Filter):
+    """Gives every record a `request_id` attribute: its own, the current task's, or None."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "request_id", None) is None:
+            record.request_id = current_request_id.get()
+        return True
+
+
+class TextFormatter(logging.Formatter):
+    """The classic one-line format, with ` request_id=<id>` at the end of lines about a request."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        request_id = getattr(record, "request_id", None)
+        return line if request_id is None else f"{line} request_id={request_id}"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time (UTC, ISO 8601), level, logger, message, request_id when about a
+    request, and the exception's traceback when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        request_id = getattr(record, "request_id", None)
+        if request_id is not None:
+            entry["request_id"] = request_id
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure(level: str, log_format: str = "text") -> None:
+    """Send every logger's records (uvicorn's too, given log_config=None) to stderr in `log_format`."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"--log-format must be text or json, got {log_format!r}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    handler.addFilter(RequestIdFilter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())

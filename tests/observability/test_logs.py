@@ -1,0 +1,132 @@
+"""Logs of real engine and gateway processes serving real requests (stories260K): JSON lines, each line
+about a request carrying its request id, and no prompt or completion text unless --log-prompts."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+from tests.support.processes import ManagedProcess, start_engine, start_gateway
+from tests.support.stories import MODEL
+
+pytestmark = pytest.mark.integration
+
+# Words the services never log by themselves: if they appear, a prompt leaked.
+PROMPT = "The purple giraffe whispered to the lighthouse"
+JSON_LOGS = ("--log-format", "json")
+
+
+def _serve_and_log(stories_path, *extra: str) -> tuple[list[str], list[str], list[str]]:
+    """Serve three requests (completion, streamed chat, two prompts) with `extra` flags on both services;
+    returns (the completions' texts, the engine's log lines, the gateway's log lines)."""
+    texts: list[str] = []
+    with start_engine(stories_path, *JSON_LOGS, "--log-level", "DEBUG", *extra) as engine:
+        with start_gateway(engine.address, *JSON_LOGS, "--log-level", "debug", *extra) as gateway:
+            with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0) as client:
+                completion = client.completions.create(
+                    model=MODEL,
+                    prompt=PROMPT,
+                    max_tokens=24,
+                    temperature=0,
+                    extra_headers={"x-request-id": "log-1"},
+                )
+                texts.append(completion.choices[0].text)
+                chunks = client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": PROMPT}],
+                    max_tokens=24,
+                    temperature=0,
+                    stream=True,
+                    extra_headers={"x-request-id": "log-2"},
+                )
+                texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+                two = client.completions.create(
+                    model=MODEL,
+                    prompt=[PROMPT, PROMPT + " again"],
+                    max_tokens=24,
+                    temperature=0,
+                    extra_headers={"x-request-id": "log-3"},
+                )
+                texts += [choice.text for choice in two.choices]
+        gateway_lines = _lines(gateway)
+    return texts, _lines(engine), gateway_lines
+
+
+def _lines(process: ManagedProcess) -> list[str]:
+    process.stop()
+    return [line for line in process.log_path.read_text().splitlines() if line.strip()]
+
+
+def _records(lines: list[str]) -> list[dict]:
+    records = [json.loads(line) for line in lines]  # every line is one JSON object
+    assert all({"time", "level", "logger", "message"} <= record.keys() for record in records)
+    return records
+
+
+def _fragments(text: str) -> list[str]:
+    """The pieces of `text` that no log escaping changes (quotes, backslashes, newlines split it)."""
+    return [piece for piece in re.split(r"[\\'\"\n]", text) if len(piece.strip()) >= 12]
+
+
+def _messages(lines: list[str]) -> str:
+    return "\n".join(record["message"] for record in _records(lines))
+
+
+def _check_request_ids(records: list[dict], ids: dict[str, tuple[str, ...]]) -> None:
+    """Every line that names a request carries its id, and each request has its lines."""
+    for record in records:
+        named = [rid for rid in ids if rid in record["message"]]
+        for rid in named:
+            assert record.get("request_id", "").startswith(rid), record
+    for rid, expected in ids.items():
+        mine = [r["message"] for r in records if r.get("request_id", "").startswith(rid)]
+        for fragment in expected:
+            assert any(fragment in message for message in mine), (rid, fragment, mine)
+
+
+def test_logs_never_hold_prompts_or_completions_and_name_their_requests(stories_path):
+    texts, engine_lines, gateway_lines = _serve_and_log(stories_path)
+    fragments = [piece for text in texts for piece in _fragments(text)]
+    assert len(fragments) >= len(texts)
+    for lines in (engine_lines, gateway_lines):
+        for log in ("\n".join(lines), _messages(lines)):
+            assert "purple giraffe" not in log
+            for piece in fragments:
+                assert piece not in log
+    # The engine gets one request id per prompt (the gateway's id, "-0", "-1" for several).
+    _check_request_ids(
+        _records(engine_lines),
+        {"log-1": ("queued", "finished"), "log-2": ("queued", "finished"), "log-3": ("queued", "finished")},
+    )
+    # The gateway's own line and uvicorn's access line of each request carry the id too.
+    _check_request_ids(
+        _records(gateway_lines),
+        {"log-1": ("completions", "POST /v1/completions"), "log-2": ("chat", "POST /v1/chat/completions")},
+    )
+
+
+def test_log_prompts_puts_prompts_and_completions_in_both_logs(stories_path):
+    texts, engine_lines, gateway_lines = _serve_and_log(stories_path, "--log-prompts")
+    for messages in (_messages(engine_lines), _messages(gateway_lines)):
+        assert PROMPT in messages
+        for text in texts:
+            for piece in _fragments(text):
+                assert piece in messages
+
+
+def test_a_worker_process_logs_in_the_engines_json_format(stories_path):
+    """The model in a worker process: its lines (the shard's loading) are JSON objects too, marked with
+    its rank, and its weight-loading progress bar is off like the engine's."""
+    with start_engine(stories_path, *JSON_LOGS, "--log-level", "DEBUG", "--worker-process") as engine:
+        with start_gateway(engine.address) as gateway:
+            with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0) as client:
+                completion = client.completions.create(
+                    model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0
+                )
+                assert completion.usage.completion_tokens == 8
+    records = _records(_lines(engine))
+    assert any(r["message"].startswith("worker rank 0: loaded shard 0/1") for r in records)
+    assert not any("Loading weights" in r["message"] for r in records)
