@@ -75,12 +75,7 @@ def test_sigkill_under_load_loses_no_request_that_had_not_started(fleet, gateway
             threading.Thread(target=_stream, args=(client, i, outcomes[i], started), daemon=True)
             for i in range(STREAMS)
         ]
-        for thread in threads:
-            thread.start()
-        # Round robin put four streams on each engine; two stream, two wait for a batch slot.
-        for _ in range(6):
-            assert started.acquire(timeout=120)
-        wait_for(lambda: _queue(fleet, victim) == (2, 2), "two running and two waiting on the victim")
+        _victim_with_two_running_and_two_waiting(fleet, gateway.url, victim, threads, started)
         fleet.kill(victim)
         for thread in threads:
             thread.join(timeout=240)
@@ -128,9 +123,29 @@ def test_sigkill_under_load_loses_no_request_that_had_not_started(fleet, gateway
     assert fleet.load(victim).finished_requests == 1 + 2
 
 
-def _queue(fleet, index: int) -> tuple[int, int]:
-    load = fleet.load(index)
-    return load.running_requests, load.waiting_requests
+def _victim_with_two_running_and_two_waiting(fleet, url: str, victim: int, threads, started) -> None:
+    """Start the streams with every engine paused (SIGSTOP) until round robin has put four on each, then
+    run the victim alone until its first two streams have sent a token, and freeze it there: two running
+    (their first pair of 480 tokens, a fraction of a second on the CPU kernels, far from done), two waiting
+    for a batch slot, however fast the engine is. The other engines then run on."""
+    for index in range(len(fleet.addresses)):
+        fleet.pause(index)
+    try:
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: all(n["in_flight"] == 4 for n in nodes(url).values()), "four streams per engine")
+        fleet.resume(victim)
+        for _ in range(2):
+            assert started.acquire(timeout=120)
+        fleet.pause(victim)
+        assert nodes(url)[fleet.addresses[victim]]["in_flight"] == 4
+    except BaseException:
+        fleet.resume(victim)
+        raise
+    finally:
+        for index in range(len(fleet.addresses)):
+            if index != victim:
+                fleet.resume(index)
 
 
 def _metrics(url: str) -> str:
