@@ -90,15 +90,18 @@ def test_a_draining_prefill_engine_serves_pulls_until_its_transfers_are_taken(st
 
 
 class HangingSource(pb_grpc.EngineServicer):
-    """Fault injection: a source that sends the first block of a pull and then nothing more."""
+    """Fault injection: a source that sends the first block of a pull and then nothing more. `hanging` is
+    set once the first block has gone out; `cancelled` when the pull is cancelled, wherever it was."""
 
     def __init__(self, block_bytes: int) -> None:
         self.block_bytes = block_bytes
+        self.hanging = threading.Event()
         self.cancelled = threading.Event()
 
     async def PullKv(self, request, context):
-        yield pb.KvChunk(first_block=0, num_blocks=1, total_blocks=3, data=bytes(self.block_bytes))
         try:
+            yield pb.KvChunk(first_block=0, num_blocks=1, total_blocks=3, data=bytes(self.block_bytes))
+            self.hanging.set()
             await asyncio.Event().wait()
         except asyncio.CancelledError:
             self.cancelled.set()
@@ -127,6 +130,7 @@ def test_a_decode_request_cancelled_during_its_pull_frees_its_blocks(stories_pat
         first = pb.GenerateResponse(token_ids=[400], kv_handle=handle)
         call = decode.stub().Generate(consume_request(first), timeout=60)
         wait_for(lambda: load(decode.stub()).kv_blocks_used == 3, "the pull's blocks")
+        assert hanging.hanging.wait(10)  # cancelled mid-pull, not before the source began
         call.cancel()
         wait_for(lambda: load(decode.stub()).kv_blocks_used == 0, "the blocks to be freed after the pull")
         assert hanging.cancelled.wait(10)  # the source saw the pull stop
