@@ -45,6 +45,8 @@ def make_engine(
     worker_process: bool = False,
     role: str = "both",
     cpu_kernels: str = "auto",
+    max_decode_steps: int = 8,
+    decode_burst_ms: float = 5.0,
 ) -> LLMEngine:
     """An engine on `model`; with tensor_parallel_size > 1 or worker_process, its worker processes run
     until `engine.shutdown()`."""
@@ -64,6 +66,8 @@ def make_engine(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_queued_requests=max_queued_requests,
+                max_decode_steps=max_decode_steps,
+                decode_burst_ms=decode_burst_ms,
             ),
             parallel=ParallelConfig(tensor_parallel_size, worker_process),
             disaggregation=DisaggregationConfig(role=role),

@@ -33,7 +33,7 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def engine(stories_path):
-    return make_engine(stories_path, num_blocks=64)
+    return make_engine(stories_path, num_blocks=64, max_decode_steps=1)  # one token per step: exact counts
 
 
 @pytest.fixture
@@ -90,7 +90,7 @@ def test_choices_each_have_a_first_token_but_the_request_one_ttft(engine, record
 
 def test_preemptions_are_counted_per_step_and_per_request(stories_path):
     # 8 blocks of 16 tokens: four sequences growing to 5 + 60 tokens each cannot all stay resident.
-    engine = make_engine(stories_path, num_blocks=8)
+    engine = make_engine(stories_path, num_blocks=8, max_decode_steps=1)
     recorder = Recorder()
     engine.observers.append(recorder)
     for i in range(4):

@@ -59,6 +59,13 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--kv-cache-memory-fraction", float, 0.1, "share of memory for the KV cache when blocks are not given"),
     ("--enable-prefix-caching", flag_bool, True, "reuse cached KV blocks of shared prompt prefixes"),
     ("--enable-chunked-prefill", flag_bool, True, "split long prompts over several steps"),
+    (
+        "--max-decode-steps",
+        int,
+        8,
+        "forward passes a step of pure decodes may run back to back (1: one pass per step)",
+    ),
+    ("--decode-burst-ms", float, 5.0, "longest time those passes may take together"),
     ("--enforce-eager", flag_bool, False, "on cuda: do not capture CUDA graphs"),
     (
         "--tensor-parallel-size",
@@ -176,6 +183,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_queued_requests=args.max_queued_requests,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            max_decode_steps=args.max_decode_steps,
+            decode_burst_ms=args.decode_burst_ms,
         ),
         server=ServerConfig(
             host=args.host,

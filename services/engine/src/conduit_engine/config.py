@@ -94,9 +94,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_queued_requests: int = 1024
     enable_chunked_prefill: bool = True
+    # Decode bursts (decode_bursts.py): forward passes one step of pure decodes may run back to back,
+    # and how long they may take together.
+    max_decode_steps: int = 8
+    decode_burst_ms: float = 5.0
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_decode_steps >= 1, f"--max-decode-steps must be >= 1, got {self.max_decode_steps}")
+        _require(self.decode_burst_ms > 0, f"--decode-burst-ms must be > 0, got {self.decode_burst_ms}")
         _require(
             self.max_num_batched_tokens >= 1,
             f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}",

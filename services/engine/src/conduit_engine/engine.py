@@ -19,6 +19,7 @@ from conduit_engine import model_setup, runner_setup
 from conduit_engine.admission import Admission, Limits
 from conduit_engine.block_manager import BlockManager, BlockStats
 from conduit_engine.config import EngineConfig
+from conduit_engine.decode_bursts import DecodeBursts
 from conduit_engine.detokenizer import IncrementalDetokenizer
 from conduit_engine.kv_transfer.checks import KvTransferLimits, check_kv_transfer
 from conduit_engine.kv_transfer.consumer import KvConsumer, replay_first_tokens
@@ -26,7 +27,7 @@ from conduit_engine.kv_transfer.layout import KvLayoutSpec
 from conduit_engine.kv_transfer.producer import KvProducer
 from conduit_engine.kv_transfer.registry import KvTransferRegistry
 from conduit_engine.kv_transfer.transport import KvPullResult
-from conduit_engine.model_runner import SeqStepResult
+from conduit_engine.model_runner import ModelRunner, SeqStepResult
 from conduit_engine.observer import EngineObserver, StepRecord, clock, request_record
 from conduit_engine.request import GenerationRequest, RequestOutput
 from conduit_engine.request_state import RequestState
@@ -84,6 +85,11 @@ class LLMEngine:
             sliding_window=self.arch.uniform_window,  # blocks behind it are freed as sequences grow
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        # Only the in-process runner runs decode bursts: a worker step carries one forward pass.
+        bursts = config.scheduler.max_decode_steps if isinstance(self.runner, ModelRunner) else 1
+        self.bursts = DecodeBursts(
+            self.block_manager, bursts, config.scheduler.decode_burst_ms / 1000, self.max_model_len
+        )
         limits = Limits(self.arch.vocab_size, self.max_model_len, self.num_blocks, self.block_size)
         self.admission = Admission(
             self.tokenizer, limits, self.scheduler, config.scheduler, facts.generation_defaults
@@ -270,12 +276,25 @@ class LLMEngine:
         if scheduled.is_empty:
             return []
         record = StepRecord.begin(started, scheduled, self._requests) if self.observers else None
-        results = self.runner.execute(scheduled)
-        self.scheduler.update_after_step(scheduled)
+        passes = self.bursts.plan(scheduled)
+        ran = clock()
+        if passes > 1:
+            assert isinstance(self.runner, ModelRunner)
+            tokens = self.runner.execute_burst(scheduled, passes)
+            self.bursts.observe(scheduled, clock() - ran, passes)
+            if record is not None:
+                record.num_tokens = passes * len(scheduled.scheduled)
+                record.sampled_at = clock()
+            outputs = self._postprocess_burst(scheduled, tokens, record)
+        else:
+            results = self.runner.execute(scheduled)
+            self.bursts.observe(scheduled, clock() - ran, 1)
+            self.scheduler.update_after_step(scheduled)
+            if record is not None:
+                record.sampled_at = clock()
+            outputs = self._postprocess(scheduled, results, record)
         if record is None:
-            return self._postprocess(scheduled, results, None)
-        record.sampled_at = clock()
-        outputs = self._postprocess(scheduled, results, record)
+            return outputs
         record.finished = clock()
         for observer in self.observers:
             observer.on_step(record)
@@ -308,6 +327,37 @@ class LLMEngine:
                 self.scheduler.finish(seq)
             logprobs = [result.logprobs] if result.logprobs is not None else []
             outputs.append(req.output(seq, [result.token_id], text, logprobs, kv_transfer=handoff))
+            if req.finished:
+                self._retire(req)
+        return outputs
+
+    def _postprocess_burst(
+        self, scheduled: SchedulerOutput, tokens: list[list[int]], record: StepRecord | None
+    ) -> list[RequestOutput]:
+        """A burst's tokens through the stop rules, one at a time; a choice's tokens after its stop
+        are dropped. One output per sequence, with all of its accepted tokens."""
+        outputs: list[RequestOutput] = []
+        for item, sampled in zip(scheduled.scheduled, tokens, strict=True):
+            seq = item.seq
+            req = self._requests.get(seq.request_id)
+            accepted: list[int] = []
+            text = ""
+            for token_id in sampled:
+                if seq.is_finished:
+                    break  # a stop came earlier in the burst: the rest is dropped
+                self.scheduler.advance(seq, 1)  # the KV of the token this pass read
+                if req is None:
+                    break
+                self._generated_tokens += 1
+                if record is not None:
+                    record.token(req, seq)
+                text += req.stop_rules[seq.index].accept(seq, token_id)
+                accepted.append(token_id)
+                if seq.is_finished:
+                    self.scheduler.finish(seq)  # its blocks, those of the dropped tokens included
+            if req is None or not accepted:
+                continue
+            outputs.append(req.output(seq, accepted, text, []))
             if req.finished:
                 self._retire(req)
         return outputs

@@ -10,6 +10,7 @@ draw the uniforms the engine computed (batch-independent, whichever process samp
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -84,6 +85,33 @@ class ModelExecutor:
         sampled = self.sampler(logits, metadata_from_plan(batch.sampling, logits.shape[-1], logits.device))
         return StepOutput(sampled.token_ids, sampled.logprobs, prompt)
 
+    @torch.inference_mode()
+    def run_burst(self, batch: StepBatch, passes: int) -> list[list[int]]:
+        """A decode burst (decode_bursts.py): `passes` forward passes, each fed the tokens the one before
+        sampled; the tokens of each pass, in logits-row order. Every row decodes one token and samples
+        without history, so the step's sampling plan holds for every pass; the block tables already
+        hold the slots of all passes. Only the whole model (rank 0 of one) runs bursts."""
+        assert batch.sampling is not None and len(batch.logits_rows) == batch.num_seqs
+        input_ids, positions, meta = self._tensors(batch)
+        sampling = None
+        rows = torch.arange(batch.num_seqs, device=self.device)
+        tokens: list[list[int]] = []
+        for i in range(passes):
+            if i:
+                input_ids = torch.as_tensor(tokens[-1], dtype=torch.int64, device=self.device)
+                positions = positions + 1
+                meta = _advanced(meta, positions, rows)
+            if self.graphs is not None and self.graphs.can_run(meta):
+                hidden = self.graphs.run(input_ids, positions, meta)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden)
+            assert logits is not None
+            if sampling is None:
+                sampling = metadata_from_plan(batch.sampling, logits.shape[-1], logits.device)
+            tokens.append(self.sampler(logits, sampling).token_ids)
+        return tokens
+
     def _tensors(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device
         query_lens, seq_lens = tuple(batch.query_lens), tuple(batch.seq_lens)
@@ -123,3 +151,16 @@ class ModelExecutor:
         self.model.ops.scatter_kv_blocks(buffer.to(self.device).contiguous(), self.kv_caches, ids)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def _advanced(meta: AttentionMetadata, positions: torch.Tensor, rows: torch.Tensor) -> AttentionMetadata:
+    """The decode metadata of the next pass of a burst: every sequence one token longer, writing the
+    token at `positions` (already advanced) into its block table's slot."""
+    size = meta.block_size
+    blocks = meta.block_tables[rows, positions // size].to(torch.int64)
+    return dataclasses.replace(
+        meta,
+        slot_mapping=blocks * size + positions % size,
+        seq_lens=meta.seq_lens + 1,
+        seq_lens_cpu=tuple(n + 1 for n in meta.seq_lens_cpu),
+    )

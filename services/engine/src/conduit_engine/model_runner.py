@@ -94,6 +94,13 @@ class ModelRunner:
         assert step is not None  # the whole model samples
         return collect_results(out, batch, sampling_seqs, step)
 
+    def execute_burst(self, out: SchedulerOutput, passes: int) -> list[list[int]]:
+        """Run a decode burst (decode_bursts.py) of `passes` forward passes; each scheduled sequence's
+        tokens, in schedule order. Only this in-process runner runs bursts: a worker step carries one."""
+        batch, _ = build_step(out, self.block_size, self.eos_token_ids)
+        tokens = self.executor.run_burst(batch, passes)
+        return [list(row) for row in zip(*tokens, strict=True)]
+
     def gather_kv_blocks(self, block_ids: Sequence[int]) -> bytes:
         buffer = self.executor.gather_kv_blocks(block_ids)
         return buffer.cpu().view(torch.uint8).numpy().tobytes()

@@ -189,9 +189,14 @@ class Scheduler:
         """Advance computed-token counters, publish newly full blocks to the prefix cache and give back
         the blocks that left a sliding window."""
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit_computed_blocks(item.seq)
-            self.block_manager.release_outside_window(item.seq)
+            self.advance(item.seq, item.num_new_tokens)
+
+    def advance(self, seq: Sequence, num_tokens: int) -> None:
+        """`num_tokens` more of `seq`'s tokens have their KV in the cache (a decode burst advances its
+        sequences one token at a time, as it applies the stop rules)."""
+        seq.num_computed_tokens += num_tokens
+        self.block_manager.commit_computed_blocks(seq)
+        self.block_manager.release_outside_window(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished sequence (status already set) and free its blocks."""
