@@ -159,14 +159,15 @@ static inline R round_as(R v) {
 
 constexpr int kPanelVecs = static_cast<int>(kPanel) / W;
 
-// RX input rows (a slice of one transposed block) times one panel: RX x kPanelVecs accumulators, each k
-// one load per panel vector and one broadcast per row. float or widened-bf16 panels.
+// RX input rows (a slice of one transposed block) times `k_rows` rows of one panel: RX x kPanelVecs
+// accumulators, each k one load per panel vector and one broadcast per row. float or widened-bf16
+// panels. Starts from the sums in acc_out when `accumulate` (a later slice of k), else from zero.
 template <class T, int RX>
-static void packed_tile(const T* panel, const float* xt, int64_t K, float* acc_out) {
+static void packed_tile(const T* panel, const float* xt, int64_t k_rows, float* acc_out, bool accumulate) {
   R acc[RX][kPanelVecs];
   for (int j = 0; j < RX; ++j)
-    for (int v = 0; v < kPanelVecs; ++v) acc[j][v] = Vec::zero();
-  for (int64_t k = 0; k < K; ++k) {
+    for (int v = 0; v < kPanelVecs; ++v) acc[j][v] = accumulate ? Vec::load(acc_out + j * kPanel + v * W) : Vec::zero();
+  for (int64_t k = 0; k < k_rows; ++k) {
     R w[kPanelVecs];
     for (int v = 0; v < kPanelVecs; ++v) w[v] = Vec::load(panel + k * kPanel + v * W);
     for (int j = 0; j < RX; ++j) {
@@ -179,14 +180,14 @@ static void packed_tile(const T* panel, const float* xt, int64_t K, float* acc_o
 }
 
 #if CONDUIT_BF16_DOT
-// The same over bf16 panels of k pairs (vdpbf16ps): x comes as pairs of bf16 in one uint32.
+// The same over bf16 panels of k pairs (vdpbf16ps): x comes as pairs of bf16 in one uint32; `k_rows`
+// counts pairs.
 template <int RX>
-static void packed_tile_pairs(const bf16* panel, const uint32_t* xt, int64_t K, float* acc_out) {
+static void packed_tile_pairs(const bf16* panel, const uint32_t* xt, int64_t k_rows, float* acc_out, bool accumulate) {
   R acc[RX][kPanelVecs];
   for (int j = 0; j < RX; ++j)
-    for (int v = 0; v < kPanelVecs; ++v) acc[j][v] = Vec::zero();
-  const int64_t pairs = (K + 1) / 2;
-  for (int64_t kp = 0; kp < pairs; ++kp) {
+    for (int v = 0; v < kPanelVecs; ++v) acc[j][v] = accumulate ? Vec::load(acc_out + j * kPanel + v * W) : Vec::zero();
+  for (int64_t kp = 0; kp < k_rows; ++kp) {
     __m512i w[kPanelVecs];
     for (int v = 0; v < kPanelVecs; ++v) w[v] = PanelPairs::load_w(panel + kp * kPanel * 2 + v * 32);
     for (int j = 0; j < RX; ++j)
@@ -199,18 +200,22 @@ static void packed_tile_pairs(const bf16* panel, const uint32_t* xt, int64_t K, 
 
 // The tile for `rows` rows (templates need constant sizes): the largest RX <= rows.
 template <class T, int RX = Vec::kPackedRows>
-static void packed_tile_rows(int rows, const T* panel, const void* xt, int64_t K, float* acc) {
+static void packed_tile_rows(int rows, const T* panel, const void* xt, int64_t k_rows, float* acc, bool accumulate) {
   if constexpr (RX > 1) {
-    if (rows < RX) return packed_tile_rows<T, RX - 1>(rows, panel, xt, K, acc);
+    if (rows < RX) return packed_tile_rows<T, RX - 1>(rows, panel, xt, k_rows, acc, accumulate);
   }
 #if CONDUIT_BF16_DOT
   if constexpr (std::is_same_v<T, bf16>) {
-    packed_tile_pairs<RX>(panel, static_cast<const uint32_t*>(xt), K, acc);
+    packed_tile_pairs<RX>(panel, static_cast<const uint32_t*>(xt), k_rows, acc, accumulate);
     return;
   }
 #endif
-  packed_tile<T, RX>(panel, static_cast<const float*>(xt), K, acc);
+  packed_tile<T, RX>(panel, static_cast<const float*>(xt), k_rows, acc, accumulate);
 }
+
+// k rows of one slice: the slice of a panel (16 KB) and of a transposed block (8 KB) stay in L1 while
+// every row tile of the block reads them, instead of streaming the whole panel from L2 once per tile.
+constexpr int64_t kSliceRows = 128;
 
 template <class T>
 static void packed_linear(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
@@ -223,7 +228,8 @@ static void packed_linear(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
   constexpr bool pairs = false;
 #endif
   const int64_t k_rows = pairs ? (a.K + 1) / 2 : a.K;  // rows of a panel and of a transposed block
-  const int64_t panel_elems = k_rows * kPanel * (pairs ? 2 : 1);
+  const int64_t row_elems = kPanel * (pairs ? 2 : 1);  // panel elements of one k row
+  const int64_t panel_elems = k_rows * row_elems;
   const int64_t block_elems = k_rows * kPanelRows;  // floats or uint32 pairs
   alignas(64) float acc[kPanelRows * kPanel];
   for (int64_t p = p0; p < p1; ++p) {
@@ -231,17 +237,22 @@ static void packed_linear(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
     for (int64_t m0 = 0; m0 < a.M; m0 += kPanelRows) {
       const int64_t block_rows = std::min<int64_t>(kPanelRows, a.M - m0);
       const char* xt = static_cast<const char*>(a.xt) + (m0 / kPanelRows) * block_elems * 4;
-      for (int64_t r = 0; r < block_rows; r += Vec::kPackedRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(Vec::kPackedRows, block_rows - r));
-        packed_tile_rows<T>(rows, w + p * panel_elems, xt + r * 4, a.K, acc);
-        for (int j = 0; j < rows; ++j) {
-          T* dst = out + (m0 + r + j) * a.ldo + n0;
-          for (int64_t c = 0; c < cols; c += W) {
-            const int n = static_cast<int>(std::min<int64_t>(W, cols - c));
-            R v = Vec::load(acc + j * kPanel + c);
-            if (bias != nullptr) v = Vec::add(v, load_any(bias + n0 + c, n));
-            store_any(dst + c, v, n);
-          }
+      if (k_rows == 0) std::fill(acc, acc + kPanelRows * kPanel, 0.0f);
+      for (int64_t k0 = 0; k0 < k_rows; k0 += kSliceRows) {
+        const int64_t slice = std::min<int64_t>(kSliceRows, k_rows - k0);
+        for (int64_t r = 0; r < block_rows; r += Vec::kPackedRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(Vec::kPackedRows, block_rows - r));
+          packed_tile_rows<T>(rows, w + p * panel_elems + k0 * row_elems, xt + (k0 * kPanelRows + r) * 4, slice,
+                              acc + r * kPanel, k0 > 0);
+        }
+      }
+      for (int64_t j = 0; j < block_rows; ++j) {
+        T* dst = out + (m0 + j) * a.ldo + n0;
+        for (int64_t c = 0; c < cols; c += W) {
+          const int n = static_cast<int>(std::min<int64_t>(W, cols - c));
+          R v = Vec::load(acc + j * kPanel + c);
+          if (bias != nullptr) v = Vec::add(v, load_any(bias + n0 + c, n));
+          store_any(dst + c, v, n);
         }
       }
     }

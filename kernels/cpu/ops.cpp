@@ -12,6 +12,8 @@ namespace {
 
 // Below this many multiply-adds (or element visits) a call runs on the calling thread alone.
 constexpr int64_t kMinParallelWork = 1 << 15;
+// Rows of float32 input from which PackedLinear hands the product to torch's GEMM.
+constexpr int64_t kTorchGemmRows = 32;
 
 // Most rows of x for which the tiles beat torch's GEMM, measured on AVX-512 (Zen 5): float32 tiles stay
 // ahead up to 64 rows; oneDNN's bfloat16 GEMM (packed weights, AVX512_BF16) wins from a few rows.
@@ -182,6 +184,7 @@ PackedLinear::PackedLinear(const KernelTable& table, const at::Tensor& weight) :
   const int64_t panels = (N_ + kPanel - 1) / kPanel;
   const int64_t k_rows = pairs_ ? (K_ + 1) / 2 : K_;
   panels_ = at::empty({panels * k_rows * kPanel * (pairs_ ? 2 : 1)}, weight.options());
+  if (weight.scalar_type() == at::kFloat) weight_ = weight;
   if (weight.scalar_type() == at::kFloat)
     pack_panels(weight.data_ptr<float>(), panels_.data_ptr<float>(), N_, K_, false);
   else
@@ -202,6 +205,11 @@ at::Tensor PackedLinear::forward(const at::Tensor& x, const std::optional<at::Te
     bias_ptr = bias->data_ptr();
   }
   const int64_t M = x.size(0);
+  // From kTorchGemmRows rows of float32 (prefill chunks, large batches) torch's blocked GEMM beats the
+  // panels (1.5x at 32 rows, 1.9x at 256 on AVX2: bench/cpu_linear.py); below, and in bf16 at every
+  // size measured, the panels win.
+  if (weight_.defined() && M >= kTorchGemmRows)
+    return at::linear(x, weight_, bias.has_value() && bias->defined() ? bias : std::nullopt);
   at::Tensor out = at::empty({M, N_}, x.options());
   if (M == 0 || N_ == 0) return out;
   const at::Tensor xt = x.scalar_type() == at::kFloat ? transpose_blocks<float>(x, false)

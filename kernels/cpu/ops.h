@@ -35,6 +35,7 @@ class PackedLinear {
  private:
   const KernelTable& table_;
   at::Tensor panels_;
+  at::Tensor weight_;  // float32 weights as loaded (not a copy), for torch's GEMM on many rows
   int64_t N_, K_;
   bool pairs_;  // bf16 panels of k pairs
 };

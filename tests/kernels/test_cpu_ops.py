@@ -98,6 +98,8 @@ PACKED_SHAPES = [
     (16, 40, 64),
     (17, 32, 100),
     (40, 70, 31),
+    (31, 40, 301),  # the panels' last row count before torch's GEMM, over three k slices of 128
+    (33, 20, 300),  # float32: torch's GEMM from 32 rows, with the bias
 ]
 
 
