@@ -108,7 +108,7 @@ def generate(engine: LLMEngine, requests: list[tuple[list[int], int]], tag: str)
     steps = tokens = 0
     start = time.perf_counter()
     while engine.has_work():
-        tokens += len(engine.step())
+        tokens += sum(len(out.token_ids) for out in engine.step())  # a decode burst gives several
         steps += 1
     return steps, tokens, time.perf_counter() - start
 

@@ -66,18 +66,23 @@ def submit(engine: LLMEngine, requests) -> None:
 
 
 def time_the_model(engine: LLMEngine) -> list[float]:
-    """Wrap the model run; the returned one-item list accumulates its seconds."""
+    """Wrap the model run (a step's, or a decode burst's); the returned one-item list accumulates its
+    seconds."""
     model_time = [0.0]
-    execute = engine.runner.execute
 
-    def timed_execute(out):
-        t0 = time.perf_counter()
-        try:
-            return execute(out)
-        finally:
-            model_time[0] += time.perf_counter() - t0
+    def timed(run):
+        def timed_run(*args):
+            t0 = time.perf_counter()
+            try:
+                return run(*args)
+            finally:
+                model_time[0] += time.perf_counter() - t0
 
-    engine.runner.execute = timed_execute
+        return timed_run
+
+    engine.runner.execute = timed(engine.runner.execute)
+    if hasattr(engine.runner, "execute_burst"):
+        engine.runner.execute_burst = timed(engine.runner.execute_burst)
     return model_time
 
 

@@ -231,7 +231,11 @@ static void packed_linear(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
   const int64_t row_elems = kPanel * (pairs ? 2 : 1);  // panel elements of one k row
   const int64_t panel_elems = k_rows * row_elems;
   const int64_t block_elems = k_rows * kPanelRows;  // floats or uint32 pairs
+  // bf16 panels without vdpbf16ps: a block of several row tiles widens each slice to float once, into
+  // `wide`, instead of once per row tile inside the FMA loop.
+  constexpr bool widen = std::is_same_v<T, bf16> && !pairs;
   alignas(64) float acc[kPanelRows * kPanel];
+  alignas(64) float wide[widen ? kSliceRows * kPanel : 1];
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n0 = p * kPanel, cols = std::min<int64_t>(kPanel, a.N - n0);
     for (int64_t m0 = 0; m0 < a.M; m0 += kPanelRows) {
@@ -240,10 +244,20 @@ static void packed_linear(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
       if (k_rows == 0) std::fill(acc, acc + kPanelRows * kPanel, 0.0f);
       for (int64_t k0 = 0; k0 < k_rows; k0 += kSliceRows) {
         const int64_t slice = std::min<int64_t>(kSliceRows, k_rows - k0);
+        const T* panel = w + p * panel_elems + k0 * row_elems;
+        if constexpr (widen) {
+          if (block_rows > Vec::kPackedRows) {
+            for (int64_t i = 0; i < slice * kPanel; i += W) Vec::store(wide + i, Vec::load(panel + i));
+            for (int64_t r = 0; r < block_rows; r += Vec::kPackedRows) {
+              const int rows = static_cast<int>(std::min<int64_t>(Vec::kPackedRows, block_rows - r));
+              packed_tile_rows<float>(rows, wide, xt + (k0 * kPanelRows + r) * 4, slice, acc + r * kPanel, k0 > 0);
+            }
+            continue;
+          }
+        }
         for (int64_t r = 0; r < block_rows; r += Vec::kPackedRows) {
           const int rows = static_cast<int>(std::min<int64_t>(Vec::kPackedRows, block_rows - r));
-          packed_tile_rows<T>(rows, w + p * panel_elems + k0 * row_elems, xt + (k0 * kPanelRows + r) * 4, slice,
-                              acc + r * kPanel, k0 > 0);
+          packed_tile_rows<T>(rows, panel, xt + (k0 * kPanelRows + r) * 4, slice, acc + r * kPanel, k0 > 0);
         }
       }
       for (int64_t j = 0; j < block_rows; ++j) {
