@@ -37,13 +37,20 @@ from conduit_engine.telemetry.metrics import EngineMetrics
 
 
 def make_engine(
-    folder, max_num_seqs: int, parallel: ParallelConfig, threads: int, cpu_kernels: str = "auto"
+    folder,
+    max_num_seqs: int,
+    parallel: ParallelConfig,
+    threads: int,
+    cpu_kernels: str = "auto",
+    max_decode_steps: int = 8,
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(path=str(folder), num_threads=threads, cpu_kernels=cpu_kernels),
             cache=CacheConfig(num_blocks=16 * max_num_seqs),  # 256 tokens per sequence
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, max_decode_steps=max_decode_steps
+            ),
             parallel=parallel,
         )
     )
@@ -114,10 +121,16 @@ def placement(parallel: ParallelConfig, threads: int, cpu_kernels: str) -> str:
 
 
 def measure(
-    folder, requests, max_num_seqs: int, parallel: ParallelConfig, threads: int, cpu_kernels: str
+    folder,
+    requests,
+    max_num_seqs: int,
+    parallel: ParallelConfig,
+    threads: int,
+    cpu_kernels: str,
+    max_decode_steps: int = 8,
 ) -> tuple[float, str]:
     """(tok/s, a line describing the run) of one engine configuration."""
-    engine = make_engine(folder, max_num_seqs, parallel, threads, cpu_kernels)
+    engine = make_engine(folder, max_num_seqs, parallel, threads, cpu_kernels, max_decode_steps)
     try:
         tokens, seconds, outside = run_engine(engine, requests)
         stats = engine.runner.stats if isinstance(engine.runner, WorkerRunner) else None
@@ -125,7 +138,8 @@ def measure(
         engine.shutdown()
     rate = tokens / seconds
     line = (
-        f"{placement(parallel, threads, cpu_kernels)}: {rate:,.1f} tok/s ({tokens} tokens, {seconds:.1f} s); "
+        f"{placement(parallel, threads, cpu_kernels)}, --max-decode-steps {max_decode_steps}: "
+        f"{rate:,.1f} tok/s ({tokens} tokens, {seconds:.1f} s); "
         f"scheduling + block management + postprocess {100 * outside / seconds:.1f}% of engine time"
     )
     if stats is not None:
@@ -134,21 +148,23 @@ def measure(
 
 
 def bench(name: str, folder, args: argparse.Namespace) -> None:
-    """The engine once per --cpu-kernels choice (side by side), then transformers unless skipped."""
+    """The engine once per --cpu-kernels and --max-decode-steps choice (side by side), then
+    transformers unless skipped."""
     vocab = 512 if name == "stories260K" else 32000
     requests = request_set(args.requests, vocab)
     parallel = ParallelConfig(args.tensor_parallel_size, args.worker_process)
     print(f"{name}: {args.requests} requests")
     rates = []
-    for choice in args.cpu_kernels:
-        rate, line = measure(folder, requests, args.max_num_seqs, parallel, args.num_threads, choice)
+    choices = [(kernels, steps) for kernels in args.cpu_kernels for steps in args.max_decode_steps]
+    for kernels, steps in choices:
+        rate, line = measure(folder, requests, args.max_num_seqs, parallel, args.num_threads, kernels, steps)
         rates.append(rate)
         print(f"  engine {line} | ÷ first engine run {rate / rates[0]:.2f}x", flush=True)
     if args.skip_transformers:
         return
     h_tokens, h_time = hf_static_batches(folder, requests, args.hf_batch)
     h_rate = h_tokens / h_time
-    ratios = ", ".join(f"{k} {r / h_rate:.2f}x" for k, r in zip(args.cpu_kernels, rates, strict=True))
+    ratios = ", ".join(f"{k}/{n} {r / h_rate:.2f}x" for (k, n), r in zip(choices, rates, strict=True))
     print(
         f"  transformers generate() batch {args.hf_batch} {h_rate:,.1f} tok/s ({h_time:.1f} s) | "
         f"engine / transformers: {ratios}"
@@ -167,7 +183,8 @@ def compare_parallel(name: str, folder, args: argparse.Namespace) -> None:
     print(f"{name}: {args.requests} requests, max_num_seqs {args.max_num_seqs}, {args.rounds} round(s)")
     for round_index in range(args.rounds):
         for i, (parallel, threads) in enumerate(runs):
-            rate, line = measure(folder, requests, args.max_num_seqs, parallel, threads, kernels)
+            # one pass per step in all three: worker processes run no decode bursts
+            rate, line = measure(folder, requests, args.max_num_seqs, parallel, threads, kernels, 1)
             rates[i].append(rate)
             print(f"  round {round_index + 1}: {line}", flush=True)
     # Other processes on the machine only ever slow a run down: the best run is the least disturbed.
@@ -202,7 +219,8 @@ def bench_observer(name: str, folder, args: argparse.Namespace) -> None:
     tokens = steps = 0
     for _ in range(repeats):
         engines = {
-            observed: warm(make_engine(folder, args.max_num_seqs, parallel, args.num_threads, kernels))
+            # one pass per step: a decode burst's length follows timing, and the two must step alike
+            observed: warm(make_engine(folder, args.max_num_seqs, parallel, args.num_threads, kernels, 1))
             for observed in (False, True)
         }
         engines[True].observers.append(EngineMetrics(vllm_compat=True))
@@ -255,6 +273,9 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=5, help="--observe: paired runs, medians of all steps")
     parser.add_argument("--cpu-kernels", nargs="+", default=["auto"], help="CPU ops to run, side by side")
+    parser.add_argument(
+        "--max-decode-steps", type=int, nargs="+", default=[8], help="decode burst lengths, side by side"
+    )
     args = parser.parse_args()
     run = bench_observer if args.observe else compare_parallel if args.compare_parallel else bench
     if args.model in ("stories", "both"):

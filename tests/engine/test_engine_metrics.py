@@ -38,7 +38,8 @@ def _config(stories_path, *, vllm_compat: bool = True) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(path=str(stories_path)),
         cache=CacheConfig(num_blocks=NUM_BLOCKS),
-        scheduler=SchedulerConfig(max_num_seqs=8),
+        # One forward pass per step: the step counts below are exact (decode bursts follow timing).
+        scheduler=SchedulerConfig(max_num_seqs=8, max_decode_steps=1),
         server=ServerConfig(host="127.0.0.1", port=0, drain_seconds=10),
         telemetry=TelemetryConfig(metrics_port=0, metrics_vllm_compat=vllm_compat),
     )
