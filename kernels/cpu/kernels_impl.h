@@ -245,20 +245,20 @@ static void packed_linear(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
       for (int64_t k0 = 0; k0 < k_rows; k0 += kSliceRows) {
         const int64_t slice = std::min<int64_t>(kSliceRows, k_rows - k0);
         const T* panel = w + p * panel_elems + k0 * row_elems;
+        auto row_tiles = [&](const auto* src) {  // every row tile of the block over this slice of `src`
+          for (int64_t r = 0; r < block_rows; r += Vec::kPackedRows) {
+            const int rows = static_cast<int>(std::min<int64_t>(Vec::kPackedRows, block_rows - r));
+            packed_tile_rows(rows, src, xt + (k0 * kPanelRows + r) * 4, slice, acc + r * kPanel, k0 > 0);
+          }
+        };
         if constexpr (widen) {
           if (block_rows > Vec::kPackedRows) {
             for (int64_t i = 0; i < slice * kPanel; i += W) Vec::store(wide + i, Vec::load(panel + i));
-            for (int64_t r = 0; r < block_rows; r += Vec::kPackedRows) {
-              const int rows = static_cast<int>(std::min<int64_t>(Vec::kPackedRows, block_rows - r));
-              packed_tile_rows<float>(rows, wide, xt + (k0 * kPanelRows + r) * 4, slice, acc + r * kPanel, k0 > 0);
-            }
+            row_tiles(static_cast<const float*>(wide));
             continue;
           }
         }
-        for (int64_t r = 0; r < block_rows; r += Vec::kPackedRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(Vec::kPackedRows, block_rows - r));
-          packed_tile_rows<T>(rows, panel, xt + (k0 * kPanelRows + r) * 4, slice, acc + r * kPanel, k0 > 0);
-        }
+        row_tiles(panel);
       }
       for (int64_t j = 0; j < block_rows; ++j) {
         T* dst = out + (m0 + j) * a.ldo + n0;

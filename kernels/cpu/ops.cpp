@@ -184,11 +184,12 @@ PackedLinear::PackedLinear(const KernelTable& table, const at::Tensor& weight) :
   const int64_t panels = (N_ + kPanel - 1) / kPanel;
   const int64_t k_rows = pairs_ ? (K_ + 1) / 2 : K_;
   panels_ = at::empty({panels * k_rows * kPanel * (pairs_ ? 2 : 1)}, weight.options());
-  if (weight.scalar_type() == at::kFloat) weight_ = weight;
-  if (weight.scalar_type() == at::kFloat)
+  if (weight.scalar_type() == at::kFloat) {
+    weight_ = weight;
     pack_panels(weight.data_ptr<float>(), panels_.data_ptr<float>(), N_, K_, false);
-  else
+  } else {
     pack_panels(static_cast<const bf16*>(weight.data_ptr()), static_cast<bf16*>(panels_.data_ptr()), N_, K_, pairs_);
+  }
 }
 
 at::Tensor PackedLinear::forward(const at::Tensor& x, const std::optional<at::Tensor>& bias) const {

@@ -62,12 +62,13 @@ def assert_same_as_one_pass(model, requests, **engine_kw) -> dict[str, Collected
     return one
 
 
-def lengths(vocab_prompts: dict[str, list[int]], vocab: int) -> dict[str, list[int]]:
-    return {rid: [t % vocab for t in ids] for rid, ids in vocab_prompts.items()}
+def in_vocab(prompts: dict[str, list[int]], vocab: int) -> dict[str, list[int]]:
+    """The prompts with every token id taken modulo the vocabulary size."""
+    return {rid: [t % vocab for t in ids] for rid, ids in prompts.items()}
 
 
 def test_bursts_give_the_same_tokens_text_and_usage(stories_path):
-    prompts = lengths(PROMPTS, 512)
+    prompts = in_vocab(PROMPTS, 512)
     requests = {
         "a": (prompts["a"], greedy(37, ignore_eos=True)),
         "b": (prompts["b"], greedy(64, ignore_eos=True)),
@@ -79,7 +80,7 @@ def test_bursts_give_the_same_tokens_text_and_usage(stories_path):
 
 
 def test_a_stop_inside_a_burst_drops_the_tokens_after_it(stories_path):
-    prompt = lengths(PROMPTS, 512)["b"]
+    prompt = in_vocab(PROMPTS, 512)["b"]
     _, reference = run(stories_path, {"r": (prompt, greedy(60, ignore_eos=True))}, **ONE_PASS)
     tokens, text = reference["r"].token_ids, reference["r"].text
     stop_string = text[len(text) // 2 : len(text) // 2 + 3]
@@ -104,7 +105,7 @@ def test_a_stop_inside_a_burst_drops_the_tokens_after_it(stories_path):
 def test_blocks_of_dropped_tokens_never_reach_the_prefix_cache(stories_path):
     """A choice stopped inside a burst wrote KV for tokens that were dropped. A later prompt that
     continues the kept text must not be served that KV from the cache: its output matches one pass."""
-    prompt = lengths(PROMPTS, 512)["a"] * 3  # 15 tokens: the burst crosses block boundaries (size 4)
+    prompt = in_vocab(PROMPTS, 512)["a"] * 3  # 15 tokens: the burst crosses block boundaries (size 4)
     _, reference = run(stories_path, {"r": (prompt, greedy(40, ignore_eos=True))}, **ONE_PASS, block_size=4)
     stop_token = reference["r"].token_ids[9]
     first = (prompt, greedy(40, ignore_eos=True, stop_token_ids=[stop_token]))
@@ -125,7 +126,7 @@ def test_blocks_of_dropped_tokens_never_reach_the_prefix_cache(stories_path):
 
 
 def test_several_choices_and_random_sampling_burst_and_finish(stories_path):
-    prompt = lengths(PROMPTS, 512)["c"]
+    prompt = in_vocab(PROMPTS, 512)["c"]
     params = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, n=3, ignore_eos=True)
     engine = make_engine(stories_path, **FORCED)
     engine.add_request(GenerationRequest("n", params, token_ids=prompt))
@@ -145,7 +146,7 @@ def test_a_burst_step_reports_all_of_its_tokens(stories_path):
     engine = make_engine(stories_path, **FORCED)
     recorder = Recorder()
     engine.observers.append(recorder)
-    prompts = lengths(PROMPTS, 512)
+    prompts = in_vocab(PROMPTS, 512)
     for rid in ("a", "b"):
         engine.add_request(GenerationRequest(rid, greedy(30, ignore_eos=True), token_ids=prompts[rid]))
     run_to_completion(engine)
@@ -169,7 +170,7 @@ def test_a_burst_step_reports_all_of_its_tokens(stories_path):
     ids=["logprobs", "presence", "frequency", "repetition", "seeded"],
 )
 def test_sampling_that_reads_the_history_never_bursts(stories_path, params):
-    prompts = lengths(PROMPTS, 512)
+    prompts = in_vocab(PROMPTS, 512)
     engine, _ = run(
         stories_path,
         {"special": (prompts["a"], params), "plain": (prompts["b"], greedy(20, ignore_eos=True))},

@@ -62,7 +62,7 @@ class DecodeBursts:
     def observe(self, out: SchedulerOutput, seconds: float, passes: int) -> None:
         """The step `out` ran `passes` forward passes (with their sampling) in `seconds`; only steps of
         single-token decodes count towards a pass's duration."""
-        if any(item.num_new_tokens != 1 for item in out.scheduled):
+        if self._max_steps <= 1 or any(item.num_new_tokens != 1 for item in out.scheduled):
             return
         per_pass = seconds / passes
         if self._pass_seconds is None:

@@ -281,17 +281,16 @@ class LLMEngine:
         if passes > 1:
             assert isinstance(self.runner, ModelRunner)
             tokens = self.runner.execute_burst(scheduled, passes)
-            self.bursts.observe(scheduled, clock() - ran, passes)
-            if record is not None:
-                record.num_tokens = passes * len(scheduled.scheduled)
-                record.sampled_at = clock()
-            outputs = self._postprocess_burst(scheduled, tokens, record)
         else:
             results = self.runner.execute(scheduled)
-            self.bursts.observe(scheduled, clock() - ran, 1)
+        self.bursts.observe(scheduled, clock() - ran, passes)
+        if record is not None:
+            record.num_tokens += (passes - 1) * len(scheduled.scheduled)  # a burst computes more
+            record.sampled_at = clock()
+        if passes > 1:
+            outputs = self._postprocess_burst(scheduled, tokens, record)
+        else:
             self.scheduler.update_after_step(scheduled)
-            if record is not None:
-                record.sampled_at = clock()
             outputs = self._postprocess(scheduled, results, record)
         if record is None:
             return outputs
@@ -318,10 +317,7 @@ class LLMEngine:
                 req.pending_prompt_logprobs.extend(result.prompt_logprobs)
             if result.token_id is None:
                 continue
-            self._generated_tokens += 1
-            if record is not None:
-                record.token(req, seq)
-            text = req.stop_rules[seq.index].accept(seq, result.token_id)
+            text = self._accept(req, seq, result.token_id, record)
             handoff = self.kv_producer.after_first_token(req, seq) if req.kv_produce else None
             if seq.is_finished:
                 self.scheduler.finish(seq)
@@ -348,10 +344,7 @@ class LLMEngine:
                 self.scheduler.advance(seq, 1)  # the KV of the token this pass read
                 if req is None:
                     break
-                self._generated_tokens += 1
-                if record is not None:
-                    record.token(req, seq)
-                text += req.stop_rules[seq.index].accept(seq, token_id)
+                text += self._accept(req, seq, token_id, record)
                 accepted.append(token_id)
                 if seq.is_finished:
                     self.scheduler.finish(seq)  # its blocks, those of the dropped tokens included
@@ -361,6 +354,13 @@ class LLMEngine:
             if req.finished:
                 self._retire(req)
         return outputs
+
+    def _accept(self, req: RequestState, seq: Sequence, token_id: int, record: StepRecord | None) -> str:
+        """Count a sampled token and put it through its choice's stop rules; the text it releases."""
+        self._generated_tokens += 1
+        if record is not None:
+            record.token(req, seq)
+        return req.stop_rules[seq.index].accept(seq, token_id)
 
     def _retire(self, req: RequestState) -> None:
         del self._requests[req.request_id]

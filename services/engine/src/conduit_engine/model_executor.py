@@ -69,11 +69,7 @@ class ModelExecutor:
     def run(self, batch: StepBatch, bitmask: StepBitmask | None = None) -> StepOutput | None:
         """The step's sampled tokens and logprobs (rank 0), or None (the other ranks)."""
         input_ids, positions, meta = self._tensors(batch)
-        if self.graphs is not None and self.graphs.can_run(meta):
-            # A view of the graph's output buffer: consumed below, before the next step.
-            hidden = self.graphs.run(input_ids, positions, meta)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self._forward(input_ids, positions, meta)
         prompt = [self._prompt_logprobs(hidden, span) for span in batch.prompt_spans]
         if batch.sampling is None:
             return StepOutput([], [], prompt) if self.samples else None
@@ -101,16 +97,21 @@ class ModelExecutor:
                 input_ids = torch.as_tensor(tokens[-1], dtype=torch.int64, device=self.device)
                 positions = positions + 1
                 meta = _advanced(meta, positions, rows)
-            if self.graphs is not None and self.graphs.can_run(meta):
-                hidden = self.graphs.run(input_ids, positions, meta)
-            else:
-                hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(self._forward(input_ids, positions, meta))
             assert logits is not None
             if sampling is None:
                 sampling = metadata_from_plan(batch.sampling, logits.shape[-1], logits.device)
             tokens.append(self.sampler(logits, sampling).token_ids)
         return tokens
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The final hidden states: a captured CUDA graph where one fits the batch, else the model."""
+        if self.graphs is not None and self.graphs.can_run(meta):
+            # A view of the graph's output buffer: consumed before the next pass.
+            return self.graphs.run(input_ids, positions, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _tensors(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device
