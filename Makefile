@@ -56,12 +56,12 @@ format: venv
 	$(VENV)/bin/ruff check --fix .
 
 demo-model: venv
-	$(PY) -m conduit_engine.demo_model .models/demo-llama
+	$(PY) -m conduit_engine.models.demo_model .models/demo-llama
 
 # Serve MODEL (a folder or a Hub id org/name) with the engine and the gateway. Without MODEL:
 # HuggingFaceTB/SmolLM2-135M-Instruct from the Hub, or offline the random demo model (it says why).
 run: venv
-	$(PY) -m conduit_engine.run_stack $(if $(MODEL),--model "$(MODEL)") --demo-dir .models/demo-llama \
+	$(PY) -m conduit_engine.entrypoints.run_stack $(if $(MODEL),--model "$(MODEL)") --demo-dir .models/demo-llama \
 		--engine-port $(ENGINE_PORT) --gateway-port $(GATEWAY_PORT)
 
 run-engine: venv

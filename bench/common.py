@@ -36,7 +36,7 @@ def random_llama_110m(cache_dir: Path = REPO / ".models" / "random-llama-110m") 
         return cache_dir
     import transformers
 
-    from conduit_engine.demo_model import CHAT_TEMPLATE
+    from conduit_engine.models.demo_model import CHAT_TEMPLATE
 
     config = transformers.LlamaConfig(
         vocab_size=32000,

@@ -81,7 +81,15 @@ def launch(model: Path, flags: list[tuple[str, ...]], args: argparse.Namespace) 
     engines = []
     for core, extra in enumerate(flags):
         port = free_port()
-        command = [sys.executable, "-m", "conduit_engine.cli", "--model", str(model), "--host", "127.0.0.1"]
+        command = [
+            sys.executable,
+            "-m",
+            "conduit_engine.entrypoints.cli",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+        ]
         command += ["--port", str(port), "--num-threads", "1", "--max-num-seqs", "16"]
         command += ["--kv-cache-blocks", str(args.kv_cache_blocks), "--log-level", "WARNING", *extra]
         if pin:
@@ -168,11 +176,11 @@ def transfer_time_per_block(prefill: str, repeats: int, prompt_len: int) -> tupl
     gRPC transport into a cache in this process (the decode side's gather → gRPC → scatter path)."""
     import torch
 
-    from conduit_engine.kv_transfer.cache_io import CacheBlockWriter, LocalKvBlocks
+    from conduit_engine.kv_transfer.cache_io import CacheBlockWriter
     from conduit_engine.kv_transfer.grpc_transport import GrpcKvTransport
     from conduit_engine.kv_transfer.layout import KvLayoutSpec
-    from conduit_engine.kv_transfer.proto import pull_spec_for
     from conduit_engine.ops.torch_ops import TorchOps
+    from tests.support.kv_blocks import LocalKvBlocks, pull_spec_for
 
     pb = model_info(prefill).kv_layout
     layout = KvLayoutSpec(pb.model, pb.dtype, pb.block_size, pb.num_layers, pb.num_kv_heads, pb.head_dim)

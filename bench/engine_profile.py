@@ -30,11 +30,11 @@ import torch
 from common import random_llama_110m, request_set, stories_path
 from torch.autograd.profiler import record_function
 
-import conduit_engine.model_executor as model_executor
-import conduit_engine.model_runner as model_runner
+import conduit_engine.executor.in_process as in_process
+import conduit_engine.worker.model_runner as model_runner
 from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from conduit_engine.engine import LLMEngine
-from conduit_engine.request import GenerationRequest
+from conduit_engine.engine.llm_engine import LLMEngine
+from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 
 OP_KINDS = (
@@ -76,18 +76,17 @@ class _TimedSampler:
 
 
 def instrument(engine: LLMEngine, clock: PhaseClock) -> None:
-    runner, model = engine.runner, engine.runner.model
-    executor = runner.executor
+    executor, model = engine.executor, engine.executor.model
+    runner = executor.runner
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
-    # Input preparation: the host-side lists (build_step), then the tensors (the executor's _tensors).
-    model_runner.build_step = clock.wrap("prepare", model_runner.build_step)
-    executor._tensors = clock.wrap("prepare", executor._tensors)
+    # Input preparation: the host-side lists (build_step), then the tensors (the model runner's _tensors).
+    in_process.build_step = clock.wrap("prepare", in_process.build_step)
+    runner._tensors = clock.wrap("prepare", runner._tensors)
     model.forward = clock.wrap("forward", model.forward)
     model.compute_logits = clock.wrap("lm_head", model.compute_logits)
-    executor.sampler = _TimedSampler(executor.sampler, clock)
-    model_executor.metadata_from_plan = clock.wrap("sampling_meta", model_executor.metadata_from_plan)
-    engine._postprocess = clock.wrap("postprocess", engine._postprocess)
-    engine.scheduler.update_after_step = clock.wrap("postprocess", engine.scheduler.update_after_step)
+    runner.sampler = _TimedSampler(runner.sampler, clock)
+    model_runner.metadata_from_plan = clock.wrap("sampling_meta", model_runner.metadata_from_plan)
+    engine._update = clock.wrap("postprocess", engine._update)
 
 
 def make_engine(folder: Path, max_num_seqs: int, dtype: str, threads: int) -> LLMEngine:

@@ -29,9 +29,9 @@ import time
 from common import hf_static_batches, random_llama_110m, request_set, stories_path
 
 from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from conduit_engine.engine import LLMEngine
-from conduit_engine.parallel.worker_runner import BroadcastStats, WorkerRunner
-from conduit_engine.request import GenerationRequest
+from conduit_engine.engine.llm_engine import LLMEngine
+from conduit_engine.engine.request import GenerationRequest
+from conduit_engine.executor.multiproc import BroadcastStats, MultiprocExecutor
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.telemetry.metrics import EngineMetrics
 
@@ -87,17 +87,15 @@ def time_the_model(engine: LLMEngine) -> list[float]:
 
         return timed_run
 
-    engine.runner.execute = timed(engine.runner.execute)
-    if hasattr(engine.runner, "execute_burst"):
-        engine.runner.execute_burst = timed(engine.runner.execute_burst)
+    engine.executor.execute = timed(engine.executor.execute)
     return model_time
 
 
 def run_engine(engine: LLMEngine, requests) -> tuple[int, float, float]:
     """(output tokens, wall seconds, seconds outside the runner) for `requests`, after a warm-up."""
     warm(engine)
-    if isinstance(engine.runner, WorkerRunner):  # count the measured steps only
-        engine.runner.stats = BroadcastStats()
+    if isinstance(engine.executor, MultiprocExecutor):  # count the measured steps only
+        engine.executor.stats = BroadcastStats()
     start = time.perf_counter()
     submit(engine, requests)
     # Everything of a step but the model run is scheduling, block management and postprocessing.
@@ -133,7 +131,7 @@ def measure(
     engine = make_engine(folder, max_num_seqs, parallel, threads, cpu_kernels, max_decode_steps)
     try:
         tokens, seconds, outside = run_engine(engine, requests)
-        stats = engine.runner.stats if isinstance(engine.runner, WorkerRunner) else None
+        stats = engine.executor.stats if isinstance(engine.executor, MultiprocExecutor) else None
     finally:
         engine.shutdown()
     rate = tokens / seconds

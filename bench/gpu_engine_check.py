@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from conduit_engine.engine import LLMEngine
-from conduit_engine.request import GenerationRequest
+from conduit_engine.engine.llm_engine import LLMEngine
+from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]

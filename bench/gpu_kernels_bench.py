@@ -14,7 +14,9 @@ import torch
 
 from conduit_engine.ops.base import AttentionMetadata, StepContext
 from conduit_engine.ops.cuda_ops import CudaOps
-from conduit_engine.sampling import Sampler, SamplingRow, build_sampling_metadata
+from conduit_engine.sampling.metadata import build_sampling_metadata
+from conduit_engine.sampling.plan import SamplingRow
+from conduit_engine.sampling.sampler import Sampler
 from conduit_engine.sampling_params import SamplingParams
 
 _NO_ROPE = torch.zeros(1, 2, device="cuda") if torch.cuda.is_available() else torch.zeros(1, 2)

@@ -90,7 +90,7 @@ def vllm_refusal(model_dir: Path) -> str | None:
 
 def _conduit(job: ServeJob) -> tuple[list[str], dict[str, str], int]:
     port = free_port()
-    args = [sys.executable, "-m", "conduit_engine.run_stack", "--model", str(job.model_dir)]
+    args = [sys.executable, "-m", "conduit_engine.entrypoints.run_stack", "--model", str(job.model_dir)]
     args += ["--engine-port", str(free_port()), "--gateway-port", str(port)]
     # run_stack takes no engine flags: the engine reads these from its CONDUIT_* environment.
     env = {"CONDUIT_DTYPE": job.dtype, "CONDUIT_MAX_NUM_SEQS": str(job.max_num_seqs)}

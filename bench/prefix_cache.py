@@ -19,8 +19,8 @@ import torch
 from common import REPO, SHARED, stories_path
 
 from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from conduit_engine.engine import LLMEngine
-from conduit_engine.request import GenerationRequest
+from conduit_engine.engine.llm_engine import LLMEngine
+from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
@@ -32,7 +32,7 @@ def random_llama_20m(cache_dir: Path = REPO / ".models" / "random-llama-20m") ->
         return cache_dir
     import transformers
 
-    from conduit_engine.demo_model import CHAT_TEMPLATE
+    from conduit_engine.models.demo_model import CHAT_TEMPLATE
 
     config = transformers.LlamaConfig(
         vocab_size=32000,

@@ -25,8 +25,8 @@ from contextlib import contextmanager
 from common import random_llama_110m, stories_path
 
 from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from conduit_engine.engine import LLMEngine
-from conduit_engine.request import GenerationRequest
+from conduit_engine.engine.llm_engine import LLMEngine
+from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.structured.batch_mask import BitmaskBuilder
 from conduit_engine.structured.compiler import StructuredCompiler

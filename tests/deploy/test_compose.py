@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conduit_engine import cli as engine_cli
+from conduit_engine.entrypoints import cli as engine_cli
 from conduit_gateway import cli as gateway_cli
 from tests.deploy import dockerfiles, envoy_config, strict_yaml
 from tests.deploy.paths import COMPOSE_FILE, ENVOY_CONFIG, MAKEFILE, REPO, tool

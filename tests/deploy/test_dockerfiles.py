@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conduit_common.env_flags import env_name, long_flags
-from conduit_engine import cli as engine_cli
+from conduit_engine.entrypoints import cli as engine_cli
 from conduit_engine.ops import kernel_loader
 from conduit_gateway import cli as gateway_cli
 from tests.deploy import dockerfiles

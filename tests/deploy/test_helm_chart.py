@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conduit_engine import cli as engine_cli
+from conduit_engine.entrypoints import cli as engine_cli
 from conduit_gateway import cli as gateway_cli
 from tests.deploy import chart_render, envoy_config
 from tests.deploy.chart_render import NAMESPACE, component, find
@@ -118,10 +118,11 @@ def test_engine_probes_use_grpc_health_and_startup_allows_model_loading(release)
     tls = values.get("tls", {}).get("engine", {}).get("enabled", False)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         # grpc.health.v1.Health/Check SERVES only after load and warm-up. The kubelet's grpc probe is
-        # plaintext: a TLS engine is probed by conduit_engine.health_probe with its own certificate.
+        # plaintext: a TLS engine is probed by conduit_engine.entrypoints.health_probe with its own
+        # certificate.
         if tls:
             command = container[probe]["exec"]["command"]
-            assert command[:3] == ["python", "-m", "conduit_engine.health_probe"]
+            assert command[:3] == ["python", "-m", "conduit_engine.entrypoints.health_probe"]
             assert command[command.index("--address") + 1] == f"127.0.0.1:{port}"
         else:
             assert container[probe]["grpc"] == {"port": port}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import helm_python as helm
 import pytest
 
-from conduit_engine import cli as engine_cli
+from conduit_engine.entrypoints import cli as engine_cli
 from conduit_gateway import cli as gateway_cli
 from tests.deploy import chart_render, envoy_config, pod_security
 from tests.deploy.chart_render import NAMESPACE, component, find

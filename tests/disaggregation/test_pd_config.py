@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from conduit.engine.v1 import engine_pb2
-from conduit_engine import cli as engine_cli
 from conduit_engine.config import DisaggregationConfig
+from conduit_engine.entrypoints import cli as engine_cli
 from conduit_gateway.cli import config_from_args
 from conduit_gateway.config import ConfigError, GatewayConfig
 from conduit_gateway.handlers.disaggregated import uses_disaggregation

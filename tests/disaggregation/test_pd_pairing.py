@@ -99,7 +99,15 @@ def test_an_engine_that_joins_later_with_another_layout_stays_out_with_the_reaso
         assert client.post("/nodes", json={"address": late, "role": "decode"}).status_code == 201
     assert nodes(gateway.url)[late]["state"] == "unavailable"  # nothing listens there yet
     model = require_shared(f"models/{MODEL}")
-    args = [sys.executable, "-m", "conduit_engine.cli", "--model", str(model), "--host", "127.0.0.1"]
+    args = [
+        sys.executable,
+        "-m",
+        "conduit_engine.entrypoints.cli",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+    ]
     args += ["--port", str(port), "--role", "decode", "--block-size", "32"]
     with ManagedProcess("engine", args, port) as engine:
         engine.wait_ready(lambda: engine_serving(late), ENGINE_START_TIMEOUT_S)

@@ -22,7 +22,7 @@ def check_bf16_logprobs_close_to_f32(model: Path, cpu_kernels: str) -> None:
     (teacher-forced, as prompt logprobs), so a divergence cannot compound. The logprobs of the chosen
     tokens must agree within bf16's rounding."""
     bf16 = make_engine(model, dtype="bfloat16", cpu_kernels=cpu_kernels)
-    assert bf16.dtype == torch.bfloat16
+    assert bf16.dtype == "bfloat16"
     decoded = generate(bf16, PROMPTS, greedy(NEW_TOKENS, ignore_eos=True, logprobs=0))
     forced = {rid: PROMPTS[rid] + decoded[rid].token_ids for rid in PROMPTS}
     f32 = make_engine(model, dtype="float32", cpu_kernels="torch")

@@ -13,8 +13,8 @@ from conduit_engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from conduit_engine.engine import LLMEngine
-from conduit_engine.request import GenerationRequest, RequestOutput
+from conduit_engine.engine.llm_engine import LLMEngine
+from conduit_engine.engine.request import GenerationRequest, RequestOutput
 from conduit_engine.sampling_params import SamplingParams
 
 

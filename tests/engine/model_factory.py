@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from conduit_engine.demo_model import CHAT_TEMPLATE, byte_tokenizer
+from conduit_engine.models.demo_model import CHAT_TEMPLATE, byte_tokenizer
 
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),

@@ -4,10 +4,10 @@ does, through the same gather/scatter calls), end the pull and decode on; and th
 
 from __future__ import annotations
 
+from conduit_engine.core.sequence import FinishReason
+from conduit_engine.engine.request import GenerationRequest, RequestOutput
 from conduit_engine.kv_transfer.params import KvConsume, KvFirstToken, KvHandleRef
 from conduit_engine.kv_transfer.transport import KvPullResult
-from conduit_engine.request import GenerationRequest, RequestOutput
-from conduit_engine.sequence import FinishReason
 from tests.engine.harness import Collected, run_to_completion
 
 
@@ -42,8 +42,8 @@ def transfer_blocks(source, destination, rid: str) -> KvPullResult:
     pending = destination.kv_consumer.pending(rid)
     spec = pending.spec
     transfer = source.kv_registry.start_pull(spec.transfer_id)
-    data = source.runner.gather_kv_blocks(transfer.block_ids[spec.start_block :])
-    destination.runner.scatter_kv_blocks(pending.dest_block_ids, data)
+    data = source.executor.gather_kv_blocks(transfer.block_ids[spec.start_block :])
+    destination.executor.scatter_kv_blocks(pending.dest_block_ids, data)
     source.kv_registry.finish_pull(spec.transfer_id, completed=True)
     return KvPullResult(spec.num_blocks, len(data))
 

@@ -1,7 +1,7 @@
 """A model-free stand-in for the engine's step loop, for scheduler and block-manager tests (no torch).
 
 `SimEngine` drives the real `Scheduler` and `BlockManager` exactly as `LLMEngine.step()` does
-(schedule → run → update_after_step → append/finish), but the "model" is a pure function of the
+(schedule → run → advance → append/finish), but the "model" is a pure function of the
 token prefix, and the "KV cache" is a dict from slot to the fingerprint of the prefix whose last
 token was written there. Every step checks what a real paged-attention model would rely on:
 
@@ -31,8 +31,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from conduit_engine.block_manager import BlockManager
 from conduit_engine.config import SchedulerConfig
+from conduit_engine.core.block_manager import BlockManager
+from conduit_engine.core.scheduler import Scheduler
+from conduit_engine.core.sequence import FinishReason, Sequence
 from conduit_engine.kv_transfer.consumer import KvConsumer, PendingPull
 from conduit_engine.kv_transfer.errors import KvTransferNotFoundError
 from conduit_engine.kv_transfer.layout import KvLayoutSpec
@@ -41,8 +43,6 @@ from conduit_engine.kv_transfer.producer import KvProducer
 from conduit_engine.kv_transfer.registry import KvTransfer, KvTransferRegistry
 from conduit_engine.kv_transfer.transport import KvPullResult
 from conduit_engine.sampling_params import SamplingParams
-from conduit_engine.scheduler import Scheduler
-from conduit_engine.sequence import FinishReason, Sequence
 
 VOCAB = 97
 
@@ -282,7 +282,8 @@ class SimEngine:
                 assert self.kv.get(slot) == prefix_fingerprint(seq.token_ids[: pos + 1]), (
                     f"{seq.request_id} would read wrong KV at position {pos}"
                 )
-        self.scheduler.update_after_step(out)
+        for item in out.scheduled:
+            self.scheduler.advance(item.seq, item.num_new_tokens)
         for seq in samplers:
             token = next_token(seq.token_ids)
             seq.append_token(token)

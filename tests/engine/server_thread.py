@@ -11,7 +11,7 @@ import grpc
 
 from conduit.engine.v1 import engine_pb2_grpc
 from conduit_engine.config import EngineConfig
-from conduit_engine.server import EngineServer
+from conduit_engine.entrypoints.server import EngineServer
 
 
 class ServerThread:

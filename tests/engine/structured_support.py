@@ -16,24 +16,26 @@ from pathlib import Path
 
 import torch
 
-from conduit_engine.models.config import ArchConfig
+from conduit_engine.core.stop_rules import blocked_token_ids
+from conduit_engine.models.architectures import read_arch_config
+from conduit_engine.models.tokenizer import ModelTokenizer
 from conduit_engine.ops.torch_ops import TorchOps
-from conduit_engine.sampling import Sampler, SamplingRow, build_sampling_metadata
 from conduit_engine.sampling.grammar_mask import apply_grammar_mask
+from conduit_engine.sampling.metadata import build_sampling_metadata
+from conduit_engine.sampling.plan import SamplingRow
+from conduit_engine.sampling.sampler import Sampler
 from conduit_engine.sampling_params import SamplingParams
-from conduit_engine.stop_rules import blocked_token_ids
 from conduit_engine.structured.batch_mask import BitmaskBuilder
 from conduit_engine.structured.compiler import CompiledStructure, StructuredCompiler
 from conduit_engine.structured.spec import StructuredSpec
 from conduit_engine.structured.state import GrammarState
 from conduit_engine.structured.vocabulary import GrammarVocab
-from conduit_engine.tokenizer import ModelTokenizer
 from tests.engine.model_factory import load_hf
 
 
 @functools.cache
 def stories_vocab(folder: Path) -> GrammarVocab:
-    arch = ArchConfig.from_folder(folder)
+    arch = read_arch_config(folder)
     return GrammarVocab.from_tokenizer(ModelTokenizer(folder).hf, arch.vocab_size, arch.eos_token_ids)
 
 
@@ -74,7 +76,7 @@ class Choice:
 def decode(folder: Path, prompt: list[int], choices: list[Choice]) -> list[Choice]:
     """Run every choice to its end in one batch; return them with tokens and finished_by filled."""
     model = load_hf(folder)
-    eos = ArchConfig.from_folder(folder).eos_token_ids
+    eos = read_arch_config(folder).eos_token_ids
     builder = BitmaskBuilder(model.config.vocab_size)
     ops, sampler = TorchOps(), Sampler(seed=0)
     caches: list[object] = [None] * len(choices)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
+from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.errors import DuplicateRequestError, InvalidRequestError
-from conduit_engine.request import GenerationRequest
+from conduit_engine.models.tokenizer import ChatMessage
 from conduit_engine.sampling_params import SamplingParams
-from conduit_engine.tokenizer import ChatMessage
 from tests.engine.harness import greedy, make_engine, run_to_completion
 from tests.engine.model_factory import make_tiny_model
 

@@ -14,9 +14,9 @@ import random
 import pytest
 import torch
 
+from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.errors import ModelLoadError
-from conduit_engine.models.registry import ARCHITECTURES, read_arch_config
-from conduit_engine.request import GenerationRequest
+from conduit_engine.models.architectures import ARCHITECTURES, read_arch_config
 from tests.engine.harness import generate, greedy, make_engine, run_to_completion
 from tests.engine.model_factory import load_hf, make_tiny_model
 from tests.engine.test_prefix_preemption_parity import submit

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from conduit_engine.block_manager import BlockManager, chain_hash, prefix_block_hashes
+from conduit_engine.core.block_manager import BlockManager, chain_hash, prefix_block_hashes
+from conduit_engine.core.sequence import RELEASED_BLOCK, Sequence
 from conduit_engine.sampling_params import SamplingParams
-from conduit_engine.sequence import RELEASED_BLOCK, Sequence
 
 pytestmark = pytest.mark.unit
 

@@ -17,9 +17,9 @@ import transformers
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc
+from conduit_engine.entrypoints.proto_mapping import request_from_pb
 from conduit_engine.errors import InvalidRequestError, ModelLoadError
-from conduit_engine.proto_mapping import request_from_pb
-from conduit_engine.tokenizer import ChatMessage, ModelTokenizer
+from conduit_engine.models.tokenizer import ChatMessage, ModelTokenizer
 from tests.engine.harness import make_engine
 from tests.support.processes import start_engine, start_gateway
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conduit_engine.cli import build_parser, config_from_args
+from conduit_engine.entrypoints.cli import build_parser, config_from_args
 from tests.engine.harness import generate, greedy, make_engine
 from tests.engine.model_factory import greedy_with, load_hf, make_tiny_model
 from tests.engine.test_parity import KNOWN_STORY
@@ -47,7 +47,7 @@ def test_half_checkpoints_in_float32_give_the_float32_story(
 ):
     folder = convert(stories_path, tmp_path / "half", checkpoint)
     engine = make_engine(folder, dtype=requested)
-    assert engine.dtype == computed
+    assert engine.dtype == str(computed).removeprefix("torch.")
     out = generate(engine, {"bos": [1]}, greedy(62))["bos"]
     assert out.token_ids == f32_story
     assert engine.tokenizer.decode(out.token_ids).strip() == KNOWN_STORY
@@ -56,7 +56,7 @@ def test_half_checkpoints_in_float32_give_the_float32_story(
 def test_a_bf16_checkpoint_runs_in_bf16_on_the_cpu_like_transformers(tmp_path, stories_path):
     folder = convert(stories_path, tmp_path / "bf16", torch.bfloat16)
     engine = make_engine(folder, dtype="auto")
-    assert engine.dtype == torch.bfloat16
+    assert engine.dtype == "bfloat16"
     out = generate(engine, {"bos": [1]}, greedy(30))["bos"]
     assert out.token_ids == greedy_with(load_hf(folder, torch.bfloat16), [1], 30)
 
@@ -82,7 +82,7 @@ def _mapped_files() -> list[tuple[int, int, str]]:
 
 def test_weights_in_the_checkpoint_dtype_are_the_memory_mapped_file(stories_path):
     engine = make_engine(stories_path)  # float32 checkpoint, float32 compute, CPU: no copy
-    model = engine.runner.model
+    model = engine.executor.model
     checkpoint = str((stories_path / "model.safetensors").resolve())
     regions = [(start, end) for start, end, path in _mapped_files() if path == checkpoint]
     assert regions, "the checkpoint is not mapped"
@@ -105,6 +105,6 @@ def test_a_sharded_bf16_checkpoint_loads_and_matches(tmp_path):
         shutil.copy(folder / name, sharded / name)
     assert len(list(sharded.glob("model-*.safetensors"))) > 2
     engine = make_engine(sharded, dtype="float32")
-    assert engine.dtype == torch.float32
+    assert engine.dtype == "float32"
     out = generate(engine, {"a": [1, 20, 30, 40]}, greedy(12, ignore_eos=True))["a"]
     assert out.token_ids == greedy_with(load_hf(sharded, torch.float32), [1, 20, 30, 40], 12)

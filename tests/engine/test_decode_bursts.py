@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from conduit_engine.block_manager import BlockManager
 from conduit_engine.config import SchedulerConfig
-from conduit_engine.decode_bursts import DecodeBursts
-from conduit_engine.request import GenerationRequest
+from conduit_engine.core.block_manager import BlockManager
+from conduit_engine.core.decode_bursts import DecodeBursts
+from conduit_engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from conduit_engine.core.sequence import Sequence, SequenceStatus
+from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
-from conduit_engine.scheduler import ScheduledSeq, SchedulerOutput
-from conduit_engine.sequence import Sequence, SequenceStatus
 from tests.engine.harness import Collected, greedy, make_engine, run_to_completion
 
 pytestmark = pytest.mark.unit
@@ -54,8 +54,8 @@ def assert_same_as_one_pass(model, requests, **engine_kw) -> dict[str, Collected
     """Run `requests` with forced bursts and with one pass per step; the client sees the same."""
     one_engine, one = run(model, requests, **ONE_PASS, **engine_kw)
     burst_engine, burst = run(model, requests, **FORCED, **engine_kw)
-    assert one_engine.bursts.num_bursts == 0
-    assert burst_engine.bursts.num_bursts > 0, "no burst ran: the test proved nothing"
+    assert one_engine.scheduler.bursts.num_bursts == 0
+    assert burst_engine.scheduler.bursts.num_bursts > 0, "no burst ran: the test proved nothing"
     assert {rid: client_view(c) for rid, c in burst.items()} == {
         rid: client_view(c) for rid, c in one.items()
     }
@@ -120,7 +120,7 @@ def test_blocks_of_dropped_tokens_never_reach_the_prefix_cache(stories_path):
         if kw is ONE_PASS:
             expected, expected_cached = collected.token_ids, cached
         else:
-            assert engine.bursts.num_bursts > 0
+            assert engine.scheduler.bursts.num_bursts > 0
             assert (collected.token_ids, cached) == (expected, expected_cached)
     assert expected_cached > 0, "the follow-up was not served from the cache: the test proved nothing"
 
@@ -131,7 +131,7 @@ def test_several_choices_and_random_sampling_burst_and_finish(stories_path):
     engine = make_engine(stories_path, **FORCED)
     engine.add_request(GenerationRequest("n", params, token_ids=prompt))
     results = run_to_completion(engine)
-    assert engine.bursts.num_bursts > 0
+    assert engine.scheduler.bursts.num_bursts > 0
     assert sorted(results) == [("n", 0), ("n", 1), ("n", 2)]
     for collected in results.values():
         assert len(collected.token_ids) == 30
@@ -176,7 +176,7 @@ def test_sampling_that_reads_the_history_never_bursts(stories_path, params):
         {"special": (prompts["a"], params), "plain": (prompts["b"], greedy(20, ignore_eos=True))},
         **FORCED,
     )
-    assert engine.bursts.num_bursts == 0
+    assert engine.scheduler.bursts.num_bursts == 0
 
 
 # ----- planning, without a model -------------------------------------------------------------------

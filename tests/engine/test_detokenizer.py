@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from conduit_engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from conduit_engine.engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 
 pytestmark = pytest.mark.unit
 

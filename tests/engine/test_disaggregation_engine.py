@@ -16,12 +16,12 @@ import math
 
 import pytest
 
+from conduit_engine.core.sequence import FinishReason
+from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.errors import InvalidRequestError, QueueFullError
 from conduit_engine.kv_transfer.errors import KvLayoutMismatchError
 from conduit_engine.kv_transfer.params import KvConsume, KvFirstToken, KvHandleRef
-from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
-from conduit_engine.sequence import FinishReason
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
 from tests.engine.harness import greedy, make_engine
 from tests.engine.model_factory import make_tiny_model

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+from conduit_engine.core.sequence import FinishReason
 from conduit_engine.errors import QueueFullError
-from conduit_engine.sequence import FinishReason
 from tests.engine.sched_sim import SimEngine, reference_output
 from tests.support.clock import ManualClock
 

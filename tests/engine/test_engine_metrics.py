@@ -14,7 +14,6 @@ import pytest
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc
-from conduit_engine import server as server_module
 from conduit_engine import telemetry
 from conduit_engine.config import (
     CacheConfig,
@@ -24,6 +23,7 @@ from conduit_engine.config import (
     ServerConfig,
     TelemetryConfig,
 )
+from conduit_engine.entrypoints import server as server_module
 from tests.engine.server_thread import ServerThread
 from tests.support.polling import wait_for
 from tests.support.prometheus import scrape

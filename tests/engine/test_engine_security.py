@@ -24,7 +24,7 @@ from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc as pb_grpc
 from conduit_common.secret_files import SecretFileError
 from conduit_engine.config import EngineConfig, SecurityConfig
-from conduit_engine.server_security import MALFORMED_TOKEN, MISSING_TOKEN, WRONG_TOKEN, ServerSecurity
+from conduit_engine.entrypoints.security import MALFORMED_TOKEN, MISSING_TOKEN, WRONG_TOKEN, ServerSecurity
 from tests.engine.server_thread import ServerThread
 from tests.engine.test_grpc_server import engine_config
 from tests.support.certs import bearer, make_pki, tls_channel
@@ -291,7 +291,7 @@ def test_reflection_public_and_sighup_on_a_real_engine_process(stories_path, pki
         scrape = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
         assert scrape.status_code == 200 and 'conduit_engine_state{state="serving"} 1.0' in scrape.text
         # The exec probe the chart uses when the kubelet's plaintext gRPC probe cannot reach a TLS engine.
-        probe = [sys.executable, "-m", "conduit_engine.health_probe", "--address", engine.address]
+        probe = [sys.executable, "-m", "conduit_engine.entrypoints.health_probe", "--address", engine.address]
         assert subprocess.run([*probe, "--ca", str(pki.ca)], timeout=60).returncode == 0
         refused = subprocess.run(
             [*probe, "--ca", str(pki.other_ca)], capture_output=True, text=True, timeout=60

@@ -9,11 +9,11 @@ import shutil
 import pytest
 
 from conduit.engine.v1 import engine_pb2 as pb
+from conduit_engine.core.sequence import FinishReason
+from conduit_engine.engine.request import GenerationRequest
+from conduit_engine.entrypoints.proto_mapping import request_from_pb, sampling_from_pb
 from conduit_engine.errors import ModelLoadError
-from conduit_engine.proto_mapping import request_from_pb, sampling_from_pb
-from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import MODEL_DEFAULTABLE, SamplingParams
-from conduit_engine.sequence import FinishReason
 from tests.engine.harness import generate, greedy, make_engine
 from tests.engine.test_parity import KNOWN_STORY
 

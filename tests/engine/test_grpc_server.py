@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-import conduit_engine.server as server_module
+import conduit_engine.entrypoints.server as server_module
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from tests.engine.model_factory import greedy_with, load_hf

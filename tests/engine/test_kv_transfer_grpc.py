@@ -17,8 +17,9 @@ import torch
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc as pb_grpc
-from conduit_engine.block_manager import BlockManager
-from conduit_engine.kv_transfer.cache_io import CacheBlockWriter, LocalKvBlocks, layout_of
+from conduit_engine.core.block_manager import BlockManager
+from conduit_engine.core.sequence import Sequence
+from conduit_engine.kv_transfer.cache_io import CacheBlockWriter
 from conduit_engine.kv_transfer.errors import (
     KvLayoutMismatchError,
     KvSourceUnavailableError,
@@ -26,15 +27,15 @@ from conduit_engine.kv_transfer.errors import (
     KvTransferNotFoundError,
 )
 from conduit_engine.kv_transfer.grpc_transport import GrpcKvTransport
-from conduit_engine.kv_transfer.proto import handle_to_pb, pull_spec_for
+from conduit_engine.kv_transfer.proto import handle_to_pb
 from conduit_engine.kv_transfer.pull_plan import commit_pull, plan_pull
 from conduit_engine.kv_transfer.registry import KvTransferRegistry
 from conduit_engine.kv_transfer.service import KvTransferService
-from conduit_engine.kv_transfer.transport import KvPullSpec, create_transport
+from conduit_engine.kv_transfer.transport import KvPullSpec
 from conduit_engine.ops.torch_ops import TorchOps
 from conduit_engine.sampling_params import SamplingParams
-from conduit_engine.sequence import Sequence
 from tests.support.clock import ManualClock
+from tests.support.kv_blocks import LocalKvBlocks, layout_of, pull_spec_for
 
 pytestmark = pytest.mark.integration
 
@@ -347,9 +348,6 @@ async def test_chunks_stay_whole_blocks_and_under_the_message_limit():
         KvTransferService(
             src.registry, src.service._store, src.layout, on_this_thread, max_message_bytes=1000
         )
-    assert isinstance(create_transport("grpc", timeout_s=5), GrpcKvTransport)
-    with pytest.raises(ValueError, match="kv transport: unknown kind 'rdma'"):
-        create_transport("rdma")
 
 
 async def test_a_handle_names_the_field_that_is_wrong():

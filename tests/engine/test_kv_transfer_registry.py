@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from conduit_engine.block_manager import BlockManager, prefix_block_hashes
+from conduit_engine.core.block_manager import BlockManager, prefix_block_hashes
+from conduit_engine.core.sequence import Sequence
 from conduit_engine.errors import InvalidRequestError
 from conduit_engine.kv_transfer.errors import KvTransferNotFoundError
 from conduit_engine.kv_transfer.layout import KvLayoutSpec, layout_fingerprint
@@ -22,7 +23,6 @@ from conduit_engine.kv_transfer.pull_plan import (
 )
 from conduit_engine.kv_transfer.registry import KvTransferRegistry
 from conduit_engine.sampling_params import SamplingParams
-from conduit_engine.sequence import Sequence
 from tests.support.clock import ManualClock
 
 pytestmark = pytest.mark.unit

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from conduit_engine.config import SecurityConfig
-from conduit_engine.kv_transfer.cache_io import CacheBlockWriter, LocalKvBlocks, layout_of
+from conduit_engine.entrypoints.security import ServerSecurity, engine_dialer
+from conduit_engine.kv_transfer.cache_io import CacheBlockWriter
 from conduit_engine.kv_transfer.errors import KvSourceUnavailableError, KvTransferError
 from conduit_engine.kv_transfer.grpc_transport import GrpcKvTransport
-from conduit_engine.kv_transfer.proto import pull_spec_for
 from conduit_engine.ops.torch_ops import TorchOps
-from conduit_engine.server_security import ServerSecurity, engine_dialer
 from tests.engine.test_kv_transfer_grpc import Source, assert_blocks_equal, caches
 from tests.support.certs import make_pki
+from tests.support.kv_blocks import LocalKvBlocks, layout_of, pull_spec_for
 
 pytestmark = pytest.mark.integration
 

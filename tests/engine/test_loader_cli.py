@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conduit_engine.cli import build_parser, config_from_args, env_name
+from conduit_engine.entrypoints.cli import build_parser, config_from_args, env_name
 from conduit_engine.errors import ModelLoadError
 from tests.engine.harness import generate, greedy, make_engine
 from tests.engine.model_factory import greedy_with, load_hf, make_tiny_model
@@ -107,8 +107,8 @@ def test_bad_flags_are_refused(argv, message, monkeypatch):
 def test_chat_without_max_tokens_runs_until_the_context_is_full(stories_path):
     from conduit.engine.v1 import engine_pb2 as pb
     from conduit_engine.config import EngineConfig, ModelConfig
-    from conduit_engine.engine import LLMEngine
-    from conduit_engine.proto_mapping import request_from_pb
+    from conduit_engine.engine.llm_engine import LLMEngine
+    from conduit_engine.entrypoints.proto_mapping import request_from_pb
     from tests.engine.harness import run_to_completion
 
     chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="Hi")])
@@ -131,7 +131,7 @@ def test_chat_without_max_tokens_runs_until_the_context_is_full(stories_path):
 
 
 def test_token_text_keeps_the_leading_space(stories_path):
-    from conduit_engine.tokenizer import ModelTokenizer
+    from conduit_engine.models.tokenizer import ModelTokenizer
 
     tok = ModelTokenizer(stories_path)
     ids = tok.encode(PROMPT)
@@ -139,12 +139,12 @@ def test_token_text_keeps_the_leading_space(stories_path):
 
 
 def test_request_ids_reach_the_engine_log(stories_path, caplog):
-    from conduit_engine.request import GenerationRequest
+    from conduit_engine.engine.request import GenerationRequest
     from conduit_engine.sampling_params import SamplingParams
     from tests.engine.harness import run_to_completion
 
     engine = make_engine(stories_path)
-    with caplog.at_level("INFO", logger="conduit_engine.engine"):
+    with caplog.at_level("INFO", logger="conduit_engine.engine.llm_engine"):
         engine.add_request(GenerationRequest("req-abc-123", SamplingParams(max_tokens=3), token_ids=[1]))
         run_to_completion(engine)
     messages = [r.getMessage() for r in caplog.records]

@@ -21,7 +21,7 @@ from huggingface_hub.utils import filter_repo_objects
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc
 from conduit_engine.errors import ModelLoadError
-from conduit_engine.model_source import SERVING_FILES, resolve
+from conduit_engine.models.source import SERVING_FILES, resolve
 from tests.engine.test_parity import KNOWN_STORY
 from tests.support.hub import COMMIT, FaultyHub, lay_out_hub_cache
 from tests.support.processes import free_port, start_engine
@@ -186,7 +186,15 @@ def test_the_engine_serves_a_hub_id_offline_and_reproduces_the_known_story(tmp_p
 def test_the_engine_exits_with_a_message_not_a_traceback(tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty"), "HF_HOME": str(tmp_path / "home")}
     result = subprocess.run(
-        [sys.executable, "-m", "conduit_engine.cli", "--model", "conduit-test/nothing", "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "conduit_engine.entrypoints.cli",
+            "--model",
+            "conduit-test/nothing",
+            "--port",
+            "0",
+        ],
         capture_output=True,
         text=True,
         env={**os.environ, **env},

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from conduit_engine.observer import RequestRecord, StepRecord
-from conduit_engine.request import GenerationRequest
-from conduit_engine.sequence import FinishReason
+from conduit_engine.core.sequence import FinishReason
+from conduit_engine.engine.observer import RequestRecord, StepRecord
+from conduit_engine.engine.request import GenerationRequest
 from tests.engine.harness import greedy, make_engine, run_to_completion
 from tests.support.stories import PROMPT, PROMPT_IDS
 

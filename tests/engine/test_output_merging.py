@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from conduit_engine.async_engine import AsyncEngine, _coalesce
-from conduit_engine.request import GenerationRequest, RequestOutput, Usage
-from conduit_engine.sampling import TokenLogprobs
-from conduit_engine.sequence import FinishReason
+from conduit_engine.core.sequence import FinishReason
+from conduit_engine.engine.async_engine import AsyncEngine, _coalesce
+from conduit_engine.engine.request import GenerationRequest, RequestOutput, Usage
+from conduit_engine.sampling.token_logprobs import TokenLogprobs
 from tests.engine.harness import generate, greedy, make_engine
 
 pytestmark = pytest.mark.unit

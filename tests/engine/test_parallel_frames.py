@@ -10,25 +10,21 @@ import numpy as np
 import pytest
 import torch
 
-from conduit_engine.parallel.step_codec import (
+from conduit_engine.sampling.grammar_mask import StepBitmask
+from conduit_engine.sampling.logprobs import TokenLogprobs
+from conduit_engine.sampling.metadata import build_sampling_metadata, metadata_from_plan
+from conduit_engine.sampling.plan import SamplingRow, plan_sampling
+from conduit_engine.sampling.sampler import Sampler
+from conduit_engine.sampling_params import SamplingParams
+from conduit_engine.worker.step_codec import (
     RankTimings,
     decode_result,
     decode_step,
     encode_result,
     encode_step,
 )
-from conduit_engine.parallel.wire import Kind, as_array, control, decode, encode
-from conduit_engine.sampling import (
-    Sampler,
-    SamplingRow,
-    build_sampling_metadata,
-    metadata_from_plan,
-    plan_sampling,
-)
-from conduit_engine.sampling.grammar_mask import StepBitmask
-from conduit_engine.sampling.logprobs import TokenLogprobs
-from conduit_engine.sampling_params import SamplingParams
-from conduit_engine.step_batch import PromptSpan, StepBatch, StepOutput
+from conduit_engine.worker.step_inputs import PromptSpan, StepBatch, StepOutput
+from conduit_engine.worker.wire import Kind, as_array, control, decode, encode
 
 pytestmark = pytest.mark.unit
 

@@ -10,8 +10,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conduit_engine.errors import ModelLoadError
-from conduit_engine.models.registry import read_arch_config
-from conduit_engine.parallel.sharding import ShardPlan, check_tensor_parallel, read_shard
+from conduit_engine.models.architectures import read_arch_config
+from conduit_engine.models.sharding import ShardPlan, check_tensor_parallel, read_shard
 from tests.engine.model_factory import make_tiny_model
 
 pytestmark = pytest.mark.unit
@@ -118,8 +118,8 @@ def test_shards_of_a_real_checkpoint_fit_the_sharded_model(tmp_path):
         tmp_path / "llama", num_heads=4, num_kv_heads=2, attention_bias=True, mlp_bias=True, seed=3
     )
     from conduit_engine.models.loader import load_model
+    from conduit_engine.models.sharding import ModelShard
     from conduit_engine.ops.torch_ops import TorchOps
-    from conduit_engine.parallel.sharding import ModelShard
 
     arch = read_arch_config(folder)
 

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from conduit_engine.request import GenerationRequest
+from conduit_engine.engine.request import GenerationRequest
 from tests.engine.harness import Collected, generate, greedy, make_engine, run_to_completion
 from tests.engine.model_factory import greedy_with, load_hf, make_tiny_model
 from tests.engine.test_block_manager import COLLIDING_BLOCKS

@@ -15,8 +15,8 @@ import time
 import openai
 import pytest
 
-from conduit_engine.demo_model import write_demo_model
-from conduit_engine.run_stack import DEFAULT_MODEL, choose_model
+from conduit_engine.entrypoints.run_stack import DEFAULT_MODEL, choose_model
+from conduit_engine.models.demo_model import write_demo_model
 from tests.engine.test_parity import KNOWN_STORY
 from tests.support.hub import lay_out_hub_cache
 from tests.support.processes import free_port
@@ -52,7 +52,7 @@ def _start_launcher(model, engine_port: int, gateway_port: int, *extra: str) -> 
     args = [*(["--model", str(model)] if model is not None else []), *extra]
     args += ["--engine-port", str(engine_port), "--gateway-port", str(gateway_port)]
     return subprocess.Popen(
-        [sys.executable, "-m", "conduit_engine.run_stack", *args],
+        [sys.executable, "-m", "conduit_engine.entrypoints.run_stack", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -166,7 +166,7 @@ def test_the_stack_starts_and_stops_twenty_times_in_a_row(tmp_path):
 
 def test_the_launcher_never_starts_grpc():
     # Forking (subprocess with preexec_fn) after gRPC has started threads can abort the child.
-    code = "import sys, conduit_engine.run_stack; sys.exit('grpc' in sys.modules)"
+    code = "import sys, conduit_engine.entrypoints.run_stack; sys.exit('grpc' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

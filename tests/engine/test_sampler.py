@@ -15,20 +15,16 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from conduit_engine.core.stop_rules import blocked_token_ids
+from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.errors import InvalidRequestError
-from conduit_engine.request import GenerationRequest
-from conduit_engine.sampling import (
-    Sampler,
-    SamplingRow,
-    build_sampling_metadata,
-    compute_prompt_logprobs,
-    truncation,
-)
-from conduit_engine.sampling.metadata import seeded_uniform
-from conduit_engine.sampling.sampler import sample_inverse_cdf
+from conduit_engine.sampling import truncation
+from conduit_engine.sampling.logprobs import compute_prompt_logprobs
+from conduit_engine.sampling.metadata import build_sampling_metadata, seeded_uniform
+from conduit_engine.sampling.plan import SamplingRow
+from conduit_engine.sampling.sampler import Sampler, sample_inverse_cdf
 from conduit_engine.sampling.truncation import apply_min_p, apply_top_k_top_p
 from conduit_engine.sampling_params import SamplingParams
-from conduit_engine.stop_rules import blocked_token_ids
 from tests.engine.harness import make_engine
 from tests.support.stories import PROMPT_IDS
 

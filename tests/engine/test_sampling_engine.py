@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conduit.engine.v1 import engine_pb2 as pb
-from conduit_engine.request import GenerationRequest
+from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 from tests.engine.harness import generate, make_engine, run_to_completion
 from tests.engine.model_factory import greedy_with, load_hf

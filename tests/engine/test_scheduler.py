@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conduit_engine.request import GenerationRequest
-from conduit_engine.sequence import FinishReason
+from conduit_engine.core.sequence import FinishReason
+from conduit_engine.engine.request import GenerationRequest
 from tests.engine.harness import greedy, make_engine
 from tests.engine.model_factory import greedy_with, load_hf, make_tiny_model
 from tests.engine.sched_sim import SimEngine, reference_output

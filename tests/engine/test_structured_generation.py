@@ -10,9 +10,9 @@ import re
 import jsonschema
 import pytest
 
+from conduit_engine.models.tokenizer import ModelTokenizer
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
-from conduit_engine.tokenizer import ModelTokenizer
 from tests.engine.model_factory import greedy_with, load_hf
 from tests.engine.structured_support import Choice, compile_spec, decode
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from conduit_engine.ops.torch_ops import TorchOps
-from conduit_engine.sampling import Sampler, SamplingRow, build_sampling_metadata
 from conduit_engine.sampling.grammar_mask import StepBitmask, apply_grammar_mask
+from conduit_engine.sampling.metadata import build_sampling_metadata
+from conduit_engine.sampling.plan import SamplingRow
+from conduit_engine.sampling.sampler import Sampler
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.structured.batch_mask import BitmaskBuilder
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec

@@ -6,8 +6,8 @@ import pytest
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_common.structured import MAX_STRUCTURED_SPEC_BYTES
+from conduit_engine.entrypoints.proto_mapping import request_from_pb, sampling_from_pb, structured_from_pb
 from conduit_engine.errors import InvalidRequestError
-from conduit_engine.proto_mapping import request_from_pb, sampling_from_pb, structured_from_pb
 from conduit_engine.structured.spec import MAX_SPEC_BYTES, StructuredKind, StructuredSpec
 from tests.support.imports import assert_not_loaded
 
@@ -128,7 +128,7 @@ def test_request_mapping_names_a_bad_spec():
 
 def test_the_spec_keeps_the_engine_core_free_of_torch_and_the_backend():
     assert_not_loaded(
-        "import conduit_engine.sampling_params, conduit_engine.scheduler, conduit_engine.structured",
+        "import conduit_engine.sampling_params, conduit_engine.core.scheduler, conduit_engine.structured",
         "torch",
         "xgrammar",
     )

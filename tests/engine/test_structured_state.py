@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conduit_engine.models.tokenizer import ModelTokenizer
 from conduit_engine.structured.after_gate import AfterGate
 from conduit_engine.structured.compiler import StructuredCompiler
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
 from conduit_engine.structured.vocabulary import GrammarVocab
-from conduit_engine.tokenizer import ModelTokenizer
 from tests.engine.structured_support import compile_spec, spell, stories_vocab
 
 pytestmark = pytest.mark.unit

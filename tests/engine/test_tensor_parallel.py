@@ -20,9 +20,9 @@ import re
 import numpy as np
 import pytest
 
-from conduit_engine.models.registry import read_arch_config
+from conduit_engine.engine.request import GenerationRequest
+from conduit_engine.models.architectures import read_arch_config
 from conduit_engine.ops import cpu_kernels as cpu_kernels_module
-from conduit_engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
 from tests.engine.harness import generate, greedy, make_engine, run_to_completion
@@ -141,7 +141,7 @@ def kv_of_a_request(engine, prompt: list[int]) -> bytes:
     engine.step()  # prefills the prompt: blocks allocated
     table = list(seq.block_table[:3])
     run_to_completion(engine)  # the blocks stay in the prefix cache with their KV
-    return engine.runner.gather_kv_blocks(table)
+    return engine.executor.gather_kv_blocks(table)
 
 
 def test_kv_blocks_come_back_in_the_whole_models_layout(stories_engines):
@@ -152,7 +152,7 @@ def test_kv_blocks_come_back_in_the_whole_models_layout(stories_engines):
     assert len(whole) == len(sharded) == 5 * 2 * 3 * 4 * 4 * 8 * 4
     assert np.abs(np.frombuffer(sharded, np.float32) - np.frombuffer(whole, np.float32)).max() < 1e-4
     # Writing the whole model's payload into the shards and reading it back is exact, in any order.
-    tp2 = stories_engines["tp2"].runner
+    tp2 = stories_engines["tp2"].executor
     ids = [31, 2, 17]
     before = tp2.gather_kv_blocks(ids)
     noise = np.random.default_rng(0).standard_normal(len(whole) // 4).astype(np.float32).tobytes()
@@ -195,7 +195,7 @@ def test_workers_run_the_chosen_cpu_ops(stories_path, caplog, placement, cpu_ker
     """Every worker loads kernels/cpu itself and prepacks its own shards of the weights (4 projections a
     layer and the LM head); sharded, the layers run one by one (the all-reduce sits between them), whole
     in one worker they run as one call; --cpu-kernels torch reaches the workers too."""
-    caplog.set_level(logging.INFO, logger="conduit_engine.parallel.worker_runner")
+    caplog.set_level(logging.INFO, logger="conduit_engine.executor.multiproc")
     make_engine(stories_path, cpu_kernels=cpu_kernels, **placement, **SCENARIO).shutdown()
     if cpu_kernels == "torch":
         ops = "torch ops"

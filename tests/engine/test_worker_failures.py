@@ -140,7 +140,7 @@ FAULT = textwrap.dedent(
     import os
 
     if "CONDUIT_TEST_FAIL_RANK" in os.environ:
-        from conduit_engine.parallel import worker as _worker
+        from conduit_engine.worker import worker_process as _worker
 
         _rank = int(os.environ["CONDUIT_TEST_FAIL_RANK"])
         _fail_at = int(os.environ["CONDUIT_TEST_FAIL_AT_STEP"])
@@ -224,7 +224,15 @@ def spawned_workers_here() -> set[int]:
 
 def test_a_size_that_does_not_divide_the_heads_fails_at_start(stories_path):
     before = spawned_workers_here()
-    args = [sys.executable, "-m", "conduit_engine.cli", "--model", str(stories_path), "--host", "127.0.0.1"]
+    args = [
+        sys.executable,
+        "-m",
+        "conduit_engine.entrypoints.cli",
+        "--model",
+        str(stories_path),
+        "--host",
+        "127.0.0.1",
+    ]
     port = free_port()
     engine = ManagedProcess("engine", [*args, "--port", str(port), "--tensor-parallel-size", "3"], port)
     try:

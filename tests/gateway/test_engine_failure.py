@@ -22,14 +22,13 @@ pytestmark = pytest.mark.integration
 
 
 class FailingSteps:
-    """Wraps the model runner: the model run number `fail_at` (1-based, counted from arming) raises,
-    whether that step runs one forward pass (`execute`) or a decode burst (`execute_burst`)."""
+    """Wraps the executor: the model run number `fail_at` (1-based, counted from arming) raises,
+    whether that step runs one forward pass or a decode burst's several."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, executor) -> None:
         self._lock = threading.Lock()
         self._countdown: int | None = None
-        runner.execute = self._failing(runner.execute)
-        runner.execute_burst = self._failing(runner.execute_burst)
+        executor.execute = self._failing(executor.execute)
 
     def arm(self, fail_at: int) -> None:
         with self._lock:
@@ -57,7 +56,7 @@ def engine(stories_path):
 
 @pytest.fixture(scope="module")
 def faults(engine):
-    return FailingSteps(engine.server.async_engine.core.runner)
+    return FailingSteps(engine.server.async_engine.core.executor)
 
 
 @pytest.fixture(scope="module")

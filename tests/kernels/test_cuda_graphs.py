@@ -10,8 +10,8 @@ import pytest
 import torch
 from test_ops_emulated import PagedBatch, step
 
-from conduit_engine.cuda_graphs import StaticDecodeInputs, capture_batch_sizes, padded_batch_size
 from conduit_engine.ops.cuda_ops import CudaOps
+from conduit_engine.worker.cuda_graphs import StaticDecodeInputs, capture_batch_sizes, padded_batch_size
 
 pytestmark = pytest.mark.kernels
 

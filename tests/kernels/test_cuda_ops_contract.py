@@ -24,7 +24,7 @@ pytestmark = pytest.mark.kernels
 
 def test_importing_the_cuda_backend_does_not_import_cupy():
     assert_not_loaded(
-        "import conduit_engine.ops.cuda_ops, conduit_engine.cuda_graphs\n"
+        "import conduit_engine.ops.cuda_ops, conduit_engine.worker.cuda_graphs\n"
         "from conduit_engine.ops import get_ops; get_ops('cpu')",
         "cupy",
     )

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conduit_engine.models.architectures import read_arch_config
 from conduit_engine.models.loader import load_model
-from conduit_engine.models.registry import read_arch_config
 from conduit_engine.ops.base import AttentionMetadata
 from conduit_engine.ops.cuda_ops import CudaOps
 from conduit_engine.ops.torch_ops import TorchOps

@@ -75,9 +75,9 @@ def launcher() -> CudaBridgeLauncher:
 
 def test_decode_step_captured_as_cuda_graph_matches_eager():
     """A toy decode 'model' (norm, KV write, paged attention) replays from a graph like it runs eagerly."""
-    from conduit_engine.cuda_graphs import CudaGraphRunner, StaticDecodeInputs, capture_batch_sizes
     from conduit_engine.ops.base import AttentionMetadata
     from conduit_engine.ops.cuda_ops import CudaOps
+    from conduit_engine.worker.cuda_graphs import CudaGraphRunner, StaticDecodeInputs, capture_batch_sizes
 
     torch.manual_seed(0)
     ops = CudaOps(decode_partition_size=128)
@@ -151,8 +151,9 @@ def test_kv_payload_round_trip_between_cuda_caches():
     blocks."""
     import asyncio
 
-    from conduit_engine.kv_transfer.cache_io import CacheBlockWriter, LocalKvBlocks
+    from conduit_engine.kv_transfer.cache_io import CacheBlockWriter
     from conduit_engine.ops.cuda_ops import CudaOps
+    from tests.support.kv_blocks import LocalKvBlocks
 
     gen = torch.Generator().manual_seed(9)
     shape = (32, 16, 8, 128)

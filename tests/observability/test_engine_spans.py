@@ -10,8 +10,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from conduit_common import tracing
-from conduit_engine.observer import RequestRecord, clock
-from conduit_engine.sequence import FinishReason
+from conduit_engine.core.sequence import FinishReason
+from conduit_engine.engine.observer import RequestRecord, clock
 from conduit_engine.telemetry import kv_transfer_span
 from conduit_engine.telemetry.tracing import (
     KV_BLOCKS,

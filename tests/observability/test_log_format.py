@@ -14,7 +14,9 @@ pytestmark = pytest.mark.unit
 
 
 def _record(message: str = "request %s queued", *args: object, **extra: object) -> logging.LogRecord:
-    record = logging.LogRecord("conduit_engine.engine", logging.INFO, __file__, 1, message, args, None)
+    record = logging.LogRecord(
+        "conduit_engine.engine.llm_engine", logging.INFO, __file__, 1, message, args, None
+    )
     record.__dict__.update(extra)
     logs.RequestIdFilter().filter(record)
     return record
@@ -24,7 +26,11 @@ def test_json_lines_carry_the_request_id_given_with_the_record():
     line = logs.JsonFormatter().format(_record("request %s queued", "r-1", request_id="r-1"))
     entry = json.loads(line)
     assert entry["message"] == "request r-1 queued"
-    assert (entry["level"], entry["logger"], entry["request_id"]) == ("INFO", "conduit_engine.engine", "r-1")
+    assert (entry["level"], entry["logger"], entry["request_id"]) == (
+        "INFO",
+        "conduit_engine.engine.llm_engine",
+        "r-1",
+    )
     assert entry["time"].endswith("+00:00")
 
 

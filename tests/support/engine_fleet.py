@@ -51,7 +51,15 @@ class EngineFleet:
             raise
 
     def _launch(self, index: int) -> ManagedProcess:
-        args = [sys.executable, "-m", "conduit_engine.cli", "--model", self.model, "--host", "127.0.0.1"]
+        args = [
+            sys.executable,
+            "-m",
+            "conduit_engine.entrypoints.cli",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+        ]
         port = self.ports[index]
         args += ["--port", str(port), *self.extra_args, *self.per_engine[index]]
         return ManagedProcess("engine", args, port)

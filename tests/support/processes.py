@@ -133,12 +133,20 @@ def start_engine(
     timeout_s: float = ENGINE_START_TIMEOUT_S,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> ManagedProcess:
-    """`python -m conduit_engine.cli --model MODEL --host 127.0.0.1 --port <free> [extra_args]`, SERVING.
+    """`python -m conduit_engine --model MODEL --host 127.0.0.1 --port <free> [extra_args]`, SERVING.
 
     `credentials`: how the readiness probe reaches an engine started with --tls-cert.
     """
     port = free_port()
-    args = [sys.executable, "-m", "conduit_engine.cli", "--model", str(model), "--host", "127.0.0.1"]
+    args = [
+        sys.executable,
+        "-m",
+        "conduit_engine.entrypoints.cli",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+    ]
     args += ["--port", str(port), *extra_args]
     process = ManagedProcess("engine", args, port, env)
     try:

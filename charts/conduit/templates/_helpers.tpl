@@ -162,7 +162,7 @@ seccompProfile:
 {{- end }}
 
 {{/* Engine probes: the kubelet's gRPC probe is plaintext, so a TLS engine is probed by an exec of
-conduit_engine.health_probe with the engine's own CA and certificate. */}}
+conduit_engine.entrypoints.health_probe with the engine's own CA and certificate. */}}
 {{- define "conduit.engine.probe" -}}
 {{- $e := .root.Values.engine }}
 {{- $t := .root.Values.tls.engine }}
@@ -171,7 +171,7 @@ exec:
   command:
     - python
     - -m
-    - conduit_engine.health_probe
+    - conduit_engine.entrypoints.health_probe
     - --address
     - {{ printf "127.0.0.1:%d" (int $e.port) | quote }}
     - --ca

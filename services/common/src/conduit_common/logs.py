@@ -69,13 +69,28 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
-def configure(level: str, log_format: str = "text") -> None:
-    """Send every logger's records (uvicorn's too, given log_config=None) to stderr in `log_format`."""
+class _Prefix(logging.Filter):
+    """Starts every message with a fixed prefix (a worker process's `worker rank N: `)."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = f"{self.prefix}{record.msg}"
+        return True
+
+
+def configure(level: str, log_format: str = "text", prefix: str | None = None) -> None:
+    """Send every logger's records (uvicorn's too, given log_config=None) to stderr in `log_format`;
+    `prefix` starts every message (a worker process marks its lines with its rank)."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"--log-format must be text or json, got {log_format!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     handler.addFilter(RequestIdFilter())
+    if prefix is not None:
+        handler.addFilter(_Prefix(prefix))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

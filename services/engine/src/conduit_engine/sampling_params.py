@@ -65,10 +65,6 @@ class SamplingParams:
             return self
         return dataclasses.replace(self, **chosen, unset=self.unset - chosen.keys())  # type: ignore[arg-type]
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError for the first bad field; `vocab_size` enables token-id checks."""
         _check(

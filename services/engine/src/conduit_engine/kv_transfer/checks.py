@@ -10,16 +10,12 @@ holds its whole prompt: they are refused for disaggregation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from conduit_engine.config import DisaggregationConfig
 from conduit_engine.errors import InvalidRequestError
 from conduit_engine.kv_transfer.errors import KvLayoutMismatchError
 from conduit_engine.kv_transfer.layout import KvLayoutSpec
 from conduit_engine.kv_transfer.params import KvConsume, KvHandleRef
-
-if TYPE_CHECKING:  # request.py brings in the sampler (torch)
-    from conduit_engine.request import GenerationRequest
 
 _HANDLE = "kv_transfer.consume.handle"
 _FIRST_TOKENS = "kv_transfer.consume.first_tokens"
@@ -35,14 +31,17 @@ class KvTransferLimits:
     sliding_window: int | None  # the window every layer shares, if any
 
 
-def check_kv_transfer(req: GenerationRequest, n: int, prompt_len: int, limits: KvTransferLimits) -> None:
+def check_transfer_request(
+    produce: bool, consume: KvConsume | None, n: int, prompt_len: int, limits: KvTransferLimits
+) -> None:
     """Raise InvalidRequestError (or KvLayoutMismatchError) naming the field unless this engine can run the
-    kv_transfer side `req` asks for. `n` and `prompt_len` are the admitted request's."""
-    if not req.kv_produce and req.kv_consume is None:
+    kv_transfer side a request asks for (`produce`, or `consume`). `n` and `prompt_len` are the admitted
+    request's."""
+    if not produce and consume is None:
         return
-    side = "produce" if req.kv_produce else "consume"
-    if not (limits.config.produces if req.kv_produce else limits.config.consumes):
-        wanted = "prefill" if req.kv_produce else "decode"
+    side = "produce" if produce else "consume"
+    if not (limits.config.produces if produce else limits.config.consumes):
+        wanted = "prefill" if produce else "decode"
         raise InvalidRequestError(
             f"kv_transfer.{side}",
             f"this engine's role is {limits.config.role}: it does not serve the {wanted} side of "
@@ -54,8 +53,8 @@ def check_kv_transfer(req: GenerationRequest, n: int, prompt_len: int, limits: K
             f"this model attends through a sliding window of {limits.sliding_window} tokens on every layer; "
             "its prompt KV is freed as it leaves the window, so it cannot be handed to another engine",
         )
-    if req.kv_consume is not None:
-        _check_consume(req.kv_consume, n, prompt_len, limits)
+    if consume is not None:
+        _check_consume(consume, n, prompt_len, limits)
 
 
 def check_layout(handle: KvHandleRef, layout: KvLayoutSpec) -> None:

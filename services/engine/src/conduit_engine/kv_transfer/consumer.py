@@ -17,10 +17,11 @@ sequence that `held_sequences` reports for the integrity check.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from conduit_engine.block_manager import BlockManager
+from conduit_engine.core.block_manager import BlockManager
+from conduit_engine.core.sequence import FinishReason, Sequence
 from conduit_engine.errors import InvalidRequestError, QueueFullError
 from conduit_engine.kv_transfer.layout import KvLayoutSpec
 from conduit_engine.kv_transfer.params import KvConsume, KvHandleRef
@@ -32,8 +33,6 @@ from conduit_engine.kv_transfer.pull_plan import (
     plan_pull,
 )
 from conduit_engine.kv_transfer.transport import KvPullResult, KvPullSpec
-from conduit_engine.sequence import FinishReason, Sequence
-from conduit_engine.stop_rules import StopRules
 
 _FIRST_TOKENS = "kv_transfer.consume.first_tokens"
 
@@ -52,13 +51,14 @@ class PendingPull:
 
 
 def replay_first_tokens(
-    consume: KvConsume, seqs: list[Sequence], stop_rules: Mapping[int, StopRules]
+    consume: KvConsume, seqs: list[Sequence], accept: Callable[[Sequence, int], object]
 ) -> None:
-    """Append each consumed choice's first token through its stop rules, as if sampled here (the text
+    """Append each consumed choice's first token through `accept` (the engine's token update: grammar, stop
+    rules, detokenizer), as if sampled here (the text
     they release is dropped: the prefill engine sent it). Raises InvalidRequestError for a token that would
     end its choice (the prefill engine ends such a choice itself) or that its grammar refuses."""
     for seq, first in zip(seqs, consume.first_tokens, strict=True):
-        stop_rules[seq.index].accept(seq, first.token_id)
+        accept(seq, first.token_id)
         if seq.is_finished:
             why = (
                 "is not allowed by the request's output structure"

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from conduit_engine.core.sequence import FinishReason, Sequence
 from conduit_engine.kv_transfer.registry import KvTransfer, KvTransferRegistry
-from conduit_engine.sequence import FinishReason, Sequence
 
 
 class ProducingRequest(Protocol):

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.errors import InvalidRequestError
-from conduit_engine.kv_transfer.checks import check_layout
 from conduit_engine.kv_transfer.layout import KvLayoutSpec
 from conduit_engine.kv_transfer.params import KvConsume, KvFirstToken, KvHandleRef
 from conduit_engine.kv_transfer.registry import KvTransfer
-from conduit_engine.kv_transfer.transport import KvPullSpec
 
 _HANDLE = "kv_transfer.consume.handle"
 _FIRST_TOKENS = "kv_transfer.consume.first_tokens"
@@ -68,20 +66,3 @@ def consume_from_pb(consume: pb.KvConsume) -> KvConsume:
         handle=handle,
         first_tokens=tuple(KvFirstToken(first.index, first.token_id) for first in firsts),
     )
-
-
-def pull_spec(handle: KvHandleRef, layout: KvLayoutSpec, start_block: int) -> KvPullSpec:
-    """The pull of `handle`'s blocks from `start_block` on (from the pull plan)."""
-    check_layout(handle, layout)
-    return KvPullSpec(
-        source_address=handle.source_address,
-        transfer_id=handle.transfer_id,
-        start_block=start_block,
-        total_blocks=layout.num_blocks(handle.num_tokens),
-        layout=layout,
-    )
-
-
-def pull_spec_for(handle: pb.KvHandle, layout: KvLayoutSpec, start_block: int) -> KvPullSpec:
-    """`pull_spec` of a KvHandle message."""
-    return pull_spec(handle_from_pb(handle), layout, start_block)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conduit_engine.block_manager import BlockManager
+from conduit_engine.core.block_manager import BlockManager
+from conduit_engine.core.sequence import Sequence
 from conduit_engine.errors import InvalidRequestError
-from conduit_engine.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from conduit_common.engine_dialer import EngineDialer
 from conduit_engine.kv_transfer.cache_io import CacheBlockWriter, KvBlockStore
 from conduit_engine.kv_transfer.errors import KvTransferError, KvTransferNotFoundError
-from conduit_engine.kv_transfer.transport import KvPullResult, KvPullSpec, KvTransport, create_transport
+from conduit_engine.kv_transfer.grpc_transport import GrpcKvTransport
+from conduit_engine.kv_transfer.transport import KvPullResult, KvPullSpec, KvTransport
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class KvPuller:
     @property
     def transport(self) -> KvTransport:
         if self._transport is None:
-            self._transport = create_transport("grpc", **self._options)
+            self._transport = GrpcKvTransport(**self._options)  # type: ignore[arg-type]
         return self._transport
 
     async def pull(

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from conduit_engine.block_manager import BlockHash, BlockManager, prefix_block_hashes
+from conduit_engine.core.block_manager import BlockHash, BlockManager, prefix_block_hashes
 from conduit_engine.kv_transfer.errors import KvTransferNotFoundError
 
 DEFAULT_LEASE_SECONDS = 30.0

@@ -24,7 +24,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from conduit_engine.kv_transfer.layout import KvLayoutSpec
 
@@ -91,12 +91,3 @@ class KvTransport(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Release connections; the transport is not used afterwards."""
-
-
-def create_transport(kind: str = "grpc", **options: Any) -> KvTransport:
-    """The transport named `kind` ("grpc"), built with its keyword options; imported only when chosen."""
-    if kind == "grpc":
-        from conduit_engine.kv_transfer.grpc_transport import GrpcKvTransport
-
-        return GrpcKvTransport(**options)
-    raise ValueError(f"kv transport: unknown kind {kind!r}; expected 'grpc'")

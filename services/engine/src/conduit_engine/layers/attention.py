@@ -15,7 +15,7 @@ from conduit_engine.models.config import ArchConfig
 from conduit_engine.ops import Ops, StepContext
 
 if TYPE_CHECKING:
-    from conduit_engine.parallel.comm import Communicator
+    from conduit_engine.layers.collectives import Communicator
 
 
 class PagedAttention(nn.Module):

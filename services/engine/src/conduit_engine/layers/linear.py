@@ -20,7 +20,7 @@ from torch import nn
 from conduit_engine.ops import Ops
 
 if TYPE_CHECKING:
-    from conduit_engine.parallel.comm import Communicator
+    from conduit_engine.layers.collectives import Communicator
 
 
 class Linear(nn.Module):

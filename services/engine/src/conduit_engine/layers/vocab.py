@@ -19,7 +19,7 @@ from conduit_engine.layers.linear import Linear
 from conduit_engine.ops import Ops
 
 if TYPE_CHECKING:
-    from conduit_engine.parallel.comm import Communicator
+    from conduit_engine.layers.collectives import Communicator
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -1,12 +1,12 @@
 """The causal LM every architecture shares: embeddings, decoder layers, final norm, LM head, RoPE table.
 
-An architecture is a subclass that says how its config.json maps onto the shared layers' flags
-(`config_flags`); the forward pass is the same for all of them.
+An architecture is a subclass; how its config.json maps onto the shared layers' flags is a torch-free
+table (models/architectures.py), and the forward pass is the same for all of them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from conduit_engine.models.config import ArchConfig
 from conduit_engine.ops import AttentionMetadata, DecoderRunner, Ops
 
 if TYPE_CHECKING:
-    from conduit_engine.parallel.sharding import ModelShard
+    from conduit_engine.models.sharding import ModelShard
 
 
 class CausalLM(nn.Module):
@@ -53,11 +53,6 @@ class CausalLM(nn.Module):
         self._embed_scale: float | None = None
         # The decoder layers as one call, when the ops backend offers it (set once loading finishes).
         self._decoder: DecoderRunner | None = None
-
-    @classmethod
-    def config_flags(cls, cfg: dict[str, Any]) -> dict[str, Any]:
-        """ArchConfig fields this architecture sets from config.json (none: plain Llama)."""
-        return {}
 
     def init_rope(self, device: torch.device) -> None:
         self.cos_sin = cos_sin_cache(self.config, self.max_positions, device)

@@ -8,7 +8,6 @@ sliding windows, soft-capping, norm placement) comes from the architecture's mod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from conduit_engine.errors import ModelLoadError
@@ -92,13 +91,6 @@ class ArchConfig:
             raise ModelLoadError(f"config.json is missing or has a bad field: {exc}") from exc
         config._validate()
         return config
-
-    @classmethod
-    def from_folder(cls, folder: Path) -> ArchConfig:
-        """The ArchConfig of a model folder's config.json (models/registry.py reads it)."""
-        from conduit_engine.models.registry import read_arch_config  # the registry imports this module
-
-        return read_arch_config(folder)
 
     @property
     def uniform_window(self) -> int | None:

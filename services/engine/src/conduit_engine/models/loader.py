@@ -20,8 +20,8 @@ from conduit_engine.errors import ModelLoadError
 from conduit_engine.models.base import CausalLM
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.models.registry import model_class
+from conduit_engine.models.sharding import ModelShard, ShardPlan, read_shard
 from conduit_engine.ops import Ops
-from conduit_engine.parallel.sharding import ModelShard, ShardPlan, read_shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,16 +31,6 @@ _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
-
-
-def resolve_dtype(requested: str, config: ArchConfig, device: str) -> torch.dtype:
-    """--dtype, or for `auto` the checkpoint's dtype, except float16 on the CPU (computed in float32:
-    the CPU has no fast float16 matmul)."""
-    if requested != "auto":
-        return DTYPES[requested]
-    if config.torch_dtype in DTYPES and not (device == "cpu" and config.torch_dtype == "float16"):
-        return DTYPES[config.torch_dtype]
-    return torch.float32
 
 
 def safetensors_files(folder: Path) -> list[Path]:

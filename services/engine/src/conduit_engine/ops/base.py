@@ -6,7 +6,7 @@ is a pair of tensors shaped [num_blocks, block_size, num_kv_heads, head_dim]; a 
 
 KV transfer (prefill/decode disaggregation) moves whole blocks of every layer through one contiguous
 buffer laid out [num_layers][k, v][num_blocks][block_size][num_kv_heads][head_dim], the layout of a
-KvChunk's payload in engine.proto; `check_kv_transfer` validates the arguments of both ops the same way
+KvChunk's payload in engine.proto; `check_kv_block_args` validates the arguments of both ops the same way
 in every backend.
 """
 
@@ -225,7 +225,7 @@ class Ops(ABC):
         no other block changes."""
 
 
-def check_kv_transfer(
+def check_kv_block_args(
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     block_ids: torch.Tensor,
     buffer: torch.Tensor | None = None,

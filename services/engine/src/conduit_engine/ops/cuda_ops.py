@@ -21,7 +21,7 @@ import torch
 
 from conduit_engine.ops import cuda_checks as checks
 from conduit_engine.ops import kernel_loader as kl
-from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext, check_kv_transfer
+from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext, check_kv_block_args
 from conduit_engine.ops.cuda_checks import check, pack_elems
 from conduit_engine.ops.kernel_loader import KernelArg, KernelLauncher, KernelRef
 
@@ -499,7 +499,7 @@ class CudaOps(Ops):
     def gather_kv_blocks(
         self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.Tensor
     ) -> torch.Tensor:
-        shape = check_kv_transfer(kv_caches, block_ids)
+        shape = check_kv_block_args(kv_caches, block_ids)
         buffer = torch.empty(shape, dtype=kv_caches[0][0].dtype, device=block_ids.device)
         self._copy_kv_blocks(kl.gather_kv_blocks_kernel, buffer, kv_caches, block_ids)
         return buffer
@@ -510,7 +510,7 @@ class CudaOps(Ops):
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         block_ids: torch.Tensor,
     ) -> None:
-        check_kv_transfer(kv_caches, block_ids, buffer)
+        check_kv_block_args(kv_caches, block_ids, buffer)
         self._copy_kv_blocks(kl.scatter_kv_blocks_kernel, buffer, kv_caches, block_ids)
 
     def _copy_kv_blocks(

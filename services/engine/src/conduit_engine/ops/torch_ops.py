@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext, check_kv_transfer
+from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext, check_kv_block_args
 
 
 class TorchOps(Ops):
@@ -147,7 +147,7 @@ class TorchOps(Ops):
     def gather_kv_blocks(
         self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.Tensor
     ) -> torch.Tensor:
-        shape = check_kv_transfer(kv_caches, block_ids)
+        shape = check_kv_block_args(kv_caches, block_ids)
         buffer = torch.empty(shape, dtype=kv_caches[0][0].dtype, device=block_ids.device)
         for layer, pair in enumerate(kv_caches):
             for kv, cache in enumerate(pair):
@@ -160,7 +160,7 @@ class TorchOps(Ops):
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         block_ids: torch.Tensor,
     ) -> None:
-        check_kv_transfer(kv_caches, block_ids, buffer)
+        check_kv_block_args(kv_caches, block_ids, buffer)
         for layer, pair in enumerate(kv_caches):
             for kv, cache in enumerate(pair):
                 cache.index_copy_(0, block_ids, buffer[layer, kv])

@@ -6,19 +6,10 @@ Rank of a token = 1 + the number of tokens with a strictly higher logprob (1 = m
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
-
-class TokenLogprobs(NamedTuple):
-    """Logprob information of one sampled (or prompt) position."""
-
-    token_id: int
-    logprob: float
-    rank: int  # rank 1 = most likely
-    top_ids: list[int]  # k alternatives, best first
-    top_logprobs: list[float]
+from conduit_engine.sampling.token_logprobs import TokenLogprobs
 
 
 def gather_logprobs(

@@ -21,12 +21,12 @@ from prometheus_client import start_http_server
 
 from conduit_common.tracing import otlp_tracer_provider
 from conduit_engine.config import TelemetryConfig
-from conduit_engine.engine import EngineStats
+from conduit_engine.engine.llm_engine import EngineStats
 from conduit_engine.telemetry.metrics import EngineMetrics
 from conduit_engine.telemetry.tracing import EngineTracing, RequestTrace, kv_transfer_span
 
 if TYPE_CHECKING:  # the async engine imports kv_transfer_span from here
-    from conduit_engine.async_engine import AsyncEngine
+    from conduit_engine.engine.async_engine import AsyncEngine
 
 __all__ = ["EngineTelemetry", "RequestTrace", "kv_transfer_span"]
 

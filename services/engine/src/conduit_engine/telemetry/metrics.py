@@ -14,9 +14,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from conduit_common.metric_buckets import TOKEN_GAP_SECONDS
-from conduit_engine.engine import EngineStats
-from conduit_engine.observer import RequestRecord, StepRecord
-from conduit_engine.sequence import FinishReason
+from conduit_engine.core.sequence import FinishReason
+from conduit_engine.engine.llm_engine import EngineStats
+from conduit_engine.engine.observer import RequestRecord, StepRecord
 from conduit_engine.telemetry.weighted_histogram import WeightedHistogram
 
 STATES = ("loading", "serving", "draining")

@@ -24,8 +24,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
 
 from conduit_common import tracing
-from conduit_engine.observer import RequestRecord, StepRecord, clock
-from conduit_engine.sequence import FinishReason
+from conduit_engine.core.sequence import FinishReason
+from conduit_engine.engine.observer import RequestRecord, StepRecord, clock
 
 GENERATE_SPAN = "conduit.engine.v1.Engine/Generate"
 PULL_KV_SPAN = "conduit.engine.v1.Engine/PullKv"

@@ -26,8 +26,3 @@ def partial_marker_start(text: str, markers: Sequence[str]) -> int:
         if any(marker.startswith(tail) for marker in markers):
             return start
     return len(text)
-
-
-def trailing_whitespace_start(text: str) -> int:
-    """Where the run of whitespace that ends `text` starts (len(text) if it ends in something else)."""
-    return len(text.rstrip())

@@ -9,15 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from conduit_gateway.race import finished_first
-
-if TYPE_CHECKING:
-    from conduit_gateway.routing.node import EngineNode
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +38,21 @@ class Backoff:
 
 
 class HealthWatch:
-    """Runs `node`'s Watch loop; `rewatch()` re-opens the stream to learn the current status now."""
+    """Runs one engine's Watch loop: `watch()` opens a grpc.health.v1 Watch stream, and every status it
+    learns goes to `set_health(serving)`; `rewatch()` re-opens the stream to learn the current status now.
+    `address` names the engine in the log."""
 
-    def __init__(self, node: EngineNode, initial_backoff_s: float, max_backoff_s: float) -> None:
-        self._node = node
+    def __init__(
+        self,
+        address: str,
+        watch: Callable[[], grpc.aio.UnaryStreamCall],
+        set_health: Callable[[bool], Awaitable[None]],
+        initial_backoff_s: float,
+        max_backoff_s: float,
+    ) -> None:
+        self._address = address
+        self._watch = watch
+        self._set_health = set_health
         self._backoff = Backoff(initial_backoff_s, max_backoff_s)
         self._rewatch = asyncio.Event()
 
@@ -55,15 +63,15 @@ class HealthWatch:
 
     async def run(self) -> None:
         while True:
-            call = self._node.client.watch()
+            call = self._watch()
             try:
                 await self._follow(call)
             except grpc.aio.AioRpcError as exc:
-                log.info("engine %s health watch ended: %s", self._node.address, exc.code().name)
+                log.info("engine %s health watch ended: %s", self._address, exc.code().name)
             finally:
                 call.cancel()
             # Ended stream, broken connection or a rewatch: out of rotation until a stream says SERVING.
-            await self._node.set_health(False)
+            await self._set_health(False)
             await asyncio.sleep(self._backoff.next())
 
     async def _follow(self, call: grpc.aio.UnaryStreamCall) -> None:
@@ -82,4 +90,4 @@ class HealthWatch:
             if response is grpc.aio.EOF:
                 return
             self._backoff.reset()
-            await self._node.set_health(response.status == health_pb2.HealthCheckResponse.SERVING)
+            await self._set_health(response.status == health_pb2.HealthCheckResponse.SERVING)

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 
 from conduit.engine.v1 import engine_pb2
-
-if TYPE_CHECKING:
-    from conduit_gateway.routing.node import EngineNode
 
 log = logging.getLogger(__name__)
 
@@ -40,19 +37,26 @@ class LoadReport:
         )
 
 
-async def poll_load(node: EngineNode, interval_s: float, timeout_s: float) -> None:
-    """Refresh `node.load` every `interval_s` (each GetLoad within `timeout_s`) while the node serves;
-    forget it when it does not.
+async def poll_load(
+    address: str,
+    serving: Callable[[], bool],
+    get_load: Callable[[float], Awaitable[engine_pb2.GetLoadResponse]],
+    report: Callable[[LoadReport | None], None],
+    interval_s: float,
+    timeout_s: float,
+) -> None:
+    """Every `interval_s` while `serving()`: `report` what `get_load(timeout_s)` (one GetLoad) answered;
+    `report(None)` when it failed or the engine does not serve. `address` names the engine in the log.
 
     A stale report is worse than none: strategies fall back to the gateway's own in-flight count.
     """
     while True:
-        if node.serving:
+        if serving():
             try:
-                node.load = LoadReport.from_pb(await node.client.load(timeout_s))
+                report(LoadReport.from_pb(await get_load(timeout_s)))
             except grpc.aio.AioRpcError as exc:
-                log.debug("engine %s GetLoad failed: %s", node.address, exc.code().name)
-                node.load = None
+                log.debug("engine %s GetLoad failed: %s", address, exc.code().name)
+                report(None)
         else:
-            node.load = None
+            report(None)
         await asyncio.sleep(interval_s)

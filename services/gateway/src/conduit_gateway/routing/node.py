@@ -128,8 +128,21 @@ class EngineNode:
     def start(self) -> None:
         """Start following health and load."""
         config = self._config
-        self._health = HealthWatch(self, config.reconnect_backoff_s, config.health_interval_s)
-        load = poll_load(self, config.load_interval_s, config.load_timeout_s)
+        self._health = HealthWatch(
+            self.address,
+            self.client.watch,
+            self.set_health,
+            config.reconnect_backoff_s,
+            config.health_interval_s,
+        )
+        load = poll_load(
+            self.address,
+            lambda: self.serving,
+            self.client.load,
+            self._set_load,
+            config.load_interval_s,
+            config.load_timeout_s,
+        )
         self._tasks = [
             asyncio.create_task(self._health.run(), name=f"health-watch {self.address}"),
             asyncio.create_task(load, name=f"load-poll {self.address}"),
@@ -170,6 +183,9 @@ class EngineNode:
         else:
             self.eject("health check says NOT_SERVING")
         return self.serving
+
+    def _set_load(self, report: LoadReport | None) -> None:
+        self.load = report
 
     async def set_health(self, serving: bool) -> None:
         """Apply a health report; on the way into SERVING fetch the model info first (a restarted engine

@@ -13,6 +13,7 @@ Rules, the same streamed or not:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 from conduit_gateway.parsers.markers import find_marker, partial_marker_start
@@ -41,6 +42,15 @@ class JsonToolCallParser(ToolCallParser):
         self._scanner = JsonCallScanner(self.argument_keys)
         self._announced: dict[int, tuple[int, int]] = {}  # scanner call → (index, argument chars sent)
         self.calls_made = 0
+        # The state machine: each state's step consumes what it can and may move to another state.
+        self._steps: dict[str, Callable[[ParsedText, bool], None]] = {
+            "start": self._start,
+            "content": self._content,
+            "call": self._call,
+            "after": self._after,
+            "separated": self._separated,
+            "tail": self._tail,
+        }
 
     def feed(self, text: str) -> ParsedText:
         self._buffer += text
@@ -55,8 +65,7 @@ class JsonToolCallParser(ToolCallParser):
         out = ParsedText()
         while True:
             state = self._state
-            step = getattr(self, f"_{state}")
-            step(out, final)
+            self._steps[state](out, final)
             if self._state == state:
                 return out
 

@@ -1,0 +1,1 @@
+"""Torch-free state of the engine thread: sequences, the block manager, the scheduler."""

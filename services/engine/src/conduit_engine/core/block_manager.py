@@ -1,0 +1,331 @@
+"""Paged KV-cache block manager: fixed-size blocks, ref counts, an LRU free queue and prefix caching.
+
+Plain Python: no torch. A full, computed block is identified by a chained hash of its tokens and of
+every block before it; when its last owner frees it, it stays in the free queue with its hash, so a
+later request with the same prefix can take it back instead of recomputing it. A free block is reused
+for new content in least-recently-freed order, which evicts its cached content.
+
+A block can also be pinned (`pin`/`unpin`): a reference that belongs to no sequence, taken by a KV
+transfer so a finished prefill's blocks outlive it until a decode engine has pulled them.
+
+With a sliding window (every layer of the model attending only to its last `sliding_window` tokens), a
+block whose tokens all lie before the window of the sequence's next query is never read again: it is
+released at once (its entry becomes RELEASED_BLOCK), so a sequence holds a bounded number of blocks
+however long it grows. A released block keeps its prefix-cache hash like any freed block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from conduit_engine.core.sequence import RELEASED_BLOCK, Sequence
+
+BlockHash = bytes
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: BlockHash | None = None  # set once the block is full and computed
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStats:
+    total: int
+    used: int  # ref_count > 0
+    free: int  # ref_count == 0 (includes cached)
+    cached: int  # free blocks still holding reusable prefix content
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of which served from it
+    pinned: int = 0  # blocks held by at least one pin (KV transfers); counted in `used`
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+def chain_hash(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHash:
+    """Hash of a full block given its parent block's hash; equal hashes mean equal prefixes.
+
+    SHA-256, not Python's 64-bit `hash()`: that one is not collision resistant, so a user who knows
+    a prompt others send (a shared system prompt) could craft different tokens with the same hash
+    and have the cache serve one request's KV to another.
+    """
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
+
+def prefix_block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int) -> list[BlockHash]:
+    """Chained hashes of every full block of `token_ids`: what `commit_computed_blocks` registers."""
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(parent, tuple(token_ids[start : start + block_size]))
+        hashes.append(parent)
+    return hashes
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks, least recently freed first; allocation pops from the front.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}  # hash → block id holding that content
+        # Per sequence: hashes of its full computed blocks, in order (chain state).
+        self._seq_hashes: dict[int, list[BlockHash]] = {}
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._pins: Counter[int] = Counter()  # block id → references held by pins
+
+    # ----- queries -------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in the order they will be reused (least recently freed first)."""
+        return list(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def blocks_for_sequence(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a sequence of `num_tokens` tokens ever holds at once when each step advances
+        it by at most `max_chunk` tokens: all of them, or with a window those from the first the chunk's
+        first query sees (window - 1 tokens back) to the chunk's end."""
+        blocks = self.blocks_needed(num_tokens)
+        if self.sliding_window is None:
+            return blocks
+        return min(blocks, self.blocks_needed(self.sliding_window - 1 + max_chunk) + 1)
+
+    def stats(self) -> BlockStats:
+        free = len(self._free)
+        cached = sum(1 for b in self._free if self.blocks[b].hash is not None)
+        return BlockStats(
+            total=self.num_blocks,
+            used=self.num_blocks - free,
+            free=free,
+            cached=cached,
+            prefix_queries=self._prefix_queries,
+            prefix_hits=self._prefix_hits,
+            pinned=len(self._pins),
+        )
+
+    # ----- allocation ----------------------------------------------------------------------------
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """First admission: take the longest cached prefix of `seq`'s tokens. Returns tokens reused.
+
+        At least one token is always left to compute, so the model has something to sample from.
+        A sequence that still owes prompt logprobs takes nothing: they come from the model's output
+        at every prompt position, which a cache hit would skip.
+        """
+        assert not seq.block_table, "allocate_prefix on a sequence that already holds blocks"
+        hashes: list[BlockHash] = []
+        self._seq_hashes[seq.seq_id] = hashes
+        if not self.enable_prefix_caching:
+            return 0
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
+            return 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        parent: BlockHash | None = None
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = chain_hash(parent, tokens)
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            self._take(block_id, keep_content=True)
+            seq.block_table.append(block_id)
+            hashes.append(h)
+            parent = h
+        reused = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = reused
+        self.release_outside_window(seq)
+        return reused
+
+    def record_prefix_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count one admitted request's prompt in the hit rate (once: not per admission attempt)."""
+        self._prefix_queries += prompt_tokens
+        self._prefix_hits += cached_tokens
+
+    def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow `seq`'s block table to hold `num_tokens` tokens; all or nothing."""
+        needed = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        if needed > len(self._free):
+            return False
+        for _ in range(needed):
+            block_id = next(iter(self._free))
+            self._take(block_id, keep_content=False)
+            seq.block_table.append(block_id)
+        return True
+
+    def commit_computed_blocks(self, seq: Sequence) -> None:
+        """Register every newly full, computed block of `seq` in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._seq_hashes.setdefault(seq.seq_id, [])
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = chain_hash(parent, tokens)
+            hashes.append(h)
+            parent = h
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self._cached:
+                block.hash = h
+                self._cached[h] = block.block_id
+
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Give back the blocks before the window of `seq`'s next query (at num_computed_tokens, which
+        sees keys from num_computed_tokens - window + 1 on); oldest first, as they left the window."""
+        if self.sliding_window is None:
+            return
+        first_visible = seq.num_computed_tokens - self.sliding_window + 1
+        table = seq.block_table
+        while (
+            seq.num_released_blocks < len(table)
+            and (seq.num_released_blocks + 1) * self.block_size <= first_visible
+        ):
+            self._drop(table[seq.num_released_blocks])
+            table[seq.num_released_blocks] = RELEASED_BLOCK
+            seq.num_released_blocks += 1
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks, last block first so a prefix's tail is evicted before its head."""
+        for block_id in reversed(seq.block_table[seq.num_released_blocks :]):
+            self._drop(block_id)
+        seq.block_table.clear()
+        seq.num_released_blocks = 0
+        seq.num_computed_tokens = 0
+        self._seq_hashes.pop(seq.seq_id, None)
+
+    def pin(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference on each of `block_ids`, all held by a live sequence (all or nothing).
+
+        The pin outlives the sequence: a pinned block is neither freed nor reused, and keeps its
+        prefix-cache hash, until `unpin`. A block listed twice is pinned twice.
+        """
+        ids = list(block_ids)
+        for block_id in ids:
+            if not 0 <= block_id < self.num_blocks:
+                raise ValueError(f"block_ids: {block_id} is not a block of this cache")
+            if self.blocks[block_id].ref_count == 0:
+                raise ValueError(f"block_ids: block {block_id} is free; only held blocks can be pinned")
+        for block_id in ids:
+            self.blocks[block_id].ref_count += 1
+            self._pins[block_id] += 1
+
+    def unpin(self, block_ids: Iterable[int]) -> None:
+        """Drop references `pin` took (all or nothing); a block nobody else holds becomes free, last
+        block first like `free`, and keeps its cached content."""
+        ids = list(block_ids)
+        for block_id, count in Counter(ids).items():
+            if self._pins.get(block_id, 0) < count:
+                raise ValueError(f"block_ids: block {block_id} is unpinned more often than pinned")
+        for block_id in reversed(ids):
+            self._pins[block_id] -= 1
+            if self._pins[block_id] == 0:
+                del self._pins[block_id]
+            self._drop(block_id)
+
+    def pinned_references(self) -> dict[int, int]:
+        """Block id → references held by pins (a copy)."""
+        return dict(self._pins)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached content of free blocks."""
+        for block_id in self._free:
+            self._uncache(self.blocks[block_id])
+
+    # ----- invariants ----------------------------------------------------------------------------
+    def check_integrity(self, live: list[Sequence] | None = None) -> None:
+        """Assert free + used == total and the ref counts match the live sequences' block tables plus
+        the pins (a pinned block is never free)."""
+        free = set(self._free)
+        assert len(free) == len(self._free)
+        for block in self.blocks:
+            in_free = block.block_id in free
+            assert in_free == (block.ref_count == 0), f"block {block.block_id} ref/free mismatch"
+            if block.hash is not None:
+                assert self._cached.get(block.hash) == block.block_id, f"block {block.block_id} hash lost"
+        for h, block_id in self._cached.items():
+            assert self.blocks[block_id].hash == h
+        for block_id, pins in self._pins.items():
+            assert 0 < pins <= self.blocks[block_id].ref_count, f"block {block_id} pinned {pins} times"
+        if live is not None:
+            counts = [self._pins.get(block_id, 0) for block_id in range(self.num_blocks)]
+            for seq in live:
+                self._check_window(seq)
+                held = seq.block_table[seq.num_released_blocks :]
+                assert len(set(held)) == len(held), f"seq {seq.seq_id} owns a block twice"
+                for block_id in held:
+                    counts[block_id] += 1
+            for block in self.blocks:
+                assert counts[block.block_id] == block.ref_count, f"block {block.block_id} ref count wrong"
+
+    def _check_window(self, seq: Sequence) -> None:
+        """Released entries are exactly the leading blocks before the window of the next query."""
+        table, released = seq.block_table, seq.num_released_blocks
+        assert all(b == RELEASED_BLOCK for b in table[:released]), f"seq {seq.seq_id}: released count wrong"
+        assert RELEASED_BLOCK not in table[released:], f"seq {seq.seq_id} reads a released block"
+        if self.sliding_window is None:
+            assert released == 0, f"seq {seq.seq_id} released blocks without a window"
+            return
+        first_visible = seq.num_computed_tokens - self.sliding_window + 1
+        outside = min(len(table), max(0, first_visible // self.block_size))
+        assert released == outside, (
+            f"seq {seq.seq_id} holds {outside - released} blocks outside its window"
+            if released < outside
+            else f"seq {seq.seq_id} released {released - outside} blocks inside its window"
+        )
+
+    # ----- internals -----------------------------------------------------------------------------
+    def _drop(self, block_id: int) -> None:
+        """Remove one reference; a block nobody holds joins the free queue (keeping its content)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
+        if block.ref_count == 0:
+            self._free[block_id] = None
+
+    def _take(self, block_id: int, keep_content: bool) -> None:
+        """Add a reference; a free block leaves the free queue, and loses its cached content unless
+        it is being reused for exactly that content (a prefix-cache hit)."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+            if not keep_content:
+                self._uncache(block)
+        block.ref_count += 1
+
+    def _uncache(self, block: Block) -> None:
+        if block.hash is not None:
+            if self._cached.get(block.hash) == block.block_id:
+                del self._cached[block.hash]
+            block.hash = None

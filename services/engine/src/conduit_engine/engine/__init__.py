@@ -1,0 +1,1 @@
+"""The request lifecycle and the step loop."""

@@ -1,0 +1,425 @@
+"""The synchronous engine: admits requests and runs each step as schedule → execute → update.
+
+What the model is comes from `models.facts`, how a step reaches it from the executor
+(`executor.factory`), request validation from `admission`, what a sampled token does to its choice
+from `output_processor`, the two sides of disaggregated requests from `kv_transfer` (the producer ends a
+prefill at its first token with the prompt's KV pinned; the consumer starts a decode from pulled KV).
+Not thread-safe by itself; `AsyncEngine` drives it from one thread. What it reports about its work goes
+to the attached `observer.EngineObserver`s (metrics, tracing), if any.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from conduit_common.logs import request_extra
+from conduit_engine.config import EngineConfig
+from conduit_engine.core.block_manager import BlockManager, BlockStats
+from conduit_engine.core.scheduler import Scheduler
+from conduit_engine.core.scheduler_output import SchedulerOutput
+from conduit_engine.core.sequence import FinishReason, Sequence
+from conduit_engine.core.stop_rules import StopRules
+from conduit_engine.engine.admission import Admission, Limits
+from conduit_engine.engine.detokenizer import IncrementalDetokenizer
+from conduit_engine.engine.observer import EngineObserver, StepRecord, StepTimer, clock, request_record
+from conduit_engine.engine.output_processor import accept_token
+from conduit_engine.engine.request import GenerationRequest, RequestOutput
+from conduit_engine.engine.request_state import RequestState
+from conduit_engine.executor.factory import build_executor
+from conduit_engine.executor.step_batch import SeqStepResult
+from conduit_engine.kv_transfer.cache_io import KvBlockStore
+from conduit_engine.kv_transfer.checks import KvTransferLimits, check_transfer_request
+from conduit_engine.kv_transfer.consumer import KvConsumer, PendingPull, replay_first_tokens
+from conduit_engine.kv_transfer.layout import KvLayoutSpec
+from conduit_engine.kv_transfer.producer import KvProducer
+from conduit_engine.kv_transfer.registry import KvTransferRegistry
+from conduit_engine.kv_transfer.service import KvTransferService, RunOnEngine
+from conduit_engine.kv_transfer.transport import KvPullResult
+from conduit_engine.models.facts import ModelFacts, describe
+from conduit_engine.sampling_params import SamplingParams
+from conduit_engine.structured.requests import StructuredOutputs
+
+if TYPE_CHECKING:
+    from conduit_engine.executor.worker_group import WorkerGroup
+    from conduit_engine.structured.compiler import CompiledStructure
+    from conduit_engine.structured.spec import StructuredSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    running: int
+    waiting: int
+    blocks: BlockStats
+    finished_requests: int
+    generated_tokens: int
+    kv_transfers_pending: int = 0  # produced here, not yet pulled, released or expired
+    kv_bytes_pulled: int = 0
+    kv_bytes_saved: int = 0  # not pulled: already in this engine's prefix cache
+    kv_pulls: int = 0  # pulls into this engine that completed
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, workers: WorkerGroup | None = None) -> None:
+        """`workers`: worker processes spawned beforehand (the server spawns them before gRPC starts);
+        with --tensor-parallel-size > 1 or --worker-process and None, they are spawned here."""
+        self.config = config
+        facts = describe(config)
+        self.model_name = facts.name
+        self.arch = facts.arch
+        self.tokenizer = facts.tokenizer
+        self.eos_token_ids = facts.eos_token_ids
+        self.max_model_len = facts.max_model_len
+        self.dtype = facts.dtype
+        self.block_size = config.cache.block_size
+        self.executor, self.num_blocks = build_executor(config, facts, workers)
+        try:
+            self._init_core(config, facts)
+        except BaseException:
+            self.executor.shutdown()  # no worker outlives an engine that failed to start
+            raise
+
+    def _init_core(self, config: EngineConfig, facts: ModelFacts) -> None:
+        self.block_manager = BlockManager(
+            self.num_blocks,
+            self.block_size,
+            config.cache.enable_prefix_caching,
+            sliding_window=self.arch.uniform_window,  # blocks behind it are freed as sequences grow
+        )
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, self.max_model_len, self.executor.multi_pass
+        )
+        self.stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
+        limits = Limits(self.arch.vocab_size, self.max_model_len, self.num_blocks, self.block_size)
+        self.admission = Admission(
+            self.tokenizer, limits, self.scheduler, config.scheduler, facts.generation_defaults
+        )
+        self.structured = StructuredOutputs(self.tokenizer.hf, self.arch.vocab_size, self.eos_token_ids)
+        self._init_kv_transfer()
+        self._requests: dict[str, RequestState] = {}
+        self._arrivals = itertools.count()
+        self._finished_requests = 0
+        self._generated_tokens = 0
+        self._log_prompts = config.telemetry.log_prompts
+        # Attach on the engine thread (AsyncEngine.run_sync), between steps.
+        self.observers: list[EngineObserver] = []
+        log.info(
+            "loaded %s (%s, %s) on %s%s: %d KV blocks of %d tokens, max_model_len %d",
+            self.model_name,
+            self.arch.architecture,
+            self.dtype,
+            config.model.device,
+            _placement(config),
+            self.num_blocks,
+            self.block_size,
+            self.max_model_len,
+        )
+
+    def _init_kv_transfer(self) -> None:
+        config = self.config.disaggregation
+        # The payload layout every executor's gather/scatter uses: all of the model's KV heads.
+        arch = self.arch
+        dtype = self.dtype
+        self.kv_layout = KvLayoutSpec(
+            self.model_name, dtype, self.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim
+        )
+        self.kv_registry = KvTransferRegistry(self.block_manager, config.lease_seconds)
+        self.kv_producer = KvProducer(self.kv_registry)
+        self.kv_consumer = KvConsumer(self.block_manager, self.kv_layout)
+        window = self.arch.uniform_window
+        self.kv_limits = KvTransferLimits(config, self.kv_layout, self.arch.vocab_size, window)
+
+    # ----- requests --------------------------------------------------------------------------------
+    def add_request(self, req: GenerationRequest, structure: CompiledStructure | None = None) -> list[int]:
+        """Admit and queue a request; returns its prompt token ids. Raises EngineError subclasses.
+
+        `structure`: the request's compiled output structure, when the caller compiled it off the step
+        loop (AsyncEngine does); otherwise it is compiled here, synchronously. A consume request is not
+        queued yet: its pull is pending (`kv_consumer.pending`) until `finish_pull`.
+        """
+        admitted = self.admission.admit(req, self._requests)
+        params, prompt = admitted.params, admitted.prompt_token_ids
+        check_transfer_request(req.kv_produce, req.kv_consume, params.n, len(prompt), self.kv_limits)
+        spec = params.structured
+        if spec is not None and structure is None:
+            structure = self.structured.compile_now(spec)
+        consume = req.kv_consume
+        indices = consume.choice_indices if consume is not None else list(range(params.n))
+        seqs = self._sequences(req.request_id, prompt, params, admitted.priority, indices)
+        if spec is not None and structure is not None:
+            for seq, grammar in zip(
+                seqs, self.structured.states(spec, structure, prompt, len(seqs)), strict=True
+            ):
+                seq.grammar = grammar
+        state = RequestState(
+            req.request_id,
+            prompt,
+            seqs,
+            {seq.index: self._detokenizer(prompt, params) for seq in seqs},
+            kv_produce=req.kv_produce,
+            arrival=clock() if req.arrival_time is None else req.arrival_time,
+            trace_context=req.trace_context,
+        )
+        if consume is not None:
+            replay_first_tokens(
+                consume,
+                seqs,
+                lambda seq, token_id: accept_token(
+                    seq, token_id, state.detokenizers[seq.index], self.stop_rules
+                ),
+            )
+            self.kv_consumer.start(req.request_id, consume.handle, seqs, req.trace_context)
+        self._requests[req.request_id] = state
+        log.info(
+            "request %s queued: %d prompt tokens, n=%d, max_tokens=%d%s%s",
+            req.request_id,
+            len(prompt),
+            params.n,
+            params.max_tokens,
+            " (prefill: KV hand-off)" if req.kv_produce else " (decode: KV pull)" if consume else "",
+            f", prompt {self.tokenizer.decode(prompt, False)!r}" if self._log_prompts else "",
+            extra=request_extra(req.request_id),
+        )
+        if consume is None:
+            for seq in seqs:
+                self.scheduler.add(seq)
+        return prompt
+
+    def _sequences(
+        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int, indices: list[int]
+    ) -> list[Sequence]:
+        """The choices `indices` of a request; the first computes the shared prompt, the others wait."""
+        arrival = next(self._arrivals)
+        seqs: list[Sequence] = []
+        for index in indices:
+            seqs.append(
+                Sequence(
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    params=params,
+                    index=index,
+                    priority=priority,
+                    arrival=arrival,
+                    seed=None if params.seed is None else params.seed + index,
+                    parent=seqs[0] if seqs else None,
+                )
+            )
+        return seqs
+
+    def _detokenizer(self, prompt: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.tokenizer.hf,
+            prompt,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Stop a request; returns the final outputs of its unfinished choices (empty if unknown)."""
+        if request_id in self._requests:
+            log.info("request %s aborted", request_id, extra=request_extra(request_id))
+        return self._end(request_id, FinishReason.ABORT)
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every live request with FinishReason.ERROR (the step failed); frees all their blocks."""
+        outputs: list[RequestOutput] = []
+        for request_id in list(self._requests):
+            log.error("request %s failed: %s", request_id, error, extra=request_extra(request_id))
+            outputs.extend(self._end(request_id, FinishReason.ERROR, error))
+        return outputs
+
+    def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> list[RequestOutput]:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return []
+        held = self.kv_consumer.orphan(request_id)  # a running pull still writes into its blocks
+        outputs = []
+        for seq in req.seqs:
+            if seq.is_finished:
+                continue
+            seq.finish(reason)
+            if seq is not held:
+                self.scheduler.finish(seq)
+            outputs.append(req.output(seq, [], "", [], error))
+        if req.kv_produce:
+            self.kv_producer.request_ended(req, completed=False)
+        self._finished_requests += 1
+        self._report_request(req, reason)
+        return outputs
+
+    # ----- disaggregation ----------------------------------------------------------------------------
+    def finish_pull(self, request_id: str, result: KvPullResult | None) -> None:
+        """A consume request's pull ended (None: it failed, the prompt is recomputed here): queue its
+        choices, or free the blocks of a request that ended meanwhile."""
+        for seq in self.kv_consumer.finish(request_id, result):
+            self.scheduler.add(seq)
+
+    def expire_kv_transfers(self) -> None:
+        """Free the blocks of produced transfers whose lease ran out (the loop calls this between steps)."""
+        for transfer_id in self.kv_registry.expire_due():
+            log.info("KV transfer %s expired before anyone pulled it", transfer_id)
+
+    def pending_pull(self, request_id: str) -> PendingPull | None:
+        """The KV pull a consume request waits for (None: no pull, or it already ended)."""
+        return self.kv_consumer.pending(request_id)
+
+    def kv_transfer_service(self, run_on_engine: RunOnEngine, max_message_bytes: int) -> KvTransferService:
+        """PullKv / ReleaseKv over this engine's produced transfers and KV cache; registry calls go through
+        `run_on_engine` (the engine loop thread)."""
+        return KvTransferService(
+            self.kv_registry,
+            self.executor,
+            self.kv_layout,
+            run_on_engine=run_on_engine,
+            chunk_bytes=self.config.disaggregation.chunk_bytes,
+            max_message_bytes=max_message_bytes,
+        )
+
+    @property
+    def kv_store(self) -> KvBlockStore:
+        """This engine's KV cache blocks, for pulls into it (any thread, blocks no step touches)."""
+        return self.executor
+
+    def compile_structure(self, spec: StructuredSpec) -> Awaitable[CompiledStructure]:
+        """Compile a request's output structure off the step loop (a thread; cached)."""
+        return self.structured.compile(spec)
+
+    def on_executor_failure(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (from any thread) when the executor fails (a worker process died)."""
+        self.executor.on_failure(listener)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def executor_failure(self) -> str | None:
+        """Why the model cannot run any more (a worker process failed), or None."""
+        return self.executor.failure()
+
+    def shutdown(self) -> None:
+        """Stop compiling grammars, release every produced KV transfer and stop the executor's worker
+        processes, if any (idempotent; after the loop stopped stepping)."""
+        self.structured.shutdown()
+        self.kv_registry.release_all()
+        self.executor.shutdown()
+
+    # ----- the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        timer = StepTimer(self.observers)
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        timer.scheduled(scheduled, self._requests)
+        results = self.executor.execute(scheduled)
+        self.scheduler.observe(scheduled, timer.executed(scheduled))
+        outputs = self._update(scheduled, results, timer.record)
+        timer.finish()
+        return outputs
+
+    def _update(
+        self, scheduled: SchedulerOutput, results: list[SeqStepResult], record: StepRecord | None
+    ) -> list[RequestOutput]:
+        """The one update loop, for one token per sequence or several (a multi-pass step): advance each
+        sequence's computed tokens, put its tokens through `_accept` one at a time (those after a stop
+        are dropped, with their KV), and free what finished. One output per sequence with tokens."""
+        for seq in scheduled.preempted:
+            req = self._requests.get(seq.request_id)
+            if req is not None and seq.index == 0 and not req.sent_first:
+                # Its prompt is recomputed from position 0: the logprobs will come again.
+                req.pending_prompt_logprobs.clear()
+        outputs: list[RequestOutput] = []
+        for item, result in zip(scheduled.scheduled, results, strict=True):
+            seq = item.seq
+            self.scheduler.advance(seq, item.num_new_tokens)  # the KV the step's first pass computed
+            req = self._requests.get(seq.request_id)
+            if req is None or seq.is_finished:
+                continue
+            if result.prompt_logprobs and seq.index == 0:  # choices share one prompt
+                req.pending_prompt_logprobs.extend(result.prompt_logprobs)
+            accepted: list[int] = []
+            text = ""
+            for token_id in result.token_ids:
+                if seq.is_finished:
+                    break  # a stop came earlier in this step: the rest is dropped
+                if accepted:
+                    self.scheduler.advance(seq, 1)  # the KV of the token the pass before sampled
+                text += self._accept(req, seq, token_id, record)
+                accepted.append(token_id)
+            if not accepted:
+                continue
+            handoff = self.kv_producer.after_first_token(req, seq) if req.kv_produce else None
+            if seq.is_finished:
+                self.scheduler.finish(seq)  # its blocks, those of any dropped tokens included
+            logprobs = result.logprobs[: len(accepted)]
+            outputs.append(req.output(seq, accepted, text, logprobs, kv_transfer=handoff))
+            if req.finished:
+                self._retire(req)
+        return outputs
+
+    def _accept(self, req: RequestState, seq: Sequence, token_id: int, record: StepRecord | None) -> str:
+        """Count a sampled token and apply it to its choice (append, grammar, stops, detokenization);
+        the text it releases."""
+        self._generated_tokens += 1
+        if record is not None:
+            record.token(req, seq)
+        return accept_token(seq, token_id, req.detokenizers[seq.index], self.stop_rules)
+
+    def _retire(self, req: RequestState) -> None:
+        del self._requests[req.request_id]
+        if req.kv_produce:
+            self.kv_producer.request_ended(req, completed=True)
+        self._finished_requests += 1
+        usage = req.usage()
+        log.info(
+            "request %s finished (%s): %d completion tokens, %d cached prompt tokens%s",
+            req.request_id,
+            ",".join(s.finish_reason.value for s in req.seqs if s.finish_reason is not None),
+            usage.completion_tokens,
+            usage.cached_tokens,
+            f", completion {[d.output_text for d in req.detokenizers.values()]!r}"
+            if self._log_prompts
+            else "",
+            extra=request_extra(req.request_id),
+        )
+        self._report_request(req, None)
+
+    def _report_request(self, req: RequestState, reason: FinishReason | None) -> None:
+        if self.observers:
+            record = request_record(req, reason, clock())
+            for observer in self.observers:
+                observer.on_request_end(record)
+
+    # ----- introspection ---------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len({s.request_id for s in self.scheduler.running}),
+            waiting=len({s.request_id for s in self.scheduler.waiting}),
+            blocks=self.block_manager.stats(),
+            finished_requests=self._finished_requests,
+            generated_tokens=self._generated_tokens,
+            kv_transfers_pending=self.kv_registry.num_pending,
+            kv_bytes_pulled=self.kv_consumer.counters.bytes_pulled,
+            kv_bytes_saved=self.kv_consumer.counters.bytes_saved,
+            kv_pulls=self.kv_consumer.counters.pulls,
+        )
+
+    def check_integrity(self) -> None:
+        live = [s for r in self._requests.values() for s in r.seqs if not s.is_finished and s.block_table]
+        live += [s for s in self.kv_consumer.held_sequences() if s not in live]
+        self.block_manager.check_integrity(live)
+        self.kv_registry.check_integrity()
+
+
+def _placement(config: EngineConfig) -> str:
+    parallel = config.parallel
+    if parallel.tensor_parallel_size > 1:
+        return f" in {parallel.tensor_parallel_size} tensor-parallel worker processes"
+    return " in a worker process" if parallel.worker_process else ""

@@ -1,0 +1,1 @@
+"""The engine's process: the gRPC service, its lifecycle, the CLI."""

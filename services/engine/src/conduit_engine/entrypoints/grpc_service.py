@@ -1,0 +1,291 @@
+"""The Engine gRPC service: proto → domain objects → engine → proto, and the status each error travels as.
+
+PullKv and ReleaseKv (engine to engine, for disaggregation) delegate to `kv_transfer.service`. The process
+around it (health, reflection, start, drain, signals) is `entrypoints/server.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from opentelemetry.trace import Status, StatusCode
+
+from conduit.engine.v1 import engine_pb2 as pb
+from conduit.engine.v1 import engine_pb2_grpc as pb_grpc
+from conduit_common.logs import current_request_id
+from conduit_engine.engine.async_engine import AsyncEngine
+from conduit_engine.engine.llm_engine import LLMEngine
+from conduit_engine.entrypoints.proto_mapping import (
+    messages_from_pb,
+    output_to_pb,
+    request_from_pb,
+    template_extras_from_pb,
+)
+from conduit_engine.errors import (
+    EngineError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from conduit_engine.kv_transfer.errors import KvTransferError
+from conduit_engine.kv_transfer.proto import handle_to_pb, layout_to_pb
+from conduit_engine.kv_transfer.registry import KvTransfer
+from conduit_engine.kv_transfer.service import KvTransferService
+from conduit_engine.telemetry import EngineTelemetry
+from conduit_engine.telemetry.tracing import KV_BLOCKS, KV_BYTES
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Engine"].full_name
+_METHOD_PREFIX = f"/{SERVICE_NAME}/"
+_ROLES = {"both": pb.ENGINE_ROLE_BOTH, "prefill": pb.ENGINE_ROLE_PREFILL, "decode": pb.ENGINE_ROLE_DECODE}
+
+
+class ModelNotFoundError(EngineError):
+    """The request names a model this engine does not serve (→ NOT_FOUND)."""
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The one place engine errors become gRPC status codes."""
+    if isinstance(exc, KvTransferError):
+        return grpc.StatusCode[exc.grpc_code]
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, EngineUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, ModelNotFoundError):
+        return grpc.StatusCode.NOT_FOUND
+    return grpc.StatusCode.INTERNAL
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Turns exceptions raised by Engine RPCs into status codes with the exception's message."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(_METHOD_PREFIX):
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext) -> None:
+    code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("internal error in an Engine RPC")
+    await context.abort(code, str(exc))
+
+
+async def _abort_unexpected(context: grpc.aio.ServicerContext) -> None:
+    # The traceback goes to the log only: clients get a generic INTERNAL, never internals.
+    log.exception("unexpected error in an Engine RPC")
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error in the engine (details are in its log)")
+
+
+def _wrap_unary(inner: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await inner(request, context)
+        except (EngineError, ValueError) as exc:
+            await _abort_for(exc, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await _abort_unexpected(context)
+
+    return call
+
+
+def _wrap_stream(inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in inner(request, context):
+                yield item
+        except (EngineError, ValueError) as exc:
+            await _abort_for(exc, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await _abort_unexpected(context)
+
+    return call
+
+
+def _metadata_request_id(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id" and value:
+            return str(value)
+    return None
+
+
+class EngineServicer(pb_grpc.EngineServicer):
+    """Registered before the model loads: every RPC answers UNAVAILABLE until `attach()`.
+
+    Requests are validated once, by the engine's admission (draining included); the servicer only
+    converts messages and refuses what is gRPC-specific (a wrong model name, warm-up not done).
+    """
+
+    def __init__(self, device: str, telemetry: EngineTelemetry) -> None:
+        self.device = device
+        self.telemetry = telemetry
+        self._async_engine: AsyncEngine | None = None
+        self._kv_service: KvTransferService | None = None
+        self.advertise_address = ""
+        self.ready = False
+
+    def attach(self, async_engine: AsyncEngine, advertise_address: str, max_message_bytes: int) -> None:
+        self._kv_service = async_engine.core.kv_transfer_service(async_engine.run_sync, max_message_bytes)
+        self.advertise_address = advertise_address
+        self._async_engine = async_engine
+
+    @property
+    def async_engine(self) -> AsyncEngine:
+        if self._async_engine is None:
+            raise EngineUnavailableError("the engine is still loading the model")
+        return self._async_engine
+
+    @property
+    def core(self) -> LLMEngine:
+        """The synchronous engine, for its immutable facts (model name, tokenizer, limits)."""
+        return self.async_engine.core
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        if not self.ready:
+            raise EngineUnavailableError("the engine is still warming up")
+        if request.HasField("model") and request.model and request.model != self.core.model_name:
+            raise ModelNotFoundError(
+                f"model {request.model!r} is not served here (this engine serves {self.core.model_name!r})"
+            )
+        req = request_from_pb(request)
+        if not request.request_id:
+            req.request_id = _metadata_request_id(context) or req.request_id
+        current_request_id.set(req.request_id)  # this call's log lines carry it
+        req.trace_context = trace = self.telemetry.request_trace(context.invocation_metadata())
+        decode = self.core.tokenizer.token_text
+        sent = False
+        try:
+            async for out in self.async_engine.generate(req):
+                sent = True
+                yield output_to_pb(out, decode, self._handle)
+        except EngineError as exc:
+            if not sent:  # refused at admission: the engine never saw it, no record ends its span
+                self.telemetry.refused(trace, exc)
+            raise
+
+    def _handle(self, transfer: KvTransfer) -> pb.KvHandle:
+        return handle_to_pb(transfer, self.advertise_address, self.core.kv_layout)
+
+    @property
+    def kv_service(self) -> KvTransferService:
+        if self._kv_service is None:
+            raise EngineUnavailableError("the engine is still loading the model")
+        return self._kv_service
+
+    async def PullKv(
+        self, request: pb.PullKvRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KvChunk]:
+        # Served while draining too: decode engines still pull the transfers produced here.
+        span = self.telemetry.pull_kv_span(context.invocation_metadata(), request.transfer_id)
+        blocks = sent = 0
+        try:
+            async for chunk in self.kv_service.pull_kv(request, context):
+                blocks, sent = blocks + chunk.num_blocks, sent + len(chunk.data)
+                yield chunk
+        except BaseException as exc:  # refused (aborted with a status) or cancelled by the puller
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            if span is not None:
+                span.set_attributes({KV_BLOCKS: blocks, KV_BYTES: sent})
+                span.end()
+
+    async def ReleaseKv(
+        self, request: pb.ReleaseKvRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseKvResponse:
+        return await self.kv_service.release_kv(request, context)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if not request.request_id:
+            raise InvalidRequestError("request_id", "must not be empty")
+        return pb.AbortResponse(aborted=await self.async_engine.abort(request.request_id))
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        tok = self.core.tokenizer
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            ids = tok.encode(request.text, add_special_tokens=add_special)
+        elif kind == "chat":
+            add_prompt = (
+                request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
+            )
+            tools, documents = template_extras_from_pb(request.chat)
+            ids = tok.encode_chat(messages_from_pb(request.chat), add_prompt, tools, documents)
+        else:
+            raise InvalidRequestError("input", "one of text or chat is required")
+        return pb.TokenizeResponse(token_ids=ids, tokens=[tok.token_text(i) for i in ids])
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        core = self.core
+        return pb.GetModelInfoResponse(
+            model=core.model_name,
+            architecture=core.arch.architecture,
+            vocab_size=core.arch.vocab_size,
+            max_model_len=core.max_model_len,
+            dtype=core.dtype,
+            device=self.device,
+            block_size=core.block_size,
+            num_kv_blocks=core.num_blocks,
+            max_num_seqs=core.config.scheduler.max_num_seqs,
+            eos_token_ids=list(core.eos_token_ids),
+            has_chat_template=core.tokenizer.chat_template is not None,
+            role=_ROLES[core.config.disaggregation.role],
+            kv_layout=layout_to_pb(core.kv_layout),
+            advertise_address=self.advertise_address,
+        )
+
+    async def GetLoad(
+        self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetLoadResponse:
+        stats = await self.async_engine.stats()
+        return pb.GetLoadResponse(
+            running_requests=stats.running,
+            waiting_requests=stats.waiting,
+            kv_blocks_used=stats.blocks.used,
+            kv_blocks_total=stats.blocks.total,
+            kv_blocks_cached=stats.blocks.cached,
+            prefix_cache_hit_rate=stats.blocks.hit_rate,
+            finished_requests=stats.finished_requests,
+            generated_tokens=stats.generated_tokens,
+            kv_transfers_pending=stats.kv_transfers_pending,
+            kv_blocks_pinned=stats.blocks.pinned,
+            kv_bytes_pulled=stats.kv_bytes_pulled,
+            kv_bytes_saved=stats.kv_bytes_saved,
+        )

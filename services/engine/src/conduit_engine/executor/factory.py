@@ -1,0 +1,52 @@
+"""Which executor the engine steps: the model in this process (the default with one rank), or in worker
+processes (--tensor-parallel-size N > 1, or --worker-process), and how many KV blocks it has.
+
+Each configuration imports only its own executor (and so torch and the model code only here, when the
+engine is built)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from conduit_engine.config import EngineConfig
+from conduit_engine.executor.base import Executor
+from conduit_engine.models.facts import ModelFacts
+
+if TYPE_CHECKING:
+    from conduit_engine.executor.worker_group import WorkerGroup
+
+
+def build_executor(
+    config: EngineConfig, facts: ModelFacts, workers: WorkerGroup | None = None
+) -> tuple[Executor, int]:
+    """(executor, KV blocks). `workers`: processes spawned earlier (before gRPC started); spawned here
+    when None and the configuration needs them. Raises ModelLoadError; no worker survives a failed start."""
+    if not config.parallel.uses_workers:
+        return _in_process(config, facts)
+    from conduit_engine.executor.multiproc import start_multiproc
+
+    return start_multiproc(config, facts, workers)
+
+
+def _in_process(config: EngineConfig, facts: ModelFacts) -> tuple[Executor, int]:
+    from conduit_engine.executor.in_process import InProcessExecutor
+    from conduit_engine.models.loader import DTYPES
+    from conduit_engine.worker.kv_cache import size_kv_cache
+    from conduit_engine.worker.loading import free_device_bytes, load_in_process
+
+    model = load_in_process(config, facts)
+    free = free_device_bytes(next(model.parameters()).device)
+    num_blocks = size_kv_cache(config, facts, facts.arch, 1, [free])
+    executor = InProcessExecutor(
+        model,
+        facts.arch,
+        num_blocks,
+        config.cache.block_size,
+        DTYPES[facts.dtype],
+        config.model.device,
+        facts.eos_token_ids,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_model_len=facts.max_model_len,
+        use_cuda_graphs=not config.enforce_eager,
+    )
+    return executor, num_blocks

@@ -1,0 +1,91 @@
+"""The executor when the model runs in the engine process (the default with one device).
+
+Host side (`step_batch.build_step`): the scheduler's output becomes flat lists and a sampling plan;
+device side (`worker.model_runner.ModelRunner`): tensors, the forward passes, sampling. No copies or
+encodings in between. Only this executor runs several passes in one step (decode bursts): a worker step
+carries one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from conduit_engine.core.scheduler_output import SchedulerOutput
+from conduit_engine.executor.step_batch import SeqStepResult, build_step, collect_passes, collect_results
+from conduit_engine.layers.decoder import KVCache
+from conduit_engine.models.base import CausalLM
+from conduit_engine.models.config import ArchConfig
+from conduit_engine.structured.batch_mask import SequenceMasks
+from conduit_engine.worker.model_runner import ModelRunner
+
+
+class InProcessExecutor:
+    multi_pass = True
+
+    def __init__(
+        self,
+        model: CausalLM,
+        config: ArchConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str,
+        eos_token_ids: tuple[int, ...],
+        max_num_seqs: int = 64,
+        max_model_len: int = 2048,
+        use_cuda_graphs: bool = False,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
+        self.runner = ModelRunner(
+            model,
+            num_blocks,
+            block_size,
+            dtype,
+            device,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            use_cuda_graphs=use_cuda_graphs,
+        )
+        self._masks = SequenceMasks(config.vocab_size, device)
+
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        return self.runner.kv_caches
+
+    def execute(self, out: SchedulerOutput) -> list[SeqStepResult]:
+        batch, sampling_seqs = build_step(out, self.block_size, self.eos_token_ids)
+        if out.num_passes > 1:
+            return collect_passes(out, self.runner.run_passes(batch, out.num_passes))
+        step = self.runner.run(batch, self._masks.build(sampling_seqs))
+        assert step is not None  # the whole model samples
+        return collect_results(out, batch, sampling_seqs, step)
+
+    def gather_kv_blocks(self, block_ids: Sequence[int]) -> bytes:
+        buffer = self.runner.gather_kv_blocks(block_ids)
+        return buffer.cpu().view(torch.uint8).numpy().tobytes()
+
+    def scatter_kv_blocks(self, block_ids: Sequence[int], data: bytes) -> None:
+        first = self.kv_caches[0][0]
+        buffer = bytes_to_tensor(data, first.dtype).view(
+            len(self.kv_caches), 2, len(block_ids), *first.shape[1:]
+        )
+        self.runner.scatter_kv_blocks(block_ids, buffer)
+
+    def failure(self) -> str | None:
+        return None  # a failing step raises; the model itself cannot vanish
+
+    def on_failure(self, listener: Callable[[], None]) -> None:
+        """Nothing to watch: the model lives in this process."""
+
+    def shutdown(self) -> None:
+        """Nothing to release: the model lives in this process."""
+
+
+def bytes_to_tensor(data: bytes | bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A flat tensor of `dtype` over a copy of `data` (writable, so no read-only warning)."""
+    return torch.frombuffer(bytearray(data), dtype=dtype)

@@ -1,0 +1,116 @@
+"""One step on the host side: the scheduler's output as flat integer lists, and the results back per sequence.
+
+Plain Python (no torch): `build_step` turns a SchedulerOutput into the numbers a model shard needs (token
+ids, positions, cache slots, query/context lengths, padded block tables, the rows to sample, the prompt
+spans whose logprobs were asked for, and the sampling plan: a `worker.step_inputs.StepBatch`);
+`collect_results` gives each scheduled sequence its part of the sampling rank's `StepOutput`, and
+`collect_passes` its tokens of a multi-pass step. The in-process executor hands the StepBatch to its
+ModelRunner directly; the multi-process one sends it to the worker processes first (`worker/step_codec.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from conduit_engine.core.scheduler_output import SchedulerOutput
+from conduit_engine.core.sequence import Sequence
+from conduit_engine.core.stop_rules import blocked_token_ids
+from conduit_engine.sampling.plan import SamplingRow, plan_sampling
+from conduit_engine.worker.step_inputs import PromptSpan, StepBatch, StepOutput
+
+if TYPE_CHECKING:
+    from conduit_engine.sampling.logprobs import TokenLogprobs
+
+
+@dataclass(slots=True)
+class SeqStepResult:
+    """What one step gave a scheduled sequence: its sampled tokens (none before the end of a prefill, one
+    per pass otherwise), their logprobs when asked for, and the prompt logprobs of the positions computed."""
+
+    seq: Sequence
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked for
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+def build_step(
+    out: SchedulerOutput, block_size: int, eos_token_ids: tuple[int, ...]
+) -> tuple[StepBatch, list[Sequence]]:
+    """The StepBatch of `out`, and the sequences sampled this step (in logits-row order)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    logits_rows: list[int] = []
+    sampling_seqs: list[Sequence] = []
+    for item in out.scheduled:
+        seq, start = item.seq, item.seq.num_computed_tokens
+        end = start + item.num_new_tokens
+        input_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        table = seq.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        query_lens.append(item.num_new_tokens)
+        seq_lens.append(end)
+        if item.samples:
+            logits_rows.append(len(input_ids) - 1)
+            sampling_seqs.append(seq)
+    width = max((len(item.seq.block_table) for item in out.scheduled), default=0)
+    tables: list[int] = []
+    for item in out.scheduled:
+        tables.extend(item.seq.block_table)
+        tables.extend([0] * (width - len(item.seq.block_table)))
+    batch = StepBatch(input_ids, positions, slots, query_lens, seq_lens, tables, width, logits_rows)
+    batch.prompt_spans = _prompt_spans(out)
+    if sampling_seqs:
+        batch.sampling = plan_sampling([_sampling_row(seq, eos_token_ids) for seq in sampling_seqs])
+    return batch, sampling_seqs
+
+
+def _sampling_row(seq: Sequence, eos_token_ids: tuple[int, ...]) -> SamplingRow:
+    return SamplingRow(
+        params=seq.params,
+        prompt_token_ids=seq.prompt_token_ids,
+        output_token_ids=seq.output_token_ids,
+        seed=seq.seed,
+        blocked_token_ids=blocked_token_ids(seq.params, eos_token_ids, seq.num_output_tokens),
+    )
+
+
+def _prompt_spans(out: SchedulerOutput) -> list[PromptSpan]:
+    spans: list[PromptSpan] = []
+    offset = 0
+    for index, item in enumerate(out.scheduled):
+        seq, start = item.seq, item.seq.num_computed_tokens
+        k = seq.params.prompt_logprobs
+        # Positions start..end-1 predict tokens start+1..end; only prompt targets count.
+        end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+        if k is not None and seq.num_output_tokens == 0 and end > start:
+            spans.append(PromptSpan(index, offset, k, seq.prompt_token_ids[start + 1 : end + 1]))
+        offset += item.num_new_tokens
+    return spans
+
+
+def collect_results(
+    out: SchedulerOutput, batch: StepBatch, sampling_seqs: list[Sequence], step: StepOutput
+) -> list[SeqStepResult]:
+    """One result per scheduled sequence, in schedule order."""
+    results = [SeqStepResult(item.seq) for item in out.scheduled]
+    for span, logprobs in zip(batch.prompt_spans, step.prompt_logprobs, strict=True):
+        results[span.item].prompt_logprobs = logprobs
+    by_seq = {id(r.seq): r for r in results}
+    for seq, token_id, logprobs in zip(sampling_seqs, step.token_ids, step.logprobs, strict=True):
+        result = by_seq[id(seq)]
+        result.token_ids.append(token_id)
+        if logprobs is not None:
+            result.logprobs.append(logprobs)
+    return results
+
+
+def collect_passes(out: SchedulerOutput, tokens: list[list[int]]) -> list[SeqStepResult]:
+    """One result per scheduled sequence of a multi-pass step: `tokens` holds each pass's tokens (one per
+    sequence, in schedule order); a sequence gets one token of every pass."""
+    per_seq = zip(*tokens, strict=True)
+    return [SeqStepResult(item.seq, list(row)) for item, row in zip(out.scheduled, per_seq, strict=True)]

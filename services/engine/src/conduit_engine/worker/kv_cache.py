@@ -1,0 +1,76 @@
+"""The paged KV cache of a model runner: how many blocks the memory budget allows (one place, for the
+in-process and the multi-process executor) and the cache tensors themselves.
+
+On the CPU the cache is allocated as zeroed pages the kernel maps lazily (numpy's calloc), so a large
+cache costs nothing at start-up: a page is touched only when a block on it is first written."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from conduit_engine.config import EngineConfig
+from conduit_engine.layers.decoder import KVCache
+from conduit_engine.models.config import ArchConfig
+from conduit_engine.models.facts import DTYPE_BYTES, ModelFacts
+
+# Auto-sized caches hold at most this many full batches of full-length sequences.
+_MAX_AUTO_BLOCKS_FACTOR = 2
+
+# A torch dtype → the numpy dtype of the same width, for lazily zeroed host allocations.
+_HOST_STORAGE = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}
+
+
+def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: str) -> int:
+    """Bytes of one KV block over all layers (keys and values) of `arch`'s KV heads."""
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * DTYPE_BYTES[dtype]
+
+
+def host_kv_budget(config: EngineConfig) -> int:
+    """Bytes of host memory the KV cache may take (--kv-cache-memory-fraction of the total)."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * config.cache.memory_fraction)
+
+
+def num_kv_blocks(config: EngineConfig, max_len: int, affordable: int) -> int:
+    """--kv-cache-blocks, or the `affordable` blocks of the memory budget, capped so an idle cache is not
+    absurdly large (and never below one full-length sequence)."""
+    cache = config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    per_seq = (max_len + cache.block_size - 1) // cache.block_size
+    cap = _MAX_AUTO_BLOCKS_FACTOR * config.scheduler.max_num_seqs * per_seq
+    return max(per_seq, min(affordable, cap))
+
+
+def size_kv_cache(
+    config: EngineConfig, facts: ModelFacts, local: ArchConfig, world_size: int, free_device: list[int | None]
+) -> int:
+    """Blocks every rank can hold, each rank's cache over `local`'s KV heads: on CUDA the least free device
+    memory of `free_device` (one entry per rank, after loading), on the CPU the host budget shared by all
+    ranks' shards."""
+    per_rank = kv_block_bytes(local, config.cache.block_size, facts.dtype)
+    if config.model.device == "cuda":
+        free = min(int(b) for b in free_device if b is not None)
+        affordable = int(free * config.cache.memory_fraction) // per_rank
+    else:
+        affordable = host_kv_budget(config) // (per_rank * world_size)
+    return num_kv_blocks(config, facts.max_model_len, affordable)
+
+
+def allocate_kv_caches(
+    num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> list[KVCache]:
+    """One zeroed (keys, values) pair of `shape` per layer; host pages are mapped on first write."""
+    if device.type != "cpu":
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+    storage = _HOST_STORAGE[dtype]
+
+    def zeros() -> torch.Tensor:
+        return torch.from_numpy(np.zeros(shape, dtype=storage)).view(dtype)
+
+    return [(zeros(), zeros()) for _ in range(num_layers)]
