@@ -11,7 +11,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
-sys.path.insert(0, str(REPO))  # for tests.engine.model_factory
+sys.path.insert(0, str(REPO))  # for tests.engine.support.model_factory
 
 
 def stories_path() -> Path:

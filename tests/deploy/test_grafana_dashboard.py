@@ -14,7 +14,7 @@ from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, Server
 from tests.deploy import chart_render
 from tests.deploy.chart_render import find
 from tests.deploy.paths import CHART
-from tests.engine.server_thread import ServerThread
+from tests.engine.support.server_thread import ServerThread
 from tests.support.gateway_thread import GatewayThread
 from tests.support.promql import exported_sample_names, metric_names
 from tests.support.stories import MODEL, PROMPT

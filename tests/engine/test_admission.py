@@ -10,8 +10,8 @@ from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.errors import DuplicateRequestError, InvalidRequestError
 from conduit_engine.models.tokenizer import ChatMessage
 from conduit_engine.sampling_params import SamplingParams
-from tests.engine.harness import greedy, make_engine, run_to_completion
-from tests.engine.model_factory import make_tiny_model
+from tests.engine.support.harness import greedy, make_engine, run_to_completion
+from tests.engine.support.model_factory import make_tiny_model
 
 pytestmark = pytest.mark.unit
 

@@ -17,8 +17,8 @@ import torch
 from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.errors import ModelLoadError
 from conduit_engine.models.architectures import ARCHITECTURES, read_arch_config
-from tests.engine.harness import generate, greedy, make_engine, run_to_completion
-from tests.engine.model_factory import load_hf, make_tiny_model
+from tests.engine.support.harness import generate, greedy, make_engine, run_to_completion
+from tests.engine.support.model_factory import load_hf, make_tiny_model
 from tests.engine.test_prefix_preemption_parity import submit
 
 pytestmark = pytest.mark.unit

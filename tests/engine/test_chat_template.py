@@ -20,7 +20,7 @@ from conduit.engine.v1 import engine_pb2_grpc
 from conduit_engine.entrypoints.proto_mapping import request_from_pb
 from conduit_engine.errors import InvalidRequestError, ModelLoadError
 from conduit_engine.models.tokenizer import ChatMessage, ModelTokenizer
-from tests.engine.harness import make_engine
+from tests.engine.support.harness import make_engine
 from tests.support.processes import start_engine, start_gateway
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,7 @@ from conduit_engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from conduit_engine.core.sequence import Sequence, SequenceStatus
 from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
-from tests.engine.harness import Collected, greedy, make_engine, run_to_completion
+from tests.engine.support.harness import Collected, greedy, make_engine, run_to_completion
 
 pytestmark = pytest.mark.unit
 

@@ -23,9 +23,9 @@ from conduit_engine.kv_transfer.errors import KvLayoutMismatchError
 from conduit_engine.kv_transfer.params import KvConsume, KvFirstToken, KvHandleRef
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
-from tests.engine.harness import greedy, make_engine
-from tests.engine.model_factory import make_tiny_model
-from tests.engine.pd_harness import (
+from tests.engine.support.harness import greedy, make_engine
+from tests.engine.support.model_factory import make_tiny_model
+from tests.engine.support.pd_harness import (
     assert_same,
     colocated_run,
     consume_request,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from conduit_engine.sampling_params import SamplingParams
-from tests.engine.harness import greedy, make_engine
-from tests.engine.pd_harness import assert_same, colocated_run, disaggregated
+from tests.engine.support.harness import greedy, make_engine
+from tests.engine.support.pd_harness import assert_same, colocated_run, disaggregated
 
 pytestmark = pytest.mark.integration
 

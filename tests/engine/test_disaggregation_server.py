@@ -18,7 +18,7 @@ import pytest
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc as pb_grpc
 from conduit_engine.config import CacheConfig, DisaggregationConfig, EngineConfig, ModelConfig, ServerConfig
-from tests.engine.server_thread import ServerThread
+from tests.engine.support.server_thread import ServerThread
 from tests.support.polling import wait_for
 from tests.support.stories import PROMPT_IDS
 

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation on the model-free simulator (tests/engine/sched_sim.py; no torch).
+"""Prefill/decode disaggregation on the model-free simulator (tests/engine/support/sched_sim.py; no torch).
 
 A prefill SimEngine runs requests with `produce=True` through the engine's KvProducer: each choice ends at
 its first token with the prompt's blocks pinned. A decode SimEngine consumes the handle through the
@@ -14,7 +14,7 @@ import pytest
 
 from conduit_engine.core.sequence import FinishReason
 from conduit_engine.errors import QueueFullError
-from tests.engine.sched_sim import SimEngine, reference_output
+from tests.engine.support.sched_sim import SimEngine, reference_output
 from tests.support.clock import ManualClock
 
 pytestmark = pytest.mark.unit

@@ -24,7 +24,7 @@ from conduit_engine.config import (
     TelemetryConfig,
 )
 from conduit_engine.entrypoints import server as server_module
-from tests.engine.server_thread import ServerThread
+from tests.engine.support.server_thread import ServerThread
 from tests.support.polling import wait_for
 from tests.support.prometheus import scrape
 from tests.support.stories import MODEL, PROMPT, PROMPT_IDS

@@ -14,7 +14,7 @@ from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.entrypoints.proto_mapping import request_from_pb, sampling_from_pb
 from conduit_engine.errors import ModelLoadError
 from conduit_engine.sampling_params import MODEL_DEFAULTABLE, SamplingParams
-from tests.engine.harness import generate, greedy, make_engine
+from tests.engine.support.harness import generate, greedy, make_engine
 from tests.engine.test_parity import KNOWN_STORY
 
 pytestmark = pytest.mark.unit

@@ -13,8 +13,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 import conduit_engine.entrypoints.server as server_module
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
-from tests.engine.model_factory import greedy_with, load_hf
-from tests.engine.server_thread import ServerThread
+from tests.engine.support.model_factory import greedy_with, load_hf
+from tests.engine.support.server_thread import ServerThread
 from tests.support.health import NOT_SERVING, SERVING, engine_health
 from tests.support.stories import PROMPT, PROMPT_IDS
 

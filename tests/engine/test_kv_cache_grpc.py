@@ -13,8 +13,8 @@ import pytest
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
-from tests.engine.model_factory import greedy_with, load_hf
-from tests.engine.server_thread import ServerThread
+from tests.engine.support.model_factory import greedy_with, load_hf
+from tests.engine.support.server_thread import ServerThread
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,8 @@ import pytest
 
 from conduit_engine.entrypoints.cli import build_parser, config_from_args, env_name
 from conduit_engine.errors import ModelLoadError
-from tests.engine.harness import generate, greedy, make_engine
-from tests.engine.model_factory import greedy_with, load_hf, make_tiny_model
+from tests.engine.support.harness import generate, greedy, make_engine
+from tests.engine.support.model_factory import greedy_with, load_hf, make_tiny_model
 from tests.support.stories import PROMPT
 
 pytestmark = pytest.mark.unit
@@ -109,7 +109,7 @@ def test_chat_without_max_tokens_runs_until_the_context_is_full(stories_path):
     from conduit_engine.config import EngineConfig, ModelConfig
     from conduit_engine.engine.llm_engine import LLMEngine
     from conduit_engine.entrypoints.proto_mapping import request_from_pb
-    from tests.engine.harness import run_to_completion
+    from tests.engine.support.harness import run_to_completion
 
     chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="Hi")])
     req = request_from_pb(
@@ -141,7 +141,7 @@ def test_token_text_keeps_the_leading_space(stories_path):
 def test_request_ids_reach_the_engine_log(stories_path, caplog):
     from conduit_engine.engine.request import GenerationRequest
     from conduit_engine.sampling_params import SamplingParams
-    from tests.engine.harness import run_to_completion
+    from tests.engine.support.harness import run_to_completion
 
     engine = make_engine(stories_path)
     with caplog.at_level("INFO", logger="conduit_engine.engine.llm_engine"):

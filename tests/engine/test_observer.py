@@ -11,7 +11,7 @@ import pytest
 from conduit_engine.core.sequence import FinishReason
 from conduit_engine.engine.observer import RequestRecord, StepRecord
 from conduit_engine.engine.request import GenerationRequest
-from tests.engine.harness import greedy, make_engine, run_to_completion
+from tests.engine.support.harness import greedy, make_engine, run_to_completion
 from tests.support.stories import PROMPT, PROMPT_IDS
 
 pytestmark = pytest.mark.unit

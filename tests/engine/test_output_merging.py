@@ -11,7 +11,7 @@ from conduit_engine.core.sequence import FinishReason
 from conduit_engine.engine.async_engine import AsyncEngine, _coalesce
 from conduit_engine.engine.request import GenerationRequest, RequestOutput, Usage
 from conduit_engine.sampling.token_logprobs import TokenLogprobs
-from tests.engine.harness import generate, greedy, make_engine
+from tests.engine.support.harness import generate, greedy, make_engine
 
 pytestmark = pytest.mark.unit
 

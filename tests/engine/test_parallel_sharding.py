@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from conduit_engine.errors import ModelLoadError
 from conduit_engine.models.architectures import read_arch_config
 from conduit_engine.models.sharding import ShardPlan, check_tensor_parallel, read_shard
-from tests.engine.model_factory import make_tiny_model
+from tests.engine.support.model_factory import make_tiny_model
 
 pytestmark = pytest.mark.unit
 

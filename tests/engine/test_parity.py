@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conduit_engine.engine.request import GenerationRequest
-from tests.engine.bf16_closeness import check_bf16_logprobs_close_to_f32
-from tests.engine.harness import generate, greedy, make_engine, run_to_completion
-from tests.engine.model_factory import greedy_with, hf_greedy, load_hf, make_tiny_model
+from tests.engine.support.bf16_closeness import check_bf16_logprobs_close_to_f32
+from tests.engine.support.harness import generate, greedy, make_engine, run_to_completion
+from tests.engine.support.model_factory import greedy_with, hf_greedy, load_hf, make_tiny_model
 from tests.support.stories import KNOWN_STORY, KNOWN_STORY_TOKENS, PROMPT, PROMPT_IDS
 
 pytestmark = pytest.mark.unit

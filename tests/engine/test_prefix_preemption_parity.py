@@ -12,8 +12,8 @@ import random
 import pytest
 
 from conduit_engine.engine.request import GenerationRequest
-from tests.engine.harness import Collected, generate, greedy, make_engine, run_to_completion
-from tests.engine.model_factory import greedy_with, load_hf, make_tiny_model
+from tests.engine.support.harness import Collected, generate, greedy, make_engine, run_to_completion
+from tests.engine.support.model_factory import greedy_with, load_hf, make_tiny_model
 from tests.engine.test_block_manager import COLLIDING_BLOCKS
 
 pytestmark = pytest.mark.unit

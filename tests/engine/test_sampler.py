@@ -25,7 +25,7 @@ from conduit_engine.sampling.plan import SamplingRow
 from conduit_engine.sampling.sampler import Sampler, sample_inverse_cdf
 from conduit_engine.sampling.truncation import apply_min_p, apply_top_k_top_p
 from conduit_engine.sampling_params import SamplingParams
-from tests.engine.harness import make_engine
+from tests.engine.support.harness import make_engine
 from tests.support.stories import PROMPT_IDS
 
 pytestmark = pytest.mark.unit

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from conduit_engine.core.sequence import FinishReason
 from conduit_engine.engine.request import GenerationRequest
-from tests.engine.harness import greedy, make_engine
-from tests.engine.model_factory import greedy_with, load_hf, make_tiny_model
-from tests.engine.sched_sim import SimEngine, reference_output
+from tests.engine.support.harness import greedy, make_engine
+from tests.engine.support.model_factory import greedy_with, load_hf, make_tiny_model
+from tests.engine.support.sched_sim import SimEngine, reference_output
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ import pytest
 from conduit_engine.errors import InvalidRequestError
 from conduit_engine.structured.compiler import StructuredCompiler
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
-from tests.engine.structured_support import spell, stories_vocab
+from tests.engine.support.structured_support import spell, stories_vocab
 
 pytestmark = pytest.mark.unit
 

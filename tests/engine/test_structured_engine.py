@@ -16,8 +16,8 @@ from conduit_engine.core.sequence import FinishReason
 from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
-from tests.engine.harness import make_engine, run_to_completion
-from tests.engine.structured_support import compile_spec
+from tests.engine.support.harness import make_engine, run_to_completion
+from tests.engine.support.structured_support import compile_spec
 from tests.support.stories import PROMPT_IDS
 
 pytestmark = pytest.mark.unit

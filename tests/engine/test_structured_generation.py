@@ -13,8 +13,8 @@ import pytest
 from conduit_engine.models.tokenizer import ModelTokenizer
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
-from tests.engine.model_factory import greedy_with, load_hf
-from tests.engine.structured_support import Choice, compile_spec, decode
+from tests.engine.support.model_factory import greedy_with, load_hf
+from tests.engine.support.structured_support import Choice, compile_spec, decode
 
 pytestmark = pytest.mark.unit
 

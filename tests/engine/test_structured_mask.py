@@ -18,7 +18,7 @@ from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.structured.batch_mask import BitmaskBuilder
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
 from conduit_engine.structured.state import GrammarState
-from tests.engine.structured_support import compile_spec, spell, stories_vocab
+from tests.engine.support.structured_support import compile_spec, spell, stories_vocab
 
 pytestmark = pytest.mark.unit
 

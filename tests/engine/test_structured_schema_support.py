@@ -11,7 +11,7 @@ from conduit_engine.errors import InvalidRequestError
 from conduit_engine.structured.compiler import StructuredCompiler
 from conduit_engine.structured.schema_support import unenforced_keyword
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
-from tests.engine.structured_support import stories_vocab
+from tests.engine.support.structured_support import stories_vocab
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ from conduit_engine.structured.after_gate import AfterGate
 from conduit_engine.structured.compiler import StructuredCompiler
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
 from conduit_engine.structured.vocabulary import GrammarVocab
-from tests.engine.structured_support import compile_spec, spell, stories_vocab
+from tests.engine.support.structured_support import compile_spec, spell, stories_vocab
 
 pytestmark = pytest.mark.unit
 

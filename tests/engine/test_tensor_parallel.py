@@ -25,8 +25,8 @@ from conduit_engine.models.architectures import read_arch_config
 from conduit_engine.ops import cpu_kernels as cpu_kernels_module
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
-from tests.engine.harness import generate, greedy, make_engine, run_to_completion
-from tests.engine.model_factory import greedy_with, load_hf, make_tiny_model
+from tests.engine.support.harness import generate, greedy, make_engine, run_to_completion
+from tests.engine.support.model_factory import greedy_with, load_hf, make_tiny_model
 
 pytestmark = pytest.mark.integration
 

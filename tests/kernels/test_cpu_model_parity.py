@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from conduit_engine.ops import cpu_kernels
-from tests.engine.bf16_closeness import check_bf16_logprobs_close_to_f32
-from tests.engine.harness import generate, greedy, make_engine
-from tests.engine.model_factory import hf_greedy, make_tiny_model
+from tests.engine.support.bf16_closeness import check_bf16_logprobs_close_to_f32
+from tests.engine.support.harness import generate, greedy, make_engine
+from tests.engine.support.model_factory import hf_greedy, make_tiny_model
 from tests.engine.test_architectures import ARCHS, check_greedy_and_logprobs
 from tests.support.shared import skip_or_fail
 from tests.support.stories import KNOWN_STORY, KNOWN_STORY_TOKENS

@@ -79,7 +79,7 @@ class TinyRunner:
     ],
 )
 def test_tiny_random_architectures_match_torch_ops(tmp_path, launcher, family, extra):
-    from tests.engine.model_factory import make_tiny_model
+    from tests.engine.support.model_factory import make_tiny_model
 
     folder = make_tiny_model(
         tmp_path / family, family=family, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, **extra

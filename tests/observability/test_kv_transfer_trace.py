@@ -21,7 +21,7 @@ from conduit_engine.config import (
     TelemetryConfig,
 )
 from conduit_engine.telemetry.tracing import KV_BLOCKS, KV_BYTES, KV_TRANSFER_ID
-from tests.engine.server_thread import ServerThread
+from tests.engine.support.server_thread import ServerThread
 from tests.observability.test_tracing import (
     CLIENT_SPAN_ID,
     CLIENT_TRACE_ID,

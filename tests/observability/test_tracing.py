@@ -17,7 +17,7 @@ from opentelemetry.trace import SpanKind
 
 from conduit_common import tracing
 from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SecurityConfig, ServerConfig
-from tests.engine.server_thread import ServerThread
+from tests.engine.support.server_thread import ServerThread
 from tests.support.gateway_thread import GatewayThread
 from tests.support.polling import wait_for
 from tests.support.stories import MODEL, PROMPT, PROMPT_IDS

@@ -24,7 +24,6 @@ from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.entrypoints.grpc_service import SERVICE_NAME, EngineServicer, ErrorMappingInterceptor
 from conduit_engine.entrypoints.security import ServerSecurity, engine_dialer
 from conduit_engine.errors import EngineError, WorkerFailedError
-from conduit_engine.executor.worker_group import WorkerGroup
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.telemetry import EngineTelemetry
 
@@ -61,7 +60,11 @@ class EngineServer:
         """`tracer_provider` replaces the one --otlp-endpoint would make (tests read spans in memory)."""
         self.config = config
         parallel = config.parallel
-        self.workers = WorkerGroup(parallel.tensor_parallel_size) if parallel.uses_workers else None
+        self.workers = None
+        if parallel.uses_workers:  # torch and the worker code load only for this configuration
+            from conduit_engine.executor.worker_group import WorkerGroup
+
+            self.workers = WorkerGroup(parallel.tensor_parallel_size)
         self.failure: str | None = None
         # After the workers: an OTLP exporter opens a gRPC channel.
         self.telemetry = EngineTelemetry(config.telemetry, config.server.host, tracer_provider)

@@ -26,7 +26,9 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(
         self, shard_rows: int, dim: int, vocab_start: int = 0, comm: Communicator | None = None
     ) -> None:
-        super().__init__(shard_rows, dim)
+        # The weights come from the checkpoint: no random init (on the meta device it would also load
+        # torch's compiler stack, seconds of start-up).
+        super().__init__(shard_rows, dim, _weight=torch.empty(shard_rows, dim))
         self.vocab_start = vocab_start
         self.comm = comm
 

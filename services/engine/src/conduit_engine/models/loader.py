@@ -80,11 +80,12 @@ def load_model(
     files = safetensors_files(folder)
     with torch.device("meta"):
         model = model_class(config.architecture)(config, ops, max_positions, shard)
-    model = model.to_empty(device=device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    # Every parameter is built on the meta device and replaced by its checkpoint tensor (a view of the
+    # mapped file when dtype and device match): no weight is allocated, initialised or copied twice.
     model.init_rope(torch.device(device))
-    params = dict(model.named_parameters())
+    slots = _parameter_slots(model)
+    if config.tie_word_embeddings:
+        del slots["lm_head.weight"]
     pending: dict[str, list[torch.Tensor | None]] = {}
     loaded: set[str] = set()
     for raw_name, tensor in iter_checkpoint(files, None if shard is None else shard.plan):
@@ -97,15 +98,17 @@ def load_model(
             parts = pending.setdefault(target, [None] * count)
             parts[index] = tensor
             if all(p is not None for p in parts):
-                _copy(params, target, torch.cat(parts, dim=0), dtype)  # type: ignore[arg-type]
+                _place(slots, target, torch.cat(parts, dim=0), dtype, device)  # type: ignore[arg-type]
                 loaded.add(target)
                 del pending[target]
             continue
-        _copy(params, name, tensor, dtype)
+        _place(slots, name, tensor, dtype, device)
         loaded.add(name)
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(slots) - loaded)
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks weights: {', '.join(missing[:5])}")
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
     model.finish_loading()
     model.eval()
     return model
@@ -121,14 +124,28 @@ def _fused_target(name: str) -> tuple[str, int, int] | None:
     return None
 
 
-def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
-    param = params.get(name)
-    if param is None:
+def _parameter_slots(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+    """Parameter name → (its module, its attribute name, the meta parameter standing in for it)."""
+    slots = {}
+    for module_name, module in model.named_modules():
+        for leaf, param in module.named_parameters(recurse=False):
+            slots[f"{module_name}.{leaf}" if module_name else leaf] = (module, leaf, param)
+    return slots
+
+
+def _place(
+    slots: dict[str, tuple[torch.nn.Module, str, torch.nn.Parameter]],
+    name: str,
+    tensor: torch.Tensor,
+    dtype: torch.dtype,
+    device: str,
+) -> None:
+    slot = slots.get(name)
+    if slot is None:
         raise ModelLoadError(f"unexpected weight {name!r} in checkpoint")
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise ModelLoadError(
-            f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-        )
-    with torch.no_grad():
-        # A no-op (the mapped view itself) when dtype and device already match.
-        param.data = tensor.to(device=param.device, dtype=dtype).contiguous()
+    module, leaf, meta = slot
+    if tuple(meta.shape) != tuple(tensor.shape):
+        raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(meta.shape)}")
+    # A no-op (the mapped view itself) when dtype and device already match.
+    value = tensor.to(device=device, dtype=dtype).contiguous()
+    module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)

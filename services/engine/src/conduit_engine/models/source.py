@@ -12,17 +12,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import constants, get_token, snapshot_download
-from huggingface_hub.errors import (
-    GatedRepoError,
-    HfHubHTTPError,
-    IncompleteSnapshotError,
-    LocalEntryNotFoundError,
-    OfflineModeIsEnabled,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
-
 from conduit_engine.errors import ModelLoadError
 
 # Transformers-format weights only (a Mistral repo also holds consolidated.safetensors, the same
@@ -84,6 +73,17 @@ def check_model_folder(folder: Path, repo_id: str | None = None) -> None:
 
 
 def _download(repo_id: str, revision: str | None, download_dir: str | None) -> str:
+    # The Hub client only for Hub ids: a local folder starts without it (it costs ~0.5 s to import).
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
     cache = download_dir or constants.HF_HUB_CACHE
     try:
         return snapshot_download(
@@ -117,6 +117,9 @@ def _download(repo_id: str, revision: str | None, download_dir: str | None) -> s
 
 
 def _not_cached(repo_id: str, revision: str | None, cache: str, exc: Exception) -> str:
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
     what = f"model {repo_id!r}" + (f" at revision {revision!r}" if revision else "")
     if constants.HF_HUB_OFFLINE or isinstance(exc.__cause__, OfflineModeIsEnabled):
         why = "the Hub is offline (HF_HUB_OFFLINE=1)"
@@ -130,6 +133,8 @@ def _not_cached(repo_id: str, revision: str | None, cache: str, exc: Exception) 
 
 
 def _token_note() -> str:
+    from huggingface_hub import get_token
+
     return " (a token is set, but it has no access)" if get_token() is not None else " (no HF_TOKEN is set)"
 
 

@@ -14,12 +14,14 @@ is pinned and the copy is asynchronous on the current stream.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from conduit_engine.sampling.grammar_mask import StepBitmask
-from conduit_engine.structured.state import GrammarState
+
+if TYPE_CHECKING:  # the grammar backend (xgrammar) loads only once a request brings a grammar
+    from conduit_engine.structured.state import GrammarState
 
 
 class HasGrammar(Protocol):
@@ -44,6 +46,8 @@ class BitmaskBuilder:
         active = [(row, state) for row, state in rows if state.is_active]
         if not active:
             return None
+        from conduit_engine.structured.state import GrammarState  # loaded: a request brought a grammar
+
         count = len(active)
         self._reserve(count)
         host, host_rows = self._host[:count], self._host_rows[:count]

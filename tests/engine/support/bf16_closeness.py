@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from conduit_engine.sampling_params import SamplingParams
-from tests.engine.harness import generate, greedy, make_engine
+from tests.engine.support.harness import generate, greedy, make_engine
 
 PROMPTS = {f"p{i}": [1] + list(range(10 + 7 * i, 40 + 7 * i)) for i in range(4)}
 NEW_TOKENS = 48

@@ -8,7 +8,7 @@ from conduit_engine.core.sequence import FinishReason
 from conduit_engine.engine.request import GenerationRequest, RequestOutput
 from conduit_engine.kv_transfer.params import KvConsume, KvFirstToken, KvHandleRef
 from conduit_engine.kv_transfer.transport import KvPullResult
-from tests.engine.harness import Collected, run_to_completion
+from tests.engine.support.harness import Collected, run_to_completion
 
 
 def run(engine) -> dict[tuple[str, int], Collected]:

@@ -30,7 +30,7 @@ from conduit_engine.structured.compiler import CompiledStructure, StructuredComp
 from conduit_engine.structured.spec import StructuredSpec
 from conduit_engine.structured.state import GrammarState
 from conduit_engine.structured.vocabulary import GrammarVocab
-from tests.engine.model_factory import load_hf
+from tests.engine.support.model_factory import load_hf
 
 
 @functools.cache

@@ -1,0 +1,1 @@
+"""What the engine tests share: engines in threads, model factories, harnesses and simulators."""
