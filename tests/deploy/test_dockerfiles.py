@@ -208,7 +208,7 @@ def test_dockerignore_sends_the_sources_and_nothing_else():
         "tests/conftest.py",
         "protos/python/gen/conduit/engine/v1/engine_pb2.py",
         "charts/conduit/values.yaml",
-        "services/engine/src/conduit_engine/__pycache__/cli.cpython-311.pyc",
+        "services/engine/src/conduit_engine/entrypoints/__pycache__/cli.cpython-311.pyc",
         "services/engine/src/conduit_engine.egg-info/PKG-INFO",
         "services/engine/Dockerfile",
     ):
@@ -224,7 +224,7 @@ def test_dockerignore_sends_the_sources_and_nothing_else():
         assert sources, f"{path.name} copies nothing from the context"
         for source in sources:
             assert any(f == source or f.startswith(source + "/") for f in sent), f"{path.name}: {source}"
-    assert "services/engine/src/conduit_engine/cli.py" in sent
+    assert "services/engine/src/conduit_engine/entrypoints/cli.py" in sent
     assert "protos/conduit/engine/v1/engine.proto" in sent
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from conduit_engine.entrypoints.cli import build_parser, config_from_args
 from tests.engine.support.harness import generate, greedy, make_engine
 from tests.engine.support.model_factory import greedy_with, load_hf, make_tiny_model
-from tests.engine.test_parity import KNOWN_STORY
+from tests.support.stories import KNOWN_STORY
 
 pytestmark = pytest.mark.unit
 

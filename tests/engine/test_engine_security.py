@@ -25,8 +25,7 @@ from conduit.engine.v1 import engine_pb2_grpc as pb_grpc
 from conduit_common.secret_files import SecretFileError
 from conduit_engine.config import EngineConfig, SecurityConfig
 from conduit_engine.entrypoints.security import MALFORMED_TOKEN, MISSING_TOKEN, WRONG_TOKEN, ServerSecurity
-from tests.engine.support.server_thread import ServerThread
-from tests.engine.test_grpc_server import engine_config
+from tests.engine.support.server_thread import ServerThread, engine_config
 from tests.support.certs import bearer, make_pki, tls_channel
 from tests.support.processes import free_port, start_engine
 from tests.support.stories import PROMPT

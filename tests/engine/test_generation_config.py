@@ -15,7 +15,7 @@ from conduit_engine.entrypoints.proto_mapping import request_from_pb, sampling_f
 from conduit_engine.errors import ModelLoadError
 from conduit_engine.sampling_params import MODEL_DEFAULTABLE, SamplingParams
 from tests.engine.support.harness import generate, greedy, make_engine
-from tests.engine.test_parity import KNOWN_STORY
+from tests.support.stories import KNOWN_STORY
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import grpc
 import pytest
@@ -12,22 +11,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import conduit_engine.entrypoints.server as server_module
 from conduit.engine.v1 import engine_pb2 as pb
-from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from tests.engine.support.model_factory import greedy_with, load_hf
-from tests.engine.support.server_thread import ServerThread
+from tests.engine.support.server_thread import ServerThread, engine_config, wait_until
 from tests.support.health import NOT_SERVING, SERVING, engine_health
 from tests.support.stories import PROMPT, PROMPT_IDS
 
 pytestmark = pytest.mark.integration
-
-
-def engine_config(model, **scheduler) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(path=str(model)),
-        cache=CacheConfig(num_blocks=128, block_size=16),
-        scheduler=SchedulerConfig(**scheduler),
-        server=ServerConfig(host="127.0.0.1", port=0, drain_seconds=5),
-    )
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +38,6 @@ def collect(stream):
 
 def greedy_params(max_tokens, **kw):
     return pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
-
-
-def wait_until(predicate, attempts=200, delay=0.05):
-    for _ in range(attempts):
-        if predicate():
-            return True
-        time.sleep(delay)
-    return predicate()
 
 
 def test_generate_text_streams_tokens_equal_to_transformers(stub, stories_path):

@@ -22,9 +22,9 @@ from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc
 from conduit_engine.errors import ModelLoadError
 from conduit_engine.models.source import SERVING_FILES, resolve
-from tests.engine.test_parity import KNOWN_STORY
 from tests.support.hub import COMMIT, FaultyHub, lay_out_hub_cache
 from tests.support.processes import free_port, start_engine
+from tests.support.stories import KNOWN_STORY
 
 pytestmark = pytest.mark.integration
 

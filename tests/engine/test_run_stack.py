@@ -17,9 +17,9 @@ import pytest
 
 from conduit_engine.entrypoints.run_stack import DEFAULT_MODEL, choose_model
 from conduit_engine.models.demo_model import write_demo_model
-from tests.engine.test_parity import KNOWN_STORY
 from tests.support.hub import lay_out_hub_cache
 from tests.support.processes import free_port
+from tests.support.stories import KNOWN_STORY
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,7 @@ from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 from tests.engine.support.harness import generate, make_engine, run_to_completion
 from tests.engine.support.model_factory import greedy_with, load_hf
-from tests.engine.support.server_thread import ServerThread
-from tests.engine.test_grpc_server import engine_config
+from tests.engine.support.server_thread import ServerThread, engine_config
 from tests.support.stories import PROMPT, PROMPT_IDS
 
 pytestmark = pytest.mark.integration

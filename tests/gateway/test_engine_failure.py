@@ -12,8 +12,7 @@ import openai
 import pytest
 
 from conduit.engine.v1 import engine_pb2 as pb
-from tests.engine.support.server_thread import ServerThread
-from tests.engine.test_grpc_server import engine_config, wait_until
+from tests.engine.support.server_thread import ServerThread, engine_config, wait_until
 from tests.gateway.sse import post_stream
 from tests.support.processes import start_gateway
 from tests.support.stories import MODEL

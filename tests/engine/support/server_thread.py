@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
 from conduit.engine.v1 import engine_pb2_grpc
-from conduit_engine.config import EngineConfig
+from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from conduit_engine.entrypoints.server import EngineServer
 
 
@@ -84,3 +85,20 @@ class ServerThread:
             fut.result(timeout=60)
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=30)
+
+
+def engine_config(model, **scheduler) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(path=str(model)),
+        cache=CacheConfig(num_blocks=128, block_size=16),
+        scheduler=SchedulerConfig(**scheduler),
+        server=ServerConfig(host="127.0.0.1", port=0, drain_seconds=5),
+    )
+
+
+def wait_until(predicate, attempts=200, delay=0.05):
+    for _ in range(attempts):
+        if predicate():
+            return True
+        time.sleep(delay)
+    return predicate()
