@@ -222,6 +222,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="send traces over OTLP/gRPC to http(s)://HOST:PORT (default: no tracing)",
     )
+    parser.add_argument(
+        "--response-store",
+        default="memory",
+        help="where /v1/responses keeps stored responses: memory (default, this process), none, or "
+        "redis://HOST:PORT/DB (rediss:// for TLS) shared by every replica",
+    )
+    parser.add_argument(
+        "--response-store-ttl",
+        type=float,
+        default=3600.0,
+        help="seconds a stored response (input, output, events) is kept (default 3600)",
+    )
+    parser.add_argument(
+        "--response-store-max-bytes",
+        type=int,
+        default=256 * 1024 * 1024,
+        help="memory store: most bytes held, oldest responses evicted first (default 256 MiB)",
+    )
+    parser.add_argument(
+        "--response-store-password-file",
+        default=None,
+        help="file holding the Redis password of --response-store",
+    )
     describe_env(parser)
     return parser
 
@@ -284,6 +307,10 @@ def config_from_args(argv: Sequence[str], environ: Mapping[str, str]) -> Gateway
         log_format=args.log_format,
         log_prompts=args.log_prompts,
         otlp_endpoint=args.otlp_endpoint,
+        response_store=args.response_store,
+        response_store_ttl_s=args.response_store_ttl,
+        response_store_max_bytes=args.response_store_max_bytes,
+        response_store_password_file=args.response_store_password_file,
     )
 
 
