@@ -160,7 +160,10 @@ class ResponsesHandler(GenerationHandler):
             raise invalid_param("background", "background responses must be stored (store: true)")
 
     async def _previous_conversation(self, previous_id: str) -> list[Message]:
-        record = await self.service.get(previous_id)
+        try:
+            record = await self.service.get(previous_id)
+        except StoreUnavailable as exc:
+            raise unavailable_error(str(exc)) from None
         if record is None:
             raise OpenAIError(
                 404,
