@@ -415,6 +415,14 @@ def test_tokenize_and_detokenize(http):
     assert chat["count"] > 5
     both = http.post("/tokenize", json={"prompt": PROMPT, "messages": []})
     assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+    back = http.post("/detokenize", json={"model": MODEL, "tokens": list(PROMPT_IDS)})
+    assert back.status_code == 200 and back.json() == {"prompt": PROMPT}
+    special = http.post("/detokenize", json={"tokens": list(PROMPT_IDS), "skip_special_tokens": False})
+    assert special.json()["prompt"].endswith(PROMPT) and special.json()["prompt"] != PROMPT
+    outside = http.post("/detokenize", json={"tokens": [1, 512]})  # stories260K's vocabulary is 512
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
+    unknown = http.post("/detokenize", json={"model": "nope", "tokens": [1]})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
 
 
 def test_metrics_count_responses_as_their_own_endpoint(sdk, http):

@@ -21,6 +21,8 @@ from conduit_gateway.routing.pool import require_serving
 from conduit_gateway.routing.selection.base import RouteRequest
 from conduit_gateway.schemas.common import error_responses
 from conduit_gateway.schemas.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -83,3 +85,16 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         tokens=list(reply.token_ids),
         token_strs=list(reply.tokens) if body.return_token_strs else None,
     )
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    ctx, node = await _node(request, body.model)
+    call = engine_pb2.DetokenizeRequest(token_ids=fields.token_ids("tokens", body.tokens))
+    if body.skip_special_tokens is not None:
+        call.skip_special_tokens = body.skip_special_tokens
+    try:
+        reply = await node.client.detokenize(call, ctx.config.model_info_timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise from_rpc_error(exc, ctx.config.retry_after_s, {"token_ids": "tokens"}) from None
+    return DetokenizeResponse(prompt=reply.text)

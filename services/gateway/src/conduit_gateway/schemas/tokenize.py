@@ -29,6 +29,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[int]
+    skip_special_tokens: bool | None = Field(None, description="Leave BOS/EOS out (default true).")
 
 
 class DetokenizeResponse(BaseModel):
