@@ -23,6 +23,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.support.clock import ManualClock
 from tests.support.gateway_thread import GatewayThread
 from tests.support.stories import MODEL, PROMPT, PROMPT_IDS
 
@@ -432,3 +433,53 @@ def test_metrics_count_responses_as_their_own_endpoint(sdk, http):
         f'conduit_gateway_time_to_first_token_seconds_count{{endpoint="responses",model="{MODEL}"}}' in text
     )
     assert 'route="/v1/responses",status="200"' in text
+
+
+# -- keys, limits, no store --------------------------------------------------------------------------
+
+
+def test_keys_own_their_responses_and_a_background_run_counts_against_the_limits(stories_engine, tmp_path):
+    keys = [{"name": "a", "key": "sk-a", "limits": {"requests_per_minute": 3}}, {"name": "b", "key": "sk-b"}]
+    (tmp_path / "keys.json").write_text(json.dumps(keys))
+    settings = {"api_keys_file": str(tmp_path / "keys.json"), "max_concurrent_requests": 1}
+    with GatewayThread([stories_engine.address], clock=ManualClock(), **settings) as gateway:
+        a, b = (
+            openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0)
+            for key in ("sk-a", "sk-b")
+        )
+        made = create(a, input=STORY, max_output_tokens=4)  # a's first request
+        assert a.responses.retrieve(made.id).id == made.id
+        with pytest.raises(openai.NotFoundError):
+            b.responses.retrieve(made.id)  # another key's response does not exist for b
+        with pytest.raises(openai.NotFoundError):
+            create(b, input="More", previous_response_id=made.id)
+        os.kill(stories_engine.process.pid, signal.SIGSTOP)
+        try:
+            queued = create(a, input=STORY, background=True)  # a's second request, holding the one slot
+            with pytest.raises(openai.RateLimitError) as caught:
+                create(b, input=STORY)
+            assert "concurrent requests" in caught.value.message
+            assert a.responses.cancel(queued.id).status == "cancelled"
+        finally:
+            os.kill(stories_engine.process.pid, signal.SIGCONT)
+        assert create(b, input=STORY, max_output_tokens=2).status in ("completed", "incomplete")  # slot free
+        create(a, input=STORY, max_output_tokens=2)  # a's third
+        with pytest.raises(openai.RateLimitError):
+            create(a, input=STORY, max_output_tokens=2)  # a's fourth: 3 per minute, the clock stands still
+
+
+def test_without_a_store_nothing_is_kept_and_asking_for_it_is_a_400(stories_engine):
+    with GatewayThread([stories_engine.address], response_store="none") as gateway:
+        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+        response = create(sdk, input=STORY, max_output_tokens=2)
+        assert response.store is False
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.retrieve(response.id)
+        for kwargs, param in (
+            ({"store": True}, "store"),
+            ({"previous_response_id": response.id}, "previous_response_id"),
+            ({"background": True}, "background"),
+        ):
+            with pytest.raises(openai.BadRequestError) as caught:
+                create(sdk, input=STORY, **kwargs)
+            assert caught.value.body["param"] == param

@@ -148,6 +148,8 @@ class ResponsesHandler(GenerationHandler):
         for index, name in enumerate(body.include or ()):
             if name not in _INCLUDABLE:
                 raise invalid_param(f"include[{index}]", f"{name!r} is not supported by this server")
+        if body.max_tool_calls is not None and body.max_tool_calls < 1:
+            raise invalid_param("max_tool_calls", f"must be >= 1, got {body.max_tool_calls}")
         if body.service_tier is not None and body.service_tier not in _SERVICE_TIERS:
             raise invalid_param("service_tier", f"must be one of {', '.join(_SERVICE_TIERS)}")
         _check_metadata(body.metadata)
@@ -161,7 +163,7 @@ class ResponsesHandler(GenerationHandler):
 
     async def _previous_conversation(self, previous_id: str) -> list[Message]:
         try:
-            record = await self.service.get(previous_id)
+            record = await self.service.get(previous_id, self._key_name)
         except StoreUnavailable as exc:
             raise unavailable_error(str(exc)) from None
         if record is None:
@@ -304,9 +306,14 @@ class ResponsesHandler(GenerationHandler):
         output = ChatOutputParser(
             reasoning_parser_class(reasoning)() if reasoning else None,
             tools() if tools else None,
-            max_calls=None if self.tools.parallel else 1,
+            max_calls=self._max_calls(),
         )
         return ChatChoiceState(index, output=output)
+
+    def _max_calls(self) -> int | None:
+        """Calls past this many are dropped: one without parallel_tool_calls, at most max_tool_calls."""
+        limits = [limit for limit in (None if self.tools.parallel else 1, self.body.max_tool_calls) if limit]
+        return min(limits) if limits else None
 
     # The chunk hooks of chat and completions: a response is written as typed events instead.
     def delta_choice(
@@ -365,6 +372,10 @@ class ResponsesHandler(GenerationHandler):
             "output_text": "",
         }
 
+    @property
+    def _key_name(self) -> str | None:
+        return self.api_key.name if self.api_key is not None else None
+
     def _record(self, writer: ResponseWriter) -> StoredResponse:
         conversation = self.turn + output_messages(writer.output)
         return StoredResponse(
@@ -372,6 +383,7 @@ class ResponsesHandler(GenerationHandler):
             self.input_items,
             conversation,
             owner=self.service.store.replica if self.service.store is not None else None,
+            key=self._key_name,
         )
 
     async def _save(self, writer: ResponseWriter) -> None:
@@ -523,6 +535,12 @@ class ResponsesHandler(GenerationHandler):
                 pass
         except StoreUnavailable as exc:
             log.warning("response %s: the store went away, run abandoned: %s", self.response_id, exc)
+        except Exception:
+            log.exception("response %s: background run failed", self.response_id)
+            internal = OpenAIError(500, "Internal error while generating.", type="server_error")
+            writer.finish("failed", None, error=internal)
+            with contextlib.suppress(StoreUnavailable):
+                await self.service.put(self._record(writer))
         except asyncio.CancelledError:
             # Cancelled before the engine answered: record it as cancelled.
             writer.finish("cancelled", None)

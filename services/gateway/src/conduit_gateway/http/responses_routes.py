@@ -46,8 +46,9 @@ async def _record(request: Request, response_id: str) -> StoredResponse:
         raise OpenAIError(
             404, "This gateway runs without a response store (--response-store none).", code="not_found"
         )
+    key = getattr(request.state, "api_key", None)
     try:
-        record = await service.get(response_id)
+        record = await service.get(response_id, key.name if key is not None else None)
     except StoreUnavailable as exc:
         raise unavailable_error(str(exc)) from None
     if record is None:

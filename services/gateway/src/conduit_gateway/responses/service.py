@@ -79,8 +79,10 @@ class ResponsesService:
             raise StoreUnavailable("this gateway runs without a response store")
         return self.store
 
-    async def get(self, response_id: str) -> StoredResponse | None:
-        return await self._store.get(response_id)
+    async def get(self, response_id: str, key: str | None = None) -> StoredResponse | None:
+        """The record, if it exists and was made with the API key named `key`."""
+        record = await self._store.get(response_id)
+        return record if record is not None and record.key == key else None
 
     async def put(self, record: StoredResponse) -> None:
         await self._store.put(record)

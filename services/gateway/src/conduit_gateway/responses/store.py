@@ -51,6 +51,8 @@ class StoredResponse:
     conversation: list[dict[str, Any]] = field(default_factory=list)
     # The replica running it (background responses; cancel signals go there).
     owner: str | None = None
+    # The name of the API key that made it: other keys see it as absent (None: no keys configured).
+    key: str | None = None
 
     @property
     def id(self) -> str:
@@ -63,6 +65,7 @@ class StoredResponse:
                 "input_items": self.input_items,
                 "conversation": self.conversation,
                 "owner": self.owner,
+                "key": self.key,
             },
             ensure_ascii=False,
             separators=(",", ":"),
@@ -71,7 +74,9 @@ class StoredResponse:
     @classmethod
     def from_json(cls, text: str | bytes) -> StoredResponse:
         data = json.loads(text)
-        return cls(data["response"], data["input_items"], data["conversation"], data.get("owner"))
+        return cls(
+            data["response"], data["input_items"], data["conversation"], data.get("owner"), data.get("key")
+        )
 
 
 class ResponseStore(ABC):
