@@ -419,15 +419,16 @@ class ResponsesHandler(GenerationHandler):
         self, streams: list[EngineStream], writer: ResponseWriter, persist: bool
     ) -> AsyncIterator[list[dict[str, Any]]]:
         """The response's event batches, opening to terminal (one batch per engine message); with
-        `persist` (background) each batch is appended to the store first, and the final record is
-        saved before the terminal batch is handed out."""
+        `persist` (background) each batch is appended to the store as it comes, and the final record
+        and events are stored before the terminal batch is handed out."""
         choices = ChoiceSet(1, self.new_choice)
         usage = UsageTotals(len(streams))
+        appender = EventAppender(self.service, self.response_id) if persist else None
         batch = writer.opening()
         status, reason = "completed", None
         try:
-            if persist:
-                await self.service.append_events(self.response_id, batch)
+            if appender is not None:
+                appender.add(batch, self._record(writer))  # the record says in_progress
             yield batch
             try:
                 async for prompt_index, message in read_messages(streams):
@@ -455,8 +456,8 @@ class ResponsesHandler(GenerationHandler):
                                 code="engine_aborted",
                             )
                     if batch:
-                        if persist:
-                            await self.service.append_events(self.response_id, batch)
+                        if appender is not None:
+                            appender.add(batch)
                         yield batch
             except grpc.aio.AioRpcError as exc:
                 raise self._rpc_error(exc) from None
@@ -473,9 +474,10 @@ class ResponsesHandler(GenerationHandler):
             final = writer.finish("failed", self._usage(usage), error=exc)
         finally:
             close_all(streams)
-        if persist:
-            await self.service.append_events(self.response_id, final)
-        if persist or (self.stored and self.body.stream):
+        if appender is not None:
+            appender.add(final, self._record(writer))
+            await appender.drain()
+        elif self.stored and self.body.stream:
             await self.service.put(self._record(writer))
         yield final
 
@@ -505,9 +507,7 @@ class ResponsesHandler(GenerationHandler):
     ) -> Response:
         self.admit(len(requests))  # counts against the key and the gateway until the run ends
         try:
-            batch = writer.queued()
-            await self.service.put(self._record(writer))
-            await self.service.append_events(self.response_id, batch)
+            await self.service.append_events(self.response_id, writer.queued(), self._record(writer))
         except StoreUnavailable as exc:
             self._release([])
             raise unavailable_error(str(exc)) from None
@@ -527,8 +527,7 @@ class ResponsesHandler(GenerationHandler):
                 streams = await self._open(requests)
             except OpenAIError as exc:
                 final = writer.opening() + writer.finish("failed", None, error=exc)
-                await self.service.append_events(self.response_id, final)
-                await self.service.put(self._record(writer))
+                await self.service.append_events(self.response_id, final, self._record(writer))
                 return
             self._opened(streams)
             async for _ in self._generate(streams, writer, persist=True):
@@ -548,6 +547,40 @@ class ResponsesHandler(GenerationHandler):
                 await self.service.put(self._record(writer))
         finally:
             self._release(streams)
+
+
+class EventAppender:
+    """Appends a background response's events in order without holding up the run: whatever queued
+    while one write was in flight goes in the next, so a fast engine costs fewer round trips than
+    messages. A store failure surfaces at the next `add` or at `drain`."""
+
+    def __init__(self, service: ResponsesService, response_id: str) -> None:
+        self._service = service
+        self._id = response_id
+        self._events: list[dict[str, Any]] = []
+        self._record: StoredResponse | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, events: list[dict[str, Any]], record: StoredResponse | None = None) -> None:
+        self._events.extend(events)
+        if record is not None:
+            self._record = record
+        if self._task is not None and self._task.done():
+            self._task.result()  # raises StoreUnavailable from the last write
+            self._task = None
+        if self._task is None:
+            self._task = asyncio.create_task(self._write())
+
+    async def _write(self) -> None:
+        while self._events or self._record is not None:
+            events, self._events = self._events, []
+            record, self._record = self._record, None
+            await self._service.append_events(self._id, events, record)
+
+    async def drain(self) -> None:
+        """Wait until everything added is stored."""
+        if self._task is not None:
+            await self._task
 
 
 async def sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:

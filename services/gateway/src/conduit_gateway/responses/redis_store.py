@@ -109,16 +109,22 @@ class RedisResponseStore(ResponseStore):
         removed = await self._call(self._client.delete(self._key(response_id), self._events_key(response_id)))
         return bool(removed)
 
-    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
-        if not events:
-            return
+    async def append_events(
+        self, response_id: str, events: list[dict[str, Any]], record: StoredResponse | None = None
+    ) -> None:
         key = self._events_key(response_id)
-        pipe = self._client.pipeline(transaction=False)
+        # A transaction: a reader never sees the final record without the events before it.
+        pipe = self._client.pipeline(transaction=True)
         for event in events:
             text = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
             self.bytes_written += len(text.encode())
             pipe.xadd(key, {"e": text}, id=f"0-{event['sequence_number'] + 1}")
-        pipe.expire(key, self._ttl_s)
+        if events:
+            pipe.expire(key, self._ttl_s)
+        if record is not None:
+            text = record.to_json()
+            self.bytes_written += len(text.encode())
+            pipe.set(self._key(record.id), text, ex=self._ttl_s)
         await self._call(pipe.execute())
 
     async def follow(self, response_id: str, after: int) -> AsyncIterator[dict[str, Any]]:

@@ -90,8 +90,10 @@ class ResponsesService:
     async def delete(self, response_id: str) -> bool:
         return await self._store.delete(response_id)
 
-    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
-        await self._store.append_events(response_id, events)
+    async def append_events(
+        self, response_id: str, events: list[dict[str, Any]], record: StoredResponse | None = None
+    ) -> None:
+        await self._store.append_events(response_id, events, record)
 
     def follow(self, response_id: str, after: int) -> AsyncIterator[dict[str, Any]]:
         return self._store.follow(response_id, after)

@@ -104,8 +104,11 @@ class ResponseStore(ABC):
         """Remove the record and its events; True when it existed."""
 
     @abstractmethod
-    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
-        """Add streamed events (in sequence order) of a background response."""
+    async def append_events(
+        self, response_id: str, events: list[dict[str, Any]], record: StoredResponse | None = None
+    ) -> None:
+        """Add streamed events (in sequence order) of a background response, and write `record`
+        (if given) with them, in one round trip."""
 
     @abstractmethod
     def follow(self, response_id: str, after: int) -> AsyncIterator[dict[str, Any]]:
@@ -193,7 +196,11 @@ class MemoryResponseStore(ResponseStore):
         await self._notify()
         return existed
 
-    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
+    async def append_events(
+        self, response_id: str, events: list[dict[str, Any]], record: StoredResponse | None = None
+    ) -> None:
+        if record is not None:
+            await self.put(record)
         entry = self._live(response_id)
         if entry is None:
             return  # evicted while running: the response goes on unstored
