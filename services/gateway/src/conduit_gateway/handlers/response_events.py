@@ -108,7 +108,7 @@ class ResponseWriter:
             {"reason": incomplete_reason} if incomplete_reason is not None else None
         )
         if error is not None:
-            response["error"] = {"code": error.code or "server_error", "message": error.message}
+            response["error"] = {"code": error.code or error.type, "message": error.message}
         response["output_text"] = output_text(response["output"])
         terminal = _TERMINAL_EVENT.get(status)
         if terminal is not None:
