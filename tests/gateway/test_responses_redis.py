@@ -141,3 +141,23 @@ def test_with_redis_stopped_unstored_requests_go_on_and_stored_ones_get_503(stor
         gateway.stop()
     finally:
         server.stop()
+
+
+def test_a_password_protected_redis_needs_the_password_file(stories_engine, tmp_path):
+    (tmp_path / "password").write_text("s3cret\n")
+    with start_redis(password="s3cret") as server:
+        url = f"redis://127.0.0.1:{server.port}/0"
+        with (
+            GatewayThread(
+                [stories_engine.address],
+                response_store=url,
+                response_store_password_file=str(tmp_path / "password"),
+            ) as allowed,
+            GatewayThread([stories_engine.address], response_store=url) as refused,
+        ):
+            made = create(client(allowed), input=STORY)
+            assert client(allowed).responses.retrieve(made.id).id == made.id
+            with pytest.raises(openai.APIStatusError) as caught:
+                client(refused).responses.retrieve(made.id)
+            assert caught.value.status_code == 503
+            assert caught.value.body["code"] == "response_store_unavailable"
