@@ -151,6 +151,16 @@ def test_parse_returns_the_pydantic_object(sdk):
     assert response.text.format.type == "json_schema"
 
 
+def test_stream_helper_accumulates_the_events_into_the_parsed_response(sdk):
+    with sdk.responses.stream(
+        model=MODEL, input=STORY, text_format=Person, max_output_tokens=100, temperature=0
+    ) as stream:
+        texts = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "completed" and "".join(texts) == final.output_text
+    assert final.output_parsed == Person.model_validate_json(final.output_text)
+
+
 def test_json_object_output_is_json(sdk):
     response = create(sdk, input=STORY, text={"format": {"type": "json_object"}}, max_output_tokens=200)
     assert response.output_text.startswith("{")

@@ -224,9 +224,12 @@ class ResponsesHandler(GenerationHandler):
             return
         while True:
             chat = self._chat_input()
-            reply = await node.client.tokenize(
-                engine_pb2.TokenizeRequest(chat=chat), self.ctx.config.model_info_timeout_s
-            )
+            try:
+                reply = await node.client.tokenize(
+                    engine_pb2.TokenizeRequest(chat=chat), self.ctx.config.model_info_timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise self._rpc_error(exc) from None
             room = info.max_model_len - (self.body.max_output_tokens or 1)
             if len(reply.token_ids) <= room or len(self.turn) <= 1:
                 return
