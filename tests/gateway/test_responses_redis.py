@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from tests.support.gateway_thread import GatewayThread
+from tests.support.polling import wait_for
 from tests.support.redis_server import start_redis
 from tests.support.stories import MODEL
 
@@ -115,6 +116,32 @@ def test_round_trips_per_request(replicas, redis_server):
     assert 3590 <= keys.ttl(f"conduit:responses:resp:{stored.id}") <= 3600
     assert keys.exists(f"conduit:responses:events:{stored.id}") == 0
     keys.close()
+
+
+def test_a_background_response_whose_replica_died_ends_failed_for_its_followers(
+    replicas, stories_engine, redis_server
+):
+    a_gateway, b_gateway = replicas
+    a, b = client(a_gateway), client(b_gateway)
+    store = a_gateway.app.state.responses.store
+    os.kill(stories_engine.process.pid, signal.SIGSTOP)  # the run on `a` waits for the engine
+    try:
+        queued = create(a, input=STORY, background=True)
+        # `a` stops beating as a dead replica would (its run, held by the engine, is still there).
+        for task in store._tasks:
+            task.get_loop().call_soon_threadsafe(task.cancel)
+        wait_for(lambda: all(task.done() for task in store._tasks), "a's heartbeat to stop")
+        keys = redis.Redis(port=redis_server.port)
+        assert keys.delete(f"conduit:responses:replica:{store.replica}") == 1  # as if its TTL ran out
+        keys.close()
+        events = list(b.responses.retrieve(queued.id, stream=True))
+        assert [event.type for event in events] == ["response.queued"]  # then the stream ends
+        failed = b.responses.retrieve(queued.id)
+        assert failed.status == "failed" and failed.error.code == "replica_gone"
+    finally:
+        os.kill(stories_engine.process.pid, signal.SIGCONT)
+    # The run was alive after all: it finishes and its final record replaces the verdict.
+    wait_for(lambda: a.responses.retrieve(queued.id).status in ("completed", "incomplete"), "the run to end")
 
 
 def test_with_redis_stopped_unstored_requests_go_on_and_stored_ones_get_503(stories_engine):

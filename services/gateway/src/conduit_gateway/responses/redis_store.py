@@ -39,6 +39,10 @@ _PREFIX = "conduit:responses:"
 # How long one blocking XREAD of a follower waits before it checks whether the response ended.
 _FOLLOW_BLOCK_MS = 1000
 _RESUBSCRIBE_S = 1.0
+# Each replica refreshes a key that lives _HEARTBEAT_TTL_S; a follower of a background response whose
+# replica's key is gone (the replica died) ends it as failed instead of waiting forever.
+_HEARTBEAT_S = 3.0
+_HEARTBEAT_TTL_S = 10
 
 
 class RedisResponseStore(ResponseStore):
@@ -53,7 +57,7 @@ class RedisResponseStore(ResponseStore):
             socket_connect_timeout=2,
             retry=Retry(NoBackoff(), 0),
         )
-        self._subscriber: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self.round_trips = 0
         self.bytes_written = 0
 
@@ -63,15 +67,36 @@ class RedisResponseStore(ResponseStore):
     def _events_key(self, response_id: str) -> str:
         return f"{_PREFIX}events:{response_id}"
 
+    def _replica_key(self, replica: str) -> str:
+        return f"{_PREFIX}replica:{replica}"
+
     async def start(self, on_cancel: OnCancel) -> None:
-        self._subscriber = asyncio.create_task(self._receive_cancels(on_cancel))
+        await self._beat()  # alive before its first background response can exist
+        self._tasks = [
+            asyncio.create_task(self._receive_cancels(on_cancel)),
+            asyncio.create_task(self._heartbeat()),
+        ]
 
     async def close(self) -> None:
-        if self._subscriber is not None:
-            self._subscriber.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._subscriber
+                await task
+        with contextlib.suppress(RedisError, OSError):
+            await self._client.delete(self._replica_key(self.replica))
         await self._client.aclose()
+
+    async def _beat(self) -> None:
+        # Not through _call: heartbeats are not a request's round trips.
+        try:
+            await self._client.set(self._replica_key(self.replica), "1", ex=_HEARTBEAT_TTL_S)
+        except (RedisError, OSError) as exc:
+            log.warning("response store: heartbeat failed (%s)", exc)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(_HEARTBEAT_S)
+            await self._beat()
 
     async def _receive_cancels(self, on_cancel: OnCancel) -> None:
         channel = f"{_PREFIX}cancel:{self.replica}"
@@ -145,7 +170,20 @@ class RedisResponseStore(ResponseStore):
             if ended:
                 return
             record = await self.get(response_id)
+            if record is not None and record.response["status"] not in TERMINAL_STATUSES:
+                await self._fail_if_orphaned(record)
             ended = record is None or record.response["status"] in TERMINAL_STATUSES
+
+    async def _fail_if_orphaned(self, record: StoredResponse) -> None:
+        """A running response whose replica no longer beats will never end: record it as failed."""
+        if record.owner is None or await self._call(self._client.exists(self._replica_key(record.owner))):
+            return
+        record.response["status"] = "failed"
+        record.response["error"] = {
+            "code": "replica_gone",
+            "message": "The gateway replica running this background response stopped before it finished.",
+        }
+        await self.put(record)
 
     async def request_cancel(self, record: StoredResponse) -> bool:
         if record.owner is None:
