@@ -39,7 +39,7 @@ $(GEN_STAMP): $(PROTO)
 
 # The Responses store tests start their own redis-server (Debian's package, installed when missing).
 redis-server:
-	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
 
 # Every layer (unit, integration, deploy, kernels); CI runs this (.ci/run).
 test: venv redis-server

@@ -161,6 +161,20 @@ def test_stream_helper_accumulates_the_events_into_the_parsed_response(sdk):
     assert final.output_parsed == Person.model_validate_json(final.output_text)
 
 
+def test_logprobs_come_with_the_output_text_when_included(sdk):
+    kwargs = {"input": STORY, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    response = create(sdk, max_output_tokens=6, **kwargs)
+    (part,) = response.output[0].content
+    assert len(part.logprobs) == response.usage.output_tokens == 6 and response.top_logprobs == 2
+    for entry in part.logprobs:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    events = list(create(sdk, max_output_tokens=6, stream=True, **kwargs))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.model_dump() for lp in streamed] == [lp.model_dump() for lp in part.logprobs]
+    assert create(sdk, input=STORY, max_output_tokens=6).output[0].content[0].logprobs == []
+
+
 def test_json_object_output_is_json(sdk):
     response = create(sdk, input=STORY, text={"format": {"type": "json_object"}}, max_output_tokens=200)
     assert response.output_text.startswith("{")

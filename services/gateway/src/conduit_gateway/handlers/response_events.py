@@ -54,7 +54,8 @@ class ResponseWriter:
         events = [] if self.sequence else [self.event("response.created", response=self.snapshot())]
         return [*events, self.event("response.in_progress", response=self.snapshot())]
 
-    def feed(self, delta: OutputDelta) -> list[dict[str, Any]]:
+    def feed(self, delta: OutputDelta, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """Events for one parsed delta; `logprobs` (of the tokens the delta came from) go with its text."""
         events: list[dict[str, Any]] = []
         if delta.reasoning:
             item = self._ensure("reasoning", events)
@@ -62,8 +63,12 @@ class ResponseWriter:
             events.append(self._text_event("response.reasoning_text.delta", delta=delta.reasoning))
         if delta.content:
             item = self._ensure("message", events)
-            item["content"][0]["text"] += delta.content
-            events.append(self._text_event("response.output_text.delta", delta=delta.content, logprobs=[]))
+            part = item["content"][0]
+            part["text"] += delta.content
+            part["logprobs"].extend(logprobs or ())
+            events.append(
+                self._text_event("response.output_text.delta", delta=delta.content, logprobs=logprobs or [])
+            )
         for call in delta.tool_calls:
             if call.name is not None:
                 self._close(events, "completed")
@@ -191,7 +196,9 @@ class ResponseWriter:
             fields: dict[str, Any] = {"item_id": item["id"], "output_index": index, "content_index": 0}
             if item["type"] == "message":
                 events.append(
-                    self.event("response.output_text.done", **fields, text=part["text"], logprobs=[])
+                    self.event(
+                        "response.output_text.done", **fields, text=part["text"], logprobs=part["logprobs"]
+                    )
                 )
             else:
                 events.append(self.event("response.reasoning_text.done", **fields, text=part["text"]))

@@ -24,7 +24,7 @@ from conduit_gateway.context import GatewayContext
 from conduit_gateway.errors import OpenAIError, invalid_param
 from conduit_gateway.handlers.base import GenerationHandler
 from conduit_gateway.handlers.chat_output import ChatChoiceState
-from conduit_gateway.handlers.choices import ChoiceSet, ChoiceState, UsageTotals
+from conduit_gateway.handlers.choices import ChoiceSet, ChoiceState, UsageTotals, safe_logprob
 from conduit_gateway.handlers.response_events import ResponseWriter, item_id
 from conduit_gateway.handlers.response_input import Message, map_input, output_messages, to_pb
 from conduit_gateway.handlers.sampling import sampling_params
@@ -51,7 +51,9 @@ from conduit_gateway.structured.tools import ToolPlan, plan_tools
 
 log = logging.getLogger(__name__)
 
-_INCLUDABLE = {"reasoning.encrypted_content"}
+_LOGPROBS = "message.output_text.logprobs"
+_INCLUDABLE = {"reasoning.encrypted_content", _LOGPROBS}
+_MAX_TOP_LOGPROBS = 20
 _UNSUPPORTED = ("prompt", "conversation")
 _SERVICE_TIERS = ("auto", "default")
 
@@ -143,8 +145,10 @@ class ResponsesHandler(GenerationHandler):
             raise invalid_param("stream_options", "only allowed when stream is true")
         if body.prompt_logprobs is not None:
             raise invalid_param("prompt_logprobs", "is not available on /v1/responses")
-        if body.top_logprobs:
-            raise invalid_param("top_logprobs", "logprobs are not served on /v1/responses")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= _MAX_TOP_LOGPROBS:
+            raise invalid_param(
+                "top_logprobs", f"must be in [0, {_MAX_TOP_LOGPROBS}], got {body.top_logprobs}"
+            )
         for index, name in enumerate(body.include or ()):
             if name not in _INCLUDABLE:
                 raise invalid_param(f"include[{index}]", f"{name!r} is not supported by this server")
@@ -254,7 +258,7 @@ class ResponsesHandler(GenerationHandler):
         params = sampling_params(
             self.body,
             max_tokens=("max_output_tokens", self.body.max_output_tokens),
-            logprobs=("top_logprobs", None),
+            logprobs=("top_logprobs", (self.body.top_logprobs or 0) if self._wants_logprobs else None),
         )
         self.constraint = self._constraint()
         if self.constraint is not None:
@@ -265,6 +269,10 @@ class ResponsesHandler(GenerationHandler):
         if parser is not None and parser.needs_special_tokens and self.body.skip_special_tokens is None:
             params.skip_special_tokens = False
         return params
+
+    @property
+    def _wants_logprobs(self) -> bool:
+        return _LOGPROBS in (self.body.include or ())
 
     def _constraint(self) -> Constraint | None:
         spec = self.body.text.format if self.body.text is not None else None
@@ -366,7 +374,7 @@ class ResponsesHandler(GenerationHandler):
             "text": {"format": text_format},
             "tool_choice": tool_choice,
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
-            "top_logprobs": 0,
+            "top_logprobs": self.body.top_logprobs or 0,
             "top_p": body.top_p if body.top_p is not None else 1.0,
             "truncation": body.truncation or "disabled",
             "usage": None,
@@ -445,7 +453,8 @@ class ResponsesHandler(GenerationHandler):
                         delta = choice.output.feed(message.text)
                         if delta.reasoning and not delta.content and not delta.tool_calls:
                             self.reasoning_tokens += len(message.token_ids)
-                        batch = writer.feed(delta)
+                        logprobs = _logprob_entries(message.logprobs) if self._wants_logprobs else []
+                        batch = writer.feed(delta, logprobs)
                     if message.finished:
                         self._finish(choice, message)
                         batch += writer.feed(choice.output.finish())
@@ -592,6 +601,18 @@ async def sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str
             yield sse(event)
     except StoreUnavailable as exc:
         yield sse({"type": "error", "sequence_number": -1, **unavailable_error(str(exc)).body()["error"]})
+
+
+def _logprob_entries(positions: Sequence[engine_pb2.PositionLogprobs]) -> list[dict[str, Any]]:
+    """OpenAI's output_text logprobs: token, logprob, bytes and the top alternatives."""
+    return [
+        {**_token(position.token), "top_logprobs": [_token(top) for top in position.top]}
+        for position in positions
+    ]
+
+
+def _token(token: engine_pb2.TokenLogprob) -> dict[str, Any]:
+    return {"token": token.text, "logprob": safe_logprob(token.logprob), "bytes": list(token.text.encode())}
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
