@@ -119,15 +119,7 @@ class GenerationHandler(ABC):
         streams: list[EngineStream] = []
         try:
             streams = await self._open(requests)
-            # Labelled by model only now: the model is served, so clients cannot invent label values.
-            metrics = self.ctx.metrics
-            metrics.first_token_seconds.labels(self.endpoint, self.body.model).observe(
-                time.perf_counter() - self._started
-            )
-            for stream in streams:
-                stream.token_gaps = metrics.inter_token_seconds.labels(self.body.model)
-            # The engine admitted the prompts: they count against the key's tokens now.
-            self._charge(sum(stream.first.usage.prompt_tokens for stream in streams))
+            self.opened(streams)
             choices = ChoiceSet(self.n, self.new_choice)
             usage = UsageTotals(len(requests))
             if self.body.stream:
@@ -168,6 +160,18 @@ class GenerationHandler(ABC):
                 self.ctx.config.retry_after_s,
             )
         self.ctx.metrics.generations_in_flight.inc()
+
+    def opened(self, streams: list[EngineStream]) -> None:
+        """The engine streams are open: time the first token, watch token gaps, charge the prompts."""
+        # Labelled by model only now: the model is served, so clients cannot invent label values.
+        metrics = self.ctx.metrics
+        metrics.first_token_seconds.labels(self.endpoint, self.body.model).observe(
+            time.perf_counter() - self._started
+        )
+        for stream in streams:
+            stream.token_gaps = metrics.inter_token_seconds.labels(self.body.model)
+        # The engine admitted the prompts: they count against the key's tokens now.
+        self._charge(sum(stream.first.usage.prompt_tokens for stream in streams))
 
     def _log_start(self, prompts: int) -> None:
         """The request's log line (its prompt text only with --log-prompts) and its span's model."""

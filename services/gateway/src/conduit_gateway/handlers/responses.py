@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -110,7 +109,7 @@ class ResponsesHandler(GenerationHandler):
         streaming = False
         try:
             streams = await self._open(requests)
-            self._opened(streams)
+            self.opened(streams)
             if self.stored:
                 await self._save(writer)  # 503 before any output when the store is down
             if self.body.stream:
@@ -417,15 +416,6 @@ class ResponsesHandler(GenerationHandler):
 
     _failure: OpenAIError | None = None
 
-    def _opened(self, streams: list[EngineStream]) -> None:
-        metrics = self.ctx.metrics
-        metrics.first_token_seconds.labels(self.endpoint, self.body.model).observe(
-            time.perf_counter() - self._started
-        )
-        for stream in streams:
-            stream.token_gaps = metrics.inter_token_seconds.labels(self.body.model)
-        self._charge(sum(stream.first.usage.prompt_tokens for stream in streams))
-
     async def _generate(
         self, streams: list[EngineStream], writer: ResponseWriter, persist: bool
     ) -> AsyncIterator[list[dict[str, Any]]]:
@@ -541,7 +531,7 @@ class ResponsesHandler(GenerationHandler):
                 final = writer.opening() + writer.finish("failed", None, error=exc)
                 await self.service.append_events(self.response_id, final, self._record(writer))
                 return
-            self._opened(streams)
+            self.opened(streams)
             async for _ in self._generate(streams, writer, persist=True):
                 pass
         except StoreUnavailable as exc:
