@@ -152,7 +152,20 @@ def test_with_redis_stopped_unstored_requests_go_on_and_stored_ones_get_503(stor
         ).start()
         sdk = client(gateway)
         kept = create(sdk, input=STORY)
-        server.stop()
+        os.kill(stories_engine.process.pid, signal.SIGSTOP)  # a background run waits for the engine
+        try:
+            following = iter(create(sdk, input=STORY, background=True, stream=True))
+            assert next(following).type == "response.queued"
+            server.stop()  # Redis goes away mid-run
+        finally:
+            os.kill(stories_engine.process.pid, signal.SIGCONT)
+        (error,) = list(following)  # the follower's read fails: one error event ends its stream
+        assert (error.type, error.code, error.sequence_number) == ("error", "response_store_unavailable", 1)
+        # The run cannot store its events: it is abandoned and gives back its slot and engine stream.
+        wait_for(
+            lambda: "conduit_gateway_generations_in_flight 0.0" in httpx.get(f"{gateway.url}/metrics").text,
+            "the abandoned run to give back its slot",
+        )
         assert create(sdk, input=STORY, store=False).status in ("completed", "incomplete")
         for call in (
             lambda: create(sdk, input=STORY),

@@ -586,11 +586,16 @@ class EventAppender:
 
 
 async def sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Stored events as SSE; the store failing mid-way ends the stream with an `error` event."""
+    sequence = -1
     try:
         async for event in events:
+            sequence = event["sequence_number"]
             yield sse(event)
     except StoreUnavailable as exc:
-        yield sse({"type": "error", "sequence_number": -1, **unavailable_error(str(exc)).body()["error"]})
+        error = unavailable_error(str(exc))
+        fields = {"code": error.code, "message": error.message, "param": error.param}
+        yield sse({"type": "error", "sequence_number": sequence + 1, **fields})
 
 
 def _logprob_entries(positions: Sequence[engine_pb2.PositionLogprobs]) -> list[dict[str, Any]]:
