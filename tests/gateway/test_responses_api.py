@@ -215,7 +215,8 @@ def test_forced_function_call_streamed_and_not_then_its_output_continues(sdk):
     ]
 
 
-def test_agents_sdk_runs_the_tool_and_finishes(gateway):
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_agents_sdk_runs_the_tool_and_finishes(gateway, sdk, streamed):
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     calls: list[tuple[str, int]] = []
@@ -228,7 +229,7 @@ def test_agents_sdk_runs_the_tool_and_finishes(gateway):
         calls.append((city, days))
         return f"sunny in {city} for {days} days"
 
-    async def run() -> agents.RunResult:
+    async def run():
         client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
         agent = agents.Agent(
             name="weather",
@@ -242,7 +243,12 @@ def test_agents_sdk_runs_the_tool_and_finishes(gateway):
             ),
         )
         try:
-            return await agents.Runner.run(agent, STORY, max_turns=3)
+            if not streamed:
+                return await agents.Runner.run(agent, STORY, max_turns=3)
+            result = agents.Runner.run_streamed(agent, STORY, max_turns=3)
+            async for _ in result.stream_events():
+                pass
+            return result
         finally:
             await client.close()
 
@@ -253,7 +259,26 @@ def test_agents_sdk_runs_the_tool_and_finishes(gateway):
     kinds = [item.type for item in result.new_items]
     assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"]
     assert result.new_items[1].output == f"sunny in {city} for {days} days"
-    assert isinstance(result.final_output, str) and result.final_output
+    # The answer turn is what the same conversation gets from /v1/responses directly.
+    call = result.new_items[0].raw_item
+    again = create(
+        sdk,
+        instructions="Answer with the weather.",
+        input=[
+            {"role": "user", "content": STORY},
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": result.new_items[1].output},
+        ],
+        tools=[{"type": "function", "name": "get_weather", "parameters": get_weather.params_json_schema}],
+        max_output_tokens=60,
+        extra_body={"stop": ["."]},
+    )
+    assert result.final_output == again.output_text and again.status == "completed"
 
 
 # -- the store ---------------------------------------------------------------------------------------
