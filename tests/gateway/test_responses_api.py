@@ -323,6 +323,10 @@ def test_previous_response_id_continues_the_conversation_from_the_prefix_cache(s
         {"role": "user", "content": "What happened next?"},
     ]
     assert second.usage.input_tokens == tokenized(http, conversation)
+    counted = sdk.responses.input_tokens.count(
+        model=MODEL, previous_response_id=first.id, input="What happened next?"
+    )
+    assert (counted.object, counted.input_tokens) == ("response.input_tokens", second.usage.input_tokens)
     assert second.output_text == chat_reply(sdk, conversation, 8).choices[0].message.content
     cached = second.usage.input_tokens_details.cached_tokens
     # The earlier turn's prompt blocks (16 tokens each) are reused, not recomputed.

@@ -36,6 +36,7 @@ from conduit_gateway.parsers.tool_calls import ToolCallParser, tool_call_parser_
 from conduit_gateway.parsers.tool_calls.forced import ForcedToolCallParser
 from conduit_gateway.responses.service import ResponsesService
 from conduit_gateway.responses.store import StoredResponse, StoreUnavailable, unavailable_error
+from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.selection.base import RouteRequest
 from conduit_gateway.schemas.responses import ResponsesRequest
 from conduit_gateway.schemas.structured import (
@@ -90,7 +91,8 @@ class ResponsesHandler(GenerationHandler):
 
     # -- request mapping ---------------------------------------------------------------------------
 
-    async def handle(self) -> Response:
+    async def _conversation(self) -> None:
+        """Check the request and build this turn's conversation (chained, mapped, truncated)."""
         self._check_request()
         if self.body.previous_response_id is not None:
             self.history = await self._previous_conversation(self.body.previous_response_id)
@@ -100,6 +102,25 @@ class ResponsesHandler(GenerationHandler):
         self.tools = self._plan_tools()
         if self.body.truncation == "auto":
             await self._truncate()
+
+    async def count_input_tokens(self) -> JSONResponse:
+        """POST /v1/responses/input_tokens: the prompt this request would have, counted by the engine."""
+        await self._conversation()
+        node = await self.ctx.pool.acquire(RouteRequest(model=self.body.model))
+        count = len(await self._tokenize(node, self._chat_input()))
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
+
+    async def _tokenize(self, node: EngineNode, chat: engine_pb2.ChatInput) -> list[int]:
+        try:
+            reply = await node.client.tokenize(
+                engine_pb2.TokenizeRequest(chat=chat), self.ctx.config.model_info_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise self._rpc_error(exc) from None
+        return list(reply.token_ids)
+
+    async def handle(self) -> Response:
+        await self._conversation()
         requests = self.prepared_requests()
         writer = ResponseWriter(self._initial_response())
         if self.background:
@@ -226,15 +247,9 @@ class ResponsesHandler(GenerationHandler):
         if info is None or not info.max_model_len:
             return
         while True:
-            chat = self._chat_input()
-            try:
-                reply = await node.client.tokenize(
-                    engine_pb2.TokenizeRequest(chat=chat), self.ctx.config.model_info_timeout_s
-                )
-            except grpc.aio.AioRpcError as exc:
-                raise self._rpc_error(exc) from None
+            tokens = await self._tokenize(node, self._chat_input())
             room = info.max_model_len - (self.body.max_output_tokens or 1)
-            if len(reply.token_ids) <= room or len(self.turn) <= 1:
+            if len(tokens) <= room or len(self.turn) <= 1:
                 return
             del self.turn[0]
             # A tool result whose call was dropped would answer nothing: drop it too.

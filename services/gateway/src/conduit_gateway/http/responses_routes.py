@@ -70,6 +70,14 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     return await _until_disconnect(request, handler.handle())
 
 
+@router.post("/v1/responses/input_tokens", responses=error_responses(400, 401, 404, 503))
+async def count_input_tokens(body: ResponsesRequest, request: Request) -> Response:
+    handler = ResponsesHandler(
+        _ctx(request), _service(request), body, request.state.request_id, _api_key(request)
+    )
+    return await handler.count_input_tokens()
+
+
 @router.get("/v1/responses/{response_id}", responses=error_responses(400, 401, 404, 503))
 async def retrieve_response(
     response_id: str,
