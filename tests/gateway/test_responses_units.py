@@ -189,3 +189,23 @@ def test_memory_store_replays_then_follows_until_the_end():
         return seen
 
     assert asyncio.run(scenario()) == [0, 1, 2]
+
+
+def test_store_flags_and_their_environment_variables():
+    from conduit_gateway.cli import config_from_args
+    from conduit_gateway.config import ConfigError
+
+    config = config_from_args(["--engine", "e:1"], {"CONDUIT_RESPONSE_STORE": "redis://r:6379/1"})
+    assert (config.response_store, config.response_store_ttl_s) == ("redis://r:6379/1", 3600.0)
+    config = config_from_args(
+        ["--engine", "e:1", "--response-store", "none", "--response-store-ttl", "60"], {}
+    )
+    assert (config.response_store, config.response_store_ttl_s) == ("none", 60.0)
+    for argv, message in (
+        (["--response-store", "postgres://x"], "response_store: must be memory, none or a redis://"),
+        (["--response-store-ttl", "0"], "response_store_ttl: must be > 0"),
+        (["--response-store-max-bytes", "0"], "response_store_max_bytes: must be > 0"),
+        (["--response-store-password-file", "/p"], "response_store_password_file: needs a Redis"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            config_from_args(["--engine", "e:1", *argv], {})
