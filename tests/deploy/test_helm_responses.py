@@ -78,3 +78,11 @@ def test_the_bundled_redis_serves_the_gateways_only_with_the_password_from_a_sec
 def test_redis_without_a_url_or_the_bundled_one_is_refused():
     with pytest.raises(Exception, match="responses.redisUrl or responses.redis.enabled"):
         chart_render.render({"responses": {"store": "redis"}})
+
+
+def test_notes_warn_when_several_gateway_pods_keep_their_own_memory_store():
+    notes = chart_render.render({})["conduit/templates/NOTES.txt"]  # autoscaled: 2 to 10 pods
+    assert "each gateway pod keeps its own stored" in notes
+    single = {"gateway": {"replicas": 1, "autoscaling": {"enabled": False}}}
+    assert "keeps its own" not in chart_render.render(single)["conduit/templates/NOTES.txt"]
+    assert "shared by every gateway pod" in chart_render.render(BUNDLED)["conduit/templates/NOTES.txt"]
