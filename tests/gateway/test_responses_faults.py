@@ -4,7 +4,10 @@ background request before any output."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
+import httpx
 import pytest
 
 from tests.gateway.conftest import MODEL
@@ -56,3 +59,25 @@ def test_a_background_request_the_engine_refuses_is_recorded_as_failed(client, f
     failed = client.responses.retrieve(queued.id)
     assert failed.status == "failed"
     assert failed.error.code == "invalid_request_error" and failed.error.message.startswith("temperature:")
+
+
+def test_a_client_leaving_a_stored_stream_cancels_the_response_and_its_engine_stream(client, gateway, fake):
+    fake.script.hold_after = 2
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 10, "stream": True}
+    with (
+        httpx.Client(base_url=gateway.url, timeout=30) as raw,
+        raw.stream("POST", "/v1/responses", json=body) as reply,
+    ):
+        lines = reply.iter_lines()
+        created = next(json.loads(line[6:]) for line in lines if line.startswith("data: "))
+        deltas = 0
+        for line in lines:
+            deltas += line.startswith("data: ") and '"response.output_text.delta"' in line
+            if deltas == 2:
+                break
+    response_id = created["response"]["id"]
+    wait_for(
+        lambda: client.responses.retrieve(response_id).status == "cancelled", "the record to say cancelled"
+    )
+    assert client.responses.retrieve(response_id).output_text == "Once upon"
+    wait_for(lambda: fake.record.cancelled == 1, "the engine stream to be cancelled")

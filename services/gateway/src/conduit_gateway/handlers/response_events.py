@@ -33,6 +33,11 @@ class ResponseWriter:
         self._open: dict[str, Any] | None = None  # the output item being written
 
     @property
+    def finished(self) -> bool:
+        """Whether `finish` ran (the status is final)."""
+        return self.response["status"] in ("completed", "incomplete", "failed", "cancelled")
+
+    @property
     def output(self) -> list[dict[str, Any]]:
         return self.response["output"]
 

@@ -139,8 +139,12 @@ class ResponsesHandler(GenerationHandler):
                 return self._with_limit_headers(
                     EventStreamResponse(events, on_close=lambda: self._release(streams))
                 )
-            async for _ in self._generate(streams, writer, persist=False):
-                pass
+            try:
+                async for _ in self._generate(streams, writer, persist=False):
+                    pass
+            except asyncio.CancelledError:
+                self._left_early(writer)  # the client went away
+                raise
             if self.stored:
                 await self._save(writer)
             if self._failure is not None:
@@ -508,10 +512,14 @@ class ResponsesHandler(GenerationHandler):
             finished = True
             yield sse(writer.error_event(unavailable_error(str(exc))))
         finally:
-            if not finished and self.stored:
-                # The client left mid-stream: the stored record says so rather than in_progress.
-                writer.finish("cancelled", None)
-                asyncio.ensure_future(self._save_quietly(writer))
+            if not finished:
+                self._left_early(writer)
+
+    def _left_early(self, writer: ResponseWriter) -> None:
+        """The client left before the end: a stored record says cancelled rather than in_progress."""
+        if self.stored and not writer.finished:
+            writer.finish("cancelled", None)
+            asyncio.ensure_future(self._save_quietly(writer))
 
     async def _save_quietly(self, writer: ResponseWriter) -> None:
         with contextlib.suppress(StoreUnavailable):
@@ -553,15 +561,17 @@ class ResponsesHandler(GenerationHandler):
             log.warning("response %s: the store went away, run abandoned: %s", self.response_id, exc)
         except Exception:
             log.exception("response %s: background run failed", self.response_id)
-            internal = OpenAIError(500, "Internal error while generating.", type="server_error")
-            writer.finish("failed", None, error=internal)
-            with contextlib.suppress(StoreUnavailable):
-                await self.service.put(self._record(writer))
+            if not writer.finished:
+                internal = OpenAIError(500, "Internal error while generating.", type="server_error")
+                writer.finish("failed", None, error=internal)
+                with contextlib.suppress(StoreUnavailable):
+                    await self.service.put(self._record(writer))
         except asyncio.CancelledError:
-            # Cancelled before the engine answered: record it as cancelled.
-            writer.finish("cancelled", None)
-            with contextlib.suppress(StoreUnavailable):
-                await self.service.put(self._record(writer))
+            # Cancelled before the engine answered (or while its final record was being written).
+            if not writer.finished:
+                writer.finish("cancelled", None)
+                with contextlib.suppress(StoreUnavailable):
+                    await self.service.put(self._record(writer))
         finally:
             self._release(streams)
 
