@@ -17,6 +17,7 @@ import re
 import signal
 from typing import Annotated
 
+import agents
 import httpx
 import jsonschema
 import openai
@@ -217,7 +218,6 @@ def test_forced_function_call_streamed_and_not_then_its_output_continues(sdk):
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
 def test_agents_sdk_runs_the_tool_and_finishes(gateway, sdk, streamed):
-    agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     calls: list[tuple[str, int]] = []
 
