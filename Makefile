@@ -13,7 +13,7 @@ ENGINE_PORT ?= 50051
 GATEWAY_PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: venv proto test test-fast lint format run run-engine demo-model bench bench-setup bench-peers compose-up clean
+.PHONY: venv proto redis-server test test-fast lint format run run-engine demo-model bench bench-setup bench-peers compose-up clean
 
 venv: $(STAMP) $(GEN_STAMP)
 
@@ -37,8 +37,12 @@ $(GEN_STAMP): $(PROTO)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=$(GEN) --grpc_python_out=$(GEN) --pyi_out=$(GEN) $(PROTO)
 	touch $@
 
+# The Responses store tests start their own redis-server (Debian's package, installed when missing).
+redis-server:
+	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
+
 # Every layer (unit, integration, deploy, kernels); CI runs this (.ci/run).
-test: venv
+test: venv redis-server
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)

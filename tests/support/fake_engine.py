@@ -122,6 +122,9 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
         words = request.text.split()
         return engine_pb2.TokenizeResponse(token_ids=list(range(len(words))), tokens=words)
 
+    async def Detokenize(self, request, context):
+        return engine_pb2.DetokenizeResponse(text=" ".join(WORDS[i % len(WORDS)] for i in request.token_ids))
+
     async def GetModelInfo(self, request, context):
         if self.fake.model_info is not None:
             return self.fake.model_info

@@ -192,3 +192,21 @@ periodSeconds: {{ .probe.periodSeconds }}
 failureThreshold: {{ .probe.failureThreshold }}
 timeoutSeconds: {{ .probe.timeoutSeconds }}
 {{- end }}
+
+{{- define "conduit.redis.fullname" -}}
+{{- printf "%s-redis" (include "conduit.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The gateway's --response-store: memory, none, the external Redis URL, or the chart's Redis. */}}
+{{- define "conduit.responses.storeTarget" -}}
+{{- $r := .Values.responses }}
+{{- if ne $r.store "redis" }}
+{{- $r.store }}
+{{- else if $r.redisUrl }}
+{{- $r.redisUrl }}
+{{- else if $r.redis.enabled }}
+{{- printf "redis://%s.%s.svc.%s:%d/0" (include "conduit.redis.fullname" .) .Release.Namespace .Values.clusterDomain (int $r.redis.port) }}
+{{- else }}
+{{- fail "responses.store redis needs responses.redisUrl or responses.redis.enabled" }}
+{{- end }}
+{{- end }}

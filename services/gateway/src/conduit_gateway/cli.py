@@ -227,6 +227,32 @@ FLAGS: tuple[Flag, ...] = (
         "otlp_endpoint",
         "send traces over OTLP/gRPC to http(s)://HOST:PORT (default: no tracing)",
     ),
+    Flag(
+        "--response-store",
+        "response_store",
+        "where /v1/responses keeps stored responses: memory (default, this process), none, or "
+        "redis://HOST:PORT/DB (rediss:// for TLS) shared by every replica",
+        default="memory",
+    ),
+    Flag(
+        "--response-store-ttl",
+        "response_store_ttl_s",
+        "seconds a stored response (input, output, events) is kept (default 3600)",
+        float,
+        3600.0,
+    ),
+    Flag(
+        "--response-store-max-bytes",
+        "response_store_max_bytes",
+        "memory store: most bytes held, oldest responses evicted first (default 256 MiB)",
+        int,
+        256 * 1024 * 1024,
+    ),
+    Flag(
+        "--response-store-password-file",
+        "response_store_password_file",
+        "file holding the Redis password of --response-store",
+    ),
 )
 
 

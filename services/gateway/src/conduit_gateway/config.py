@@ -119,6 +119,13 @@ class GatewayConfig:
     log_prompts: bool = False
     # OTLP/gRPC receiver of the gateway's spans (http(s)://HOST:PORT); None: no tracing.
     otlp_endpoint: str | None = None
+    # The Responses API's store: "memory" (this process), "none" (store: true refused), or a Redis URL
+    # (redis://HOST:PORT/DB, rediss:// for TLS) shared by replicas; records live ttl seconds, and the
+    # memory store holds at most max_bytes (oldest evicted first).
+    response_store: str = "memory"
+    response_store_ttl_s: float = 3600.0
+    response_store_max_bytes: int = 256 * 1024 * 1024
+    response_store_password_file: str | None = None
 
     def __post_init__(self) -> None:
         self._check_engine_sources()
@@ -128,6 +135,7 @@ class GatewayConfig:
         self._check_parsers()
         self._check_security()
         self._check_telemetry()
+        self._check_response_store()
 
     def _check_telemetry(self) -> None:
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
@@ -258,6 +266,17 @@ class GatewayConfig:
         _positive("max_header_bytes", self.max_header_bytes)
         _positive("header_timeout", self.header_timeout_s)
         _positive("body_timeout", self.body_timeout_s)
+
+    def _check_response_store(self) -> None:
+        store = self.response_store
+        if store not in ("memory", "none") and not store.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(
+                f"response_store: must be memory, none or a redis://, rediss:// or unix:// URL, got {store!r}"
+            )
+        _positive("response_store_ttl", self.response_store_ttl_s)
+        _positive("response_store_max_bytes", self.response_store_max_bytes)
+        if self.response_store_password_file is not None and store in ("memory", "none"):
+            raise ConfigError("response_store_password_file: needs a Redis --response-store")
 
 
 def _positive(name: str, value: float) -> None:

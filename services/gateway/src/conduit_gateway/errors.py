@@ -23,6 +23,8 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.UNAVAILABLE: (503, "server_error", "engine_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
     grpc.StatusCode.CANCELLED: (503, "server_error", "engine_cancelled"),
+    # An engine older than the gateway (a rolling upgrade) lacks a newer RPC such as Detokenize.
+    grpc.StatusCode.UNIMPLEMENTED: (501, "server_error", "not_implemented"),
 }
 
 

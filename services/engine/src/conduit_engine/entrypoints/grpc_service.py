@@ -250,6 +250,17 @@ class EngineServicer(pb_grpc.EngineServicer):
             raise InvalidRequestError("input", "one of text or chat is required")
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.token_text(i) for i in ids])
 
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        ids = list(request.token_ids)
+        vocab = self.core.arch.vocab_size
+        bad = next((i for i in ids if i >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return pb.DetokenizeResponse(text=self.core.tokenizer.decode(ids, skip_special_tokens=skip))
+
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:

@@ -37,7 +37,7 @@ from conduit_gateway.structured.constraints import Constraint
 log = logging.getLogger(__name__)
 
 # The request fields that hold prompt text, logged only with --log-prompts.
-_PROMPT_FIELDS = {"prompt", "messages", "suffix"}
+_PROMPT_FIELDS = {"prompt", "messages", "suffix", "input", "instructions"}
 
 
 class GenerationHandler(ABC):
@@ -113,40 +113,13 @@ class GenerationHandler(ABC):
     async def handle(self) -> Response:
         """Validate and open the streams (errors here become the HTTP status), then respond."""
         self._check_stream_options()
-        requests = self.build_inputs()
-        sampling = self.build_sampling()
-        for prompt_index, request in enumerate(requests):
-            request.request_id = (
-                self.request_id if len(requests) == 1 else f"{self.request_id}-{prompt_index}"
-            )
-            request.model = self.body.model
-            request.sampling.CopyFrom(sampling)
-            if self.body.priority is not None:
-                request.priority = fields.int32("priority", self.body.priority)
-        self._log_start(len(requests))
-        if self.api_key is not None:
-            self.admission = self.ctx.rate_limiter.admit(self.api_key)  # 429 when the key is spent
-        limiter = self.ctx.limiter
-        if not limiter.try_acquire():
-            self.ctx.metrics.rejected.inc()
-            raise too_many_requests(
-                f"The gateway is serving its limit of {limiter.limit} concurrent requests; retry shortly.",
-                self.ctx.config.retry_after_s,
-            )
-        self.ctx.metrics.generations_in_flight.inc()
+        requests = self.prepared_requests()
+        self.admit(len(requests))
         streaming = False
         streams: list[EngineStream] = []
         try:
             streams = await self._open(requests)
-            # Labelled by model only now: the model is served, so clients cannot invent label values.
-            metrics = self.ctx.metrics
-            metrics.first_token_seconds.labels(self.endpoint, self.body.model).observe(
-                time.perf_counter() - self._started
-            )
-            for stream in streams:
-                stream.token_gaps = metrics.inter_token_seconds.labels(self.body.model)
-            # The engine admitted the prompts: they count against the key's tokens now.
-            self._charge(sum(stream.first.usage.prompt_tokens for stream in streams))
+            self.opened(streams)
             choices = ChoiceSet(self.n, self.new_choice)
             usage = UsageTotals(len(requests))
             if self.body.stream:
@@ -158,6 +131,47 @@ class GenerationHandler(ABC):
         finally:
             if not streaming:
                 self._release(streams)
+
+    def prepared_requests(self) -> list[engine_pb2.GenerateRequest]:
+        """The engine requests: the hooks' inputs and sampling set, with ids, model and priority."""
+        requests = self.build_inputs()
+        sampling = self.build_sampling()
+        for prompt_index, request in enumerate(requests):
+            request.request_id = (
+                self.request_id if len(requests) == 1 else f"{self.request_id}-{prompt_index}"
+            )
+            request.model = self.body.model
+            request.sampling.CopyFrom(sampling)
+            if self.body.priority is not None:
+                request.priority = fields.int32("priority", self.body.priority)
+        return requests
+
+    def admit(self, prompts: int) -> None:
+        """Log the request and take its share of the key's limits and of the gateway's concurrency
+        (429 when either is spent); `_release` gives the concurrency back."""
+        self._log_start(prompts)
+        if self.api_key is not None:
+            self.admission = self.ctx.rate_limiter.admit(self.api_key)  # 429 when the key is spent
+        limiter = self.ctx.limiter
+        if not limiter.try_acquire():
+            self.ctx.metrics.rejected.inc()
+            raise too_many_requests(
+                f"The gateway is serving its limit of {limiter.limit} concurrent requests; retry shortly.",
+                self.ctx.config.retry_after_s,
+            )
+        self.ctx.metrics.generations_in_flight.inc()
+
+    def opened(self, streams: list[EngineStream]) -> None:
+        """The engine streams are open: time the first token, watch token gaps, charge the prompts."""
+        # Labelled by model only now: the model is served, so clients cannot invent label values.
+        metrics = self.ctx.metrics
+        metrics.first_token_seconds.labels(self.endpoint, self.body.model).observe(
+            time.perf_counter() - self._started
+        )
+        for stream in streams:
+            stream.token_gaps = metrics.inter_token_seconds.labels(self.body.model)
+        # The engine admitted the prompts: they count against the key's tokens now.
+        self._charge(sum(stream.first.usage.prompt_tokens for stream in streams))
 
     def _log_start(self, prompts: int) -> None:
         """The request's log line (its prompt text only with --log-prompts) and its span's model."""

@@ -30,10 +30,13 @@ from conduit_gateway.http.middleware import (
     MetricsMiddleware,
     RequestIdMiddleware,
 )
+from conduit_gateway.http.responses_routes import router as responses_router
 from conduit_gateway.http.routes import router
+from conduit_gateway.http.tokenize_routes import router as tokenize_router
 from conduit_gateway.http.tracing import TracingMiddleware
 from conduit_gateway.http.validation import validation_error
 from conduit_gateway.keys.rate_limit import Clock
+from conduit_gateway.responses.service import ResponsesService, store_from_config
 from conduit_gateway.routing.discovery import Resolver
 
 
@@ -50,6 +53,7 @@ def create_app(
     file and the engines' TLS and token files now (KeysFileError, SecretFileError).
     """
     ctx = GatewayContext.create(config, resolver, clock)
+    responses = ResponsesService(store_from_config(config))
     owned_provider = None
     if tracer_provider is None and config.otlp_endpoint is not None:
         tracer_provider = owned_provider = otlp_tracer_provider("conduit-gateway", config.otlp_endpoint)
@@ -61,9 +65,11 @@ def create_app(
             # Signals reach the main thread only (an app served from a test's thread has no SIGHUP).
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, ctx.reload)
         await ctx.pool.start()
+        await responses.start()
         try:
             yield
         finally:
+            await responses.stop()
             await ctx.pool.stop()
             if owned_provider is not None:
                 owned_provider.shutdown()  # flushes the spans not yet exported
@@ -76,7 +82,10 @@ def create_app(
         redoc_url=None,
     )
     app.state.ctx = ctx
+    app.state.responses = responses
     app.include_router(router)
+    app.include_router(responses_router)
+    app.include_router(tokenize_router)
     if config.admin_keys:
         # Off unless configured: without admin keys /admin does not exist (404).
         app.include_router(admin.router)

@@ -75,6 +75,16 @@ class EngineClient:
             engine_pb2.GetLoadRequest(), timeout=timeout_s, metadata=self._dialer.metadata()
         )
 
+    async def tokenize(
+        self, request: engine_pb2.TokenizeRequest, timeout_s: float
+    ) -> engine_pb2.TokenizeResponse:
+        return await self._engine.Tokenize(request, timeout=timeout_s, metadata=self._dialer.metadata())
+
+    async def detokenize(
+        self, request: engine_pb2.DetokenizeRequest, timeout_s: float
+    ) -> engine_pb2.DetokenizeResponse:
+        return await self._engine.Detokenize(request, timeout=timeout_s, metadata=self._dialer.metadata())
+
     def generate(
         self,
         request: engine_pb2.GenerateRequest,
