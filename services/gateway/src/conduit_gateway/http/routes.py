@@ -14,6 +14,7 @@ from conduit_gateway.context import GatewayContext
 from conduit_gateway.errors import model_not_found
 from conduit_gateway.handlers.chat import ChatHandler
 from conduit_gateway.handlers.completions import CompletionsHandler
+from conduit_gateway.handlers.messages import MessagesHandler, count_tokens
 from conduit_gateway.http.sse import wait_for_disconnect
 from conduit_gateway.keys.keys_file import ApiKey
 from conduit_gateway.race import finished_first
@@ -22,6 +23,13 @@ from conduit_gateway.routing.pool import require_serving
 from conduit_gateway.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from conduit_gateway.schemas.common import error_responses
 from conduit_gateway.schemas.completions import Completion, CompletionRequest
+from conduit_gateway.schemas.messages import (
+    AnthropicError,
+    Message,
+    MessageInputs,
+    MessagesRequest,
+    MessageTokensCount,
+)
 from conduit_gateway.schemas.models import ModelCard, ModelList
 
 router = APIRouter()
@@ -61,6 +69,29 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 async def completions(body: CompletionRequest, request: Request) -> Response:
     handler = CompletionsHandler(_ctx(request), body, request.state.request_id, _api_key(request))
     return await _until_disconnect(request, handler.handle())
+
+
+# Anthropic's Messages API; http/anthropic.py gives its errors Anthropic's shape (529 for 503).
+_MESSAGES_ERRORS = {status: {"model": AnthropicError} for status in (400, 401, 404, 413, 429, 529)}
+_MESSAGE_EVENTS = {
+    "text/event-stream": {"schema": {"type": "string", "description": "event: NAME / data: {json} events"}}
+}
+
+
+@router.post(
+    "/v1/messages",
+    response_model=Message,
+    responses={200: {"content": _MESSAGE_EVENTS, "description": "With stream: Anthropic's events."}}
+    | _MESSAGES_ERRORS,
+)
+async def messages(body: MessagesRequest, request: Request) -> Response:
+    handler = MessagesHandler(_ctx(request), body, request.state.request_id, _api_key(request))
+    return await _until_disconnect(request, handler.handle())
+
+
+@router.post("/v1/messages/count_tokens", response_model=MessageTokensCount, responses=_MESSAGES_ERRORS)
+async def messages_count_tokens(body: MessageInputs, request: Request) -> MessageTokensCount:
+    return await count_tokens(_ctx(request), body)
 
 
 @router.get("/v1/models", response_model=ModelList, responses=error_responses(401, 503))

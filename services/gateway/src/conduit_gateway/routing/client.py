@@ -75,6 +75,11 @@ class EngineClient:
             engine_pb2.GetLoadRequest(), timeout=timeout_s, metadata=self._dialer.metadata()
         )
 
+    async def tokenize(
+        self, request: engine_pb2.TokenizeRequest, timeout_s: float
+    ) -> engine_pb2.TokenizeResponse:
+        return await self._engine.Tokenize(request, timeout=timeout_s, metadata=self._dialer.metadata())
+
     def generate(
         self,
         request: engine_pb2.GenerateRequest,
