@@ -31,10 +31,12 @@ from conduit_gateway.handlers import fields
 from conduit_gateway.handlers.base import GenerationHandler
 from conduit_gateway.handlers.chat_output import ChatChoiceState
 from conduit_gateway.handlers.choices import ChoiceSet, ChoiceState, UsageTotals
+from conduit_gateway.handlers.disaggregated import stream_opener
 from conduit_gateway.handlers.message_blocks import Event, MessageBlocks, sse
 from conduit_gateway.handlers.streams import EngineStream, close_all, read_messages
+from conduit_gateway.handlers.thinking_budget import BudgetedStream, ThinkingBudget
 from conduit_gateway.http.anthropic import stream_error_event
-from conduit_gateway.parsers.chat_output import ChatOutputParser, OutputDelta
+from conduit_gateway.parsers.chat_output import ChatOutputParser
 from conduit_gateway.parsers.reasoning import reasoning_parser_class
 from conduit_gateway.parsers.tool_calls import ToolCallParser, tool_call_parser_class
 from conduit_gateway.parsers.tool_calls.forced import ForcedToolCallParser
@@ -62,6 +64,7 @@ log = logging.getLogger(__name__)
 # Block types of Anthropic's API this server cannot take (no vision, files, citations or server tools).
 _TEXT_ONLY = "only text, tool_use, tool_result, thinking and redacted_thinking blocks are supported"
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+_TOKENIZE_TIMEOUT_S = 30.0
 
 
 class MessagesHandler(GenerationHandler):
@@ -79,6 +82,8 @@ class MessagesHandler(GenerationHandler):
     ) -> None:
         super().__init__(ctx, body, request_id, api_key)  # type: ignore[arg-type]
         self.response_id = f"msg_{request_id}"
+        self.thinking_budget: ThinkingBudget | None = None  # set by build_sampling
+        self.answer_sampling = engine_pb2.SamplingParams()
 
     # -- request ---------------------------------------------------------------------------------------
 
@@ -104,16 +109,63 @@ class MessagesHandler(GenerationHandler):
                 raise invalid_param(f"stop_sequences[{position}]", "must not be empty")
             params.stop.append(fields.text(f"stop_sequences[{position}]", stop))
         self._check_thinking()
+        self.thinking_budget = self._thinking_budget()
         self.constraint = self._constraint()
         if self.constraint is not None:
-            # With a reasoning parser the structure applies to the answer, after the reasoning ends.
+            # With a reasoning parser the structure applies to the answer, after the reasoning ends (with a
+            # budget the answer is a request of its own, constrained from its start).
             reasoning = self.ctx.config.reasoning_parser
             after = reasoning_parser_class(reasoning).end_tag if reasoning else None
-            self.constraint.apply(params, after=after)
+            self.constraint.apply(params, after=None if self.thinking_budget else after)
         parser = self._tool_parser_class()
         if parser is not None and parser.needs_special_tokens:
             params.skip_special_tokens = False
-        return params
+        if self.thinking_budget is None:
+            return params
+        self.answer_sampling = params
+        return self.thinking_budget.reasoning_sampling(params)
+
+    def _thinking_budget(self) -> ThinkingBudget | None:
+        """thinking.budget_tokens, kept by the gateway (handlers/thinking_budget.py) when a reasoning
+        parser says where the reasoning ends."""
+        thinking, reasoning = self.body.thinking, self.ctx.config.reasoning_parser
+        if thinking is None or thinking.type != "enabled" or thinking.budget_tokens is None or not reasoning:
+            return None
+        return ThinkingBudget(thinking.budget_tokens, reasoning_parser_class(reasoning).end_tag)
+
+    async def _open(self, requests: list[engine_pb2.GenerateRequest]) -> list[EngineStream]:
+        streams = await super()._open(requests)
+        if self.thinking_budget is None:
+            return streams
+        (stream,) = streams
+        answer = engine_pb2.GenerateRequest()
+        answer.CopyFrom(requests[0])
+        answer.sampling.CopyFrom(self.answer_sampling)
+        opener = stream_opener(
+            self.ctx.pool,
+            self.body.model,
+            self.ctx.config.request_timeout_s,
+            on_retry=lambda code: self.ctx.metrics.retries.labels(code.name).inc(),
+        )
+        try:
+            return [
+                BudgetedStream(
+                    stream,
+                    answer,
+                    self.thinking_budget,
+                    lambda request: opener(0, request),
+                    self._end_tag_ids,
+                )
+            ]
+        except BaseException:
+            stream.close()
+            raise
+
+    async def _end_tag_ids(self) -> list[int]:
+        assert self.thinking_budget is not None
+        request = engine_pb2.TokenizeRequest(text=self.thinking_budget.end_tag, add_special_tokens=False)
+        reply = await _tokenize(self.ctx, self.body.model, request)
+        return list(reply.token_ids)
 
     def _check_thinking(self) -> None:
         thinking = self.body.thinking
@@ -554,24 +606,25 @@ async def count_tokens(ctx: GatewayContext, body: MessageInputs) -> MessageToken
     report for the same request."""
     # Counting needs no parser: a placeholder keeps tool_choice auto from asking for one.
     chat, _ = prompt_input(body, ctx.config.tool_call_parser or "counting")
-    node = ctx.pool.served_models().get(body.model)
+    reply = await _tokenize(ctx, body.model, engine_pb2.TokenizeRequest(chat=chat))
+    return MessageTokensCount(input_tokens=len(reply.token_ids))
+
+
+async def _tokenize(
+    ctx: GatewayContext, model: str, request: engine_pb2.TokenizeRequest
+) -> engine_pb2.TokenizeResponse:
+    """Tokenize on an engine serving `model` (404 when none does, 503 when none is ready)."""
+    node = ctx.pool.served_models().get(model)
     if node is None:
-        if not ctx.pool.routable():
-            await ctx.pool.refresh()
-        node = ctx.pool.served_models().get(body.model)
+        await ctx.pool.refresh()  # a just-started engine may not have reported yet
+        node = ctx.pool.served_models().get(model)
     if node is None:
         if not ctx.pool.routable():
             raise no_engine_ready()
-        raise model_not_found(body.model)
+        raise model_not_found(model)
     try:
-        reply = await node.client.tokenize(
-            engine_pb2.TokenizeRequest(chat=chat), ctx.config.health_check_timeout_s * 10
-        )
+        return await node.client.tokenize(request, _TOKENIZE_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:
         raise from_rpc_error(
             exc, ctx.config.retry_after_s, {"chat": "messages", "input": "messages"}
         ) from None
-    return MessageTokensCount(input_tokens=len(reply.token_ids))
-
-
-__all__ = ["MessagesHandler", "OutputDelta", "count_tokens", "prompt_input"]
