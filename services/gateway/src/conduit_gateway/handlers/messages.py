@@ -589,6 +589,7 @@ def _renamed(error: OpenAIError) -> OpenAIError:
     for old, new in ((".function.parameters", ".input_schema"), (".function.name", ".name")):
         message = message.replace(old, new)
     message = message.replace("'required', a named function or 'none'", "'any', 'tool' or 'none'")
+    message = message.replace("function '", "tool '")
     message = message.replace("use 'any', 'tool'", "use tool_choice 'any', 'tool'")
     param = (
         error.param.replace(".function.parameters", ".input_schema").replace(".function.name", ".name")
