@@ -82,8 +82,7 @@ def reassemble(events: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
         elif name == "content_block_stop":
             assert data["index"] == open_index, names(events)
             if blocks[open_index]["type"] == "tool_use":
-                text = json_text.get(open_index, "")
-                blocks[open_index]["input"] = json.loads(text) if text else {}
+                blocks[open_index]["input"] = _input(json_text.get(open_index, ""))
             open_index = None
         elif name == "message_delta":
             assert open_index is None, "every block stops before message_delta"
@@ -97,3 +96,11 @@ def reassemble(events: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     assert events[-1][0] == "message_stop", names(events)
     message["content"] = blocks
     return message
+
+
+def _input(text: str) -> dict[str, Any]:
+    """A tool_use block's input from its partial_json pieces; {} when max_tokens cut them short."""
+    try:
+        return json.loads(text) if text else {}
+    except ValueError:
+        return {}
