@@ -518,3 +518,74 @@ def test_metrics_count_the_messages_endpoint(http, gateway, fake):
     assert re.search(
         r'conduit_gateway_requests_total\{method="POST",route="/v1/messages",status="200"\} [1-9]', metrics
     )
+
+
+# -- the request mapping ---------------------------------------------------------------------------
+
+
+def test_blocks_map_onto_the_engines_chat_messages(parsing_http, fake):
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+    body = {
+        **BODY,
+        "system": [
+            {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": "Be kind."},
+        ],
+        "tools": [WEATHER],
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "user", "content": [{"type": "text", "text": "In Oslo."}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "They want Oslo.", "signature": "sig"},
+                    {"type": "redacted_thinking", "data": "opaque"},
+                    {"type": "text", "text": "Checking."},
+                    call,
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": [{"type": "text", "text": "down"}],
+                        "is_error": True,
+                    },
+                    {"type": "text", "text": "And tomorrow?"},
+                ],
+            },
+        ],
+        "metadata": {"user_id": "u-1"},
+        "stop_sequences": ["\n\nHuman:"],
+        "top_k": 5,
+    }
+    response = parsing_http.post("/v1/messages", json=body)
+    assert response.status_code == 200, response.text
+    (request,) = fake.record.requests[-1:]
+    messages = [
+        (
+            m.role,
+            m.content,
+            [(c.id, c.function_name, json.loads(c.function_arguments)) for c in m.tool_calls],
+            m.tool_call_id,
+        )
+        for m in request.chat.messages
+    ]
+    assert messages == [
+        ("system", "Be brief.\nBe kind.", [], ""),
+        ("user", "Weather?\nIn Oslo.", [], ""),
+        ("assistant", "Checking.", [("toolu_1", "get_weather", {"city": "Oslo"})], ""),
+        ("tool", "Error: down", [], "toolu_1"),
+        ("user", "And tomorrow?", [], ""),
+    ]
+    assert list(request.sampling.stop) == ["\n\nHuman:"] and request.sampling.top_k == 5
+    assert not request.sampling.HasField("temperature")  # the engine's default, as Anthropic's is 1.0
+
+
+def test_a_full_context_before_max_tokens_says_so(http, fake):
+    fake.script = Script(max_tokens_cap=4)  # the engine stops at 4 tokens with `length`: its context is full
+    message = http.post("/v1/messages", json={**BODY, "max_tokens": 100}).json()
+    assert message["stop_reason"] == "model_context_window_exceeded"
+    assert message["usage"]["output_tokens"] == 4

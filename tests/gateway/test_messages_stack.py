@@ -289,6 +289,8 @@ def chat_anthropic(gateways):
 
 
 def test_langchain_invoke_and_stream(chat_anthropic, raw_said):
+    from langchain_core.messages import HumanMessage
+
     answer = raw_said.partition("</think>")[2]
     reply = chat_anthropic.invoke("Tell me what he said")
     assert reply.content.startswith(answer)  # 160 tokens here, 40 in the raw text
@@ -297,6 +299,11 @@ def test_langchain_invoke_and_stream(chat_anthropic, raw_said):
     chunks = list(chat_anthropic.stream("Tell me what he said"))
     streamed = "".join(chunk.text for chunk in chunks)
     assert streamed == reply.text
+    usage = reply.usage_metadata
+    assert (
+        chat_anthropic.get_num_tokens_from_messages([HumanMessage("Tell me what he said")])
+        == usage["input_tokens"]
+    )
 
 
 class Pet(BaseModel):

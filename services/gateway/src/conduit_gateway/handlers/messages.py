@@ -36,6 +36,7 @@ from conduit_gateway.handlers.message_blocks import Event, MessageBlocks, sse
 from conduit_gateway.handlers.streams import EngineStream, close_all, read_messages
 from conduit_gateway.handlers.thinking_budget import BudgetedStream, ThinkingBudget
 from conduit_gateway.http.anthropic import stream_error_event
+from conduit_gateway.keys.keys_file import ApiKey
 from conduit_gateway.parsers.chat_output import ChatOutputParser
 from conduit_gateway.parsers.reasoning import reasoning_parser_class
 from conduit_gateway.parsers.tool_calls import ToolCallParser, tool_call_parser_class
@@ -70,7 +71,7 @@ _TOKENIZE_TIMEOUT_S = 30.0
 class MessagesHandler(GenerationHandler):
     endpoint = "messages"
     id_prefix = "msg"
-    chunk_object = "message"
+    chunk_object = "message"  # unused: this API streams its own events
     absent_prompt_logprobs: dict[str, Any] = {}
     body: MessagesRequest
     tools: ToolPlan  # set by build_inputs
@@ -78,9 +79,9 @@ class MessagesHandler(GenerationHandler):
     ping_interval_s: float = 10.0
 
     def __init__(
-        self, ctx: GatewayContext, body: MessagesRequest, request_id: str, api_key: Any = None
+        self, ctx: GatewayContext, body: MessagesRequest, request_id: str, api_key: ApiKey | None = None
     ) -> None:
-        super().__init__(ctx, body, request_id, api_key)  # type: ignore[arg-type]
+        super().__init__(ctx, body, request_id, api_key)  # type: ignore[arg-type]  # not a SamplingRequest
         self.response_id = f"msg_{request_id}"
         self.thinking_budget: ThinkingBudget | None = None  # set by build_sampling
         self.answer_sampling = engine_pb2.SamplingParams()
