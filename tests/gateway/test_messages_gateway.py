@@ -20,6 +20,7 @@ from tests.gateway.conftest import MODEL
 from tests.support.clock import ManualClock
 from tests.support.fake_engine import Script
 from tests.support.gateway_thread import GatewayThread
+from tests.support.polling import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -589,3 +590,21 @@ def test_a_full_context_before_max_tokens_says_so(http, fake):
     message = http.post("/v1/messages", json={**BODY, "max_tokens": 100}).json()
     assert message["stop_reason"] == "model_context_window_exceeded"
     assert message["usage"]["output_tokens"] == 4
+
+
+def test_client_disconnect_mid_stream_cancels_the_engine_stream(gateway, fake, monkeypatch):
+    monkeypatch.setattr(MessagesHandler, "ping_interval_s", 0.05)  # the heartbeat is waiting too
+    fake.script = Script(hold_after=1)
+    fake.record.cancelled = 0
+    with (
+        httpx.Client(base_url=gateway.url, timeout=30) as http,
+        http.stream("POST", "/v1/messages", json={**BODY, "max_tokens": 50, "stream": True}) as response,
+    ):
+        buffer = ""
+        for text in response.iter_text():
+            buffer += text
+            if "text_delta" in buffer:
+                break
+    wait_for(lambda: fake.record.cancelled == 1, "the engine to see the cancellation")
+    assert fake.record.completed == 0
+    wait_for(lambda: gateway.ctx.limiter.active == 0, "the gateway to release the request")
