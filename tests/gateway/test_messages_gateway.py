@@ -608,3 +608,14 @@ def test_client_disconnect_mid_stream_cancels_the_engine_stream(gateway, fake, m
     wait_for(lambda: fake.record.cancelled == 1, "the engine to see the cancellation")
     assert fake.record.completed == 0
     wait_for(lambda: gateway.ctx.limiter.active == 0, "the gateway to release the request")
+
+
+def test_models_speak_anthropic_to_anthropic_clients(sdk, http):
+    (model,) = sdk.models.list().data
+    assert (model.id, model.type, model.display_name, model.lifecycle) == (MODEL, "model", MODEL, "active")
+    assert model.max_input_tokens == 512 and model.created_at.year >= 2026
+    assert sdk.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        sdk.models.retrieve("nope")
+    assert caught.value.body["error"]["type"] == "not_found_error"
+    assert http.get("/v1/models").json()["object"] == "list"  # OpenAI's shape without anthropic-version

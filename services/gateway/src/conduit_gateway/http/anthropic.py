@@ -1,7 +1,8 @@
 """What makes the /v1/messages paths speak Anthropic's HTTP dialect around the shared gateway: error bodies
 `{"type": "error", "error": {"type", "message"}, "request_id"}` with Anthropic's error types and status
 codes (503 becomes 529 overloaded_error), the rate-limit headers under Anthropic's names beside OpenAI's,
-and the `request-id` header.
+and the `request-id` header. /v1/models speaks it too when the request carries `anthropic-version` (as
+the anthropic SDKs' requests do): its lists and errors are then Anthropic's.
 
 One pure-ASGI middleware rewrites every error response of those paths, whoever raised it (validation,
 API keys, body limits, the handler, the last-resort 500), so the rest of the gateway stays OpenAI-shaped.
@@ -15,13 +16,15 @@ import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from starlette.datastructures import MutableHeaders
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import Message, Receive, Scope, Send
 
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.http.middleware import HttpMiddleware
 
 PREFIX = "/v1/messages"
+MODELS = "/v1/models"
+VERSION_HEADER = "anthropic-version"
 OVERLOADED = 529
 
 # HTTP status → Anthropic error type (their API reference's table; 529 is where this gateway says 503).
@@ -90,12 +93,46 @@ def anthropic_limit_headers(headers: MutableHeaders) -> None:
             headers[f"anthropic-ratelimit-{kind}-{field}"] = value
 
 
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + "/")
+
+
+def speaks_anthropic(scope: Scope) -> bool:
+    """The Messages API's paths, and /v1/models asked by an Anthropic client."""
+    path = scope["path"]
+    return _under(path, PREFIX) or (_under(path, MODELS) and VERSION_HEADER in Headers(scope=scope))
+
+
+def model_info(name: str, created_unix: int, max_input_tokens: int | None) -> dict[str, Any]:
+    """A served model as Anthropic's ModelInfo."""
+    created = datetime.fromtimestamp(created_unix, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    info: dict[str, Any] = {
+        "type": "model",
+        "id": name,
+        "display_name": name,
+        "created_at": created,
+        "lifecycle": "active",
+    }
+    if max_input_tokens is not None:
+        info["max_input_tokens"] = max_input_tokens
+    return info
+
+
+def model_page(models: list[dict[str, Any]]) -> dict[str, Any]:
+    """Anthropic's page of models: every served model on one page."""
+    return {
+        "data": models,
+        "has_more": False,
+        "first_id": models[0]["id"] if models else None,
+        "last_id": models[-1]["id"] if models else None,
+    }
+
+
 class AnthropicApiMiddleware(HttpMiddleware):
-    """On the /v1/messages paths: Anthropic error bodies and status codes, and Anthropic's headers."""
+    """On the paths that speak Anthropic's dialect: its error bodies and status codes, and its headers."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope["path"]
-        if not (path == PREFIX or path.startswith(PREFIX + "/")):
+        if not speaks_anthropic(scope):
             await self.app(scope, receive, send)
             return
         request_id = scope.get("state", {}).get("request_id")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -15,6 +16,7 @@ from conduit_gateway.errors import model_not_found
 from conduit_gateway.handlers.chat import ChatHandler
 from conduit_gateway.handlers.completions import CompletionsHandler
 from conduit_gateway.handlers.messages import MessagesHandler, count_tokens
+from conduit_gateway.http import anthropic
 from conduit_gateway.http.sse import wait_for_disconnect
 from conduit_gateway.keys.keys_file import ApiKey
 from conduit_gateway.race import finished_first
@@ -95,19 +97,24 @@ async def messages_count_tokens(body: MessageInputs, request: Request) -> Messag
 
 
 @router.get("/v1/models", response_model=ModelList, responses=error_responses(401, 503))
-async def list_models(request: Request) -> ModelList:
+async def list_models(request: Request) -> ModelList | JSONResponse:
     pool = _ctx(request).pool
     require_serving(pool)
-    return ModelList(data=[_card(name, engine) for name, engine in sorted(pool.served_models().items())])
+    served = sorted(pool.served_models().items())
+    if anthropic.VERSION_HEADER in request.headers:  # an anthropic SDK: its page of ModelInfo
+        return JSONResponse(anthropic.model_page([_anthropic_info(name, engine) for name, engine in served]))
+    return ModelList(data=[_card(name, engine) for name, engine in served])
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(401, 404, 503))
-async def retrieve_model(model_id: str, request: Request) -> ModelCard:
+async def retrieve_model(model_id: str, request: Request) -> ModelCard | JSONResponse:
     pool = _ctx(request).pool
     require_serving(pool)
     engine = pool.served_models().get(model_id)
     if engine is None:
         raise model_not_found(model_id)
+    if anthropic.VERSION_HEADER in request.headers:
+        return JSONResponse(_anthropic_info(model_id, engine))
     return _card(model_id, engine)
 
 
@@ -125,6 +132,11 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
     return Response(_ctx(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _anthropic_info(name: str, engine: EngineNode) -> dict[str, Any]:
+    info = engine.model_info
+    return anthropic.model_info(name, engine.model_seen_at, info.max_model_len if info is not None else None)
 
 
 def _card(name: str, engine: EngineNode) -> ModelCard:
