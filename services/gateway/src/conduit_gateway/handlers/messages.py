@@ -312,7 +312,9 @@ class MessagesHandler(GenerationHandler):
                 heartbeat = _with_heartbeat(read_messages(streams), self.ping_interval_s)
                 async with contextlib.aclosing(heartbeat) as items:
                     async for item in items:
-                        yield _PING if item is None else self._message_events(choices, usage, *item)
+                        events = _PING if item is None else self._sse_of(choices, usage, *item)
+                        if events:  # none while a parser holds text back
+                            yield events
                 self._finished(usage, choices)
             except grpc.aio.AioRpcError as exc:
                 yield self._stream_error(self._rpc_error(exc))
@@ -328,9 +330,10 @@ class MessagesHandler(GenerationHandler):
         finally:
             close_all(streams)
 
-    def _message_events(  # type: ignore[override]
+    def _sse_of(
         self, choices: ChoiceSet, usage: UsageTotals, prompt_index: int, message: engine_pb2.GenerateResponse
     ) -> str:
+        """The events one engine message makes: its blocks' deltas, and the message's end."""
         choice, _ = self._choice(choices, prompt_index, message)
         assert isinstance(choice, MessageChoiceState)
         usage.update(prompt_index, message.usage)
