@@ -237,6 +237,14 @@ def test_tool_results_continue_the_conversation(r1):
     asked = create(r1, STORY, max_tokens=200, tools=tools, tool_choice=ANY_ONE)
     uses = [block for block in asked.content if block.type == "tool_use"]
     assert asked.stop_reason == "tool_use" and uses
+    with r1.messages.stream(
+        model=THINKING, max_tokens=200, messages=STORY, tools=tools, tool_choice=ANY_ONE, extra_body=GREEDY
+    ) as stream:
+        final = stream.get_final_message()  # the SDK's own accumulation of input_json_delta
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [
+        (u.name, u.input) for u in uses
+    ]
+    assert final.stop_reason == "tool_use"
     results = [
         {"type": "tool_result", "tool_use_id": use.id, "content": [{"type": "text", "text": "20C"}]}
         for use in uses
