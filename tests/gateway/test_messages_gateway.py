@@ -361,10 +361,21 @@ BAD_REQUESTS = [
 ]  # fmt: skip
 
 
+LONE_SURROGATE = "\ud800"  # JSON can carry it, protobuf strings cannot
+BAD_REQUESTS += [
+    (_with(tools=[{**WEATHER, "description": LONE_SURROGATE}], tool_choice={"type": "none"}),
+     "tools: must be valid UTF-8 text (it contains a lone surrogate)"),
+    (_with(system=LONE_SURROGATE), "system: must be valid UTF-8 text"),
+    (_with(stop_sequences=[LONE_SURROGATE]), "stop_sequences[0]: must be valid UTF-8 text"),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(("body", "message"), BAD_REQUESTS)
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_requests_are_anthropic_400s_naming_the_field(http, body, message, stream):
-    response = http.post("/v1/messages", json={**body, "stream": stream})
+    # json.dumps escapes lone surrogates as JSON allows; httpx's own encoder refuses them.
+    content = json.dumps({**body, "stream": stream})
+    response = http.post("/v1/messages", content=content, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     error = response.json()
     assert error == {
@@ -383,6 +394,14 @@ def test_count_tokens_validates_like_messages(http):
     assert response.json()["error"]["message"].startswith("messages[0].content[0].type: 'image' blocks")
     response = http.post("/v1/messages/count_tokens", json={**body, "model": "nope"})
     assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
+    tools = [{**WEATHER, "name": LONE_SURROGATE}]
+    content = json.dumps({**body, "tools": tools}).encode()
+    response = http.post(
+        "/v1/messages/count_tokens", content=content, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith(
+        "tools: must be valid"
+    )
 
 
 @pytest.mark.parametrize(
