@@ -221,6 +221,14 @@ def test_reasoning_that_ends_in_time_is_continued_as_written():
     assert not out[0].HasField("stop_string") and out[-1].usage.completion_tokens == 4
 
 
+def test_an_end_tag_as_the_budgets_last_token_is_not_written_twice():
+    length = engine_pb2.FINISH_REASON_LENGTH
+    reasoning = [_message("ab", [11, 12], 2), _message("</think>", [98], 3, finish=length)]
+    out, (continuation,), _ = _run(reasoning, [_message("x", [20], 1, finish=engine_pb2.FINISH_REASON_STOP)])
+    assert list(continuation.token_ids.ids) == [1, 2, 3, 4, 5, 11, 12, 98]
+    assert [m.text for m in out] == ["ab", "</think>", "x"]
+
+
 def test_reasoning_ended_by_eos_or_a_client_stop_ends_the_request():
     stop = engine_pb2.FINISH_REASON_STOP
     out, opened, _ = _run([_message("a", [11], 1, finish=stop)], [])

@@ -69,6 +69,7 @@ class BudgetedStream:
         self._next_part: bool | None = None  # part 1 ended: open part 2 (True: close the reasoning first)
         self._queued: list[engine_pb2.GenerateResponse] = []
         self._answering = False
+        self._tail = ""  # the end of part 1's text, as long as the end tag
         self.token_gaps = None
         self.first = self._from_reasoning(reasoning.first)
 
@@ -90,15 +91,17 @@ class BudgetedStream:
     def _from_reasoning(self, message: engine_pb2.GenerateResponse) -> engine_pb2.GenerateResponse:
         self._output_ids.extend(message.token_ids)
         self._reasoning_usage = message.usage
+        self._tail = (self._tail + message.text)[-len(self._budget.end_tag) :]
         if not message.finished:
             return message
         stop = message.stop_string if message.HasField("stop_string") else None
-        closed = stop == self._budget.end_tag
         spent = (
             message.finish_reason == engine_pb2.FINISH_REASON_LENGTH
             and message.usage.completion_tokens >= self._budget.budget
             and self._budget.budget < self._request.sampling.max_tokens
         )
+        # The end tag as the budget's last token may be reported as the budget's length.
+        closed = stop == self._budget.end_tag or (spent and self._tail == self._budget.end_tag)
         if not (closed or spent):
             if stop is not None and message.text.endswith(stop):
                 # Part 1 keeps stop strings in its text for the end tag's sake; a client's never shows.
