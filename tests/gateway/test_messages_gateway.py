@@ -638,3 +638,14 @@ def test_models_speak_anthropic_to_anthropic_clients(sdk, http):
         sdk.models.retrieve("nope")
     assert caught.value.body["error"]["type"] == "not_found_error"
     assert http.get("/v1/models").json()["object"] == "list"  # OpenAI's shape without anthropic-version
+
+
+def test_the_sdks_beta_client_works_as_claude_code_uses_it(sdk, fake):
+    """Claude Code calls the beta endpoints: /v1/messages?beta=true with anthropic-beta headers."""
+    betas = ["interleaved-thinking-2025-05-14", "fine-grained-tool-streaming-2025-05-14"]
+    message = sdk.beta.messages.create(**BODY, betas=betas)
+    assert [block.text for block in message.content] == ["Once upon a"]
+    with sdk.beta.messages.stream(**BODY, betas=betas) as stream:
+        assert [block.text for block in stream.get_final_message().content] == ["Once upon a"]
+    counted = sdk.beta.messages.count_tokens(model=MODEL, messages=BODY["messages"], betas=betas)
+    assert counted.input_tokens == 0  # the fake's Tokenize counts the words of a text prompt only
