@@ -312,6 +312,8 @@ SCHEMA = {"type": "json_schema", "schema": {"type": "object"}}
 BAD_REQUESTS = [
     ({k: v for k, v in BODY.items() if k != "max_tokens"}, "max_tokens: Field required"),
     (_with(max_tokens=0), "max_tokens: must be in [1, 4294967295], got 0"),
+    (_with(max_tokens=True), "max_tokens: Input should be a valid integer"),
+    (_with(max_tokens="5"), "max_tokens: Input should be a valid integer"),
     (_with(messages=[]), "messages: must hold at least one message"),
     (_with(messages=[{"role": "system", "content": "x"}]),
      "messages[0].role: Input should be 'user' or 'assistant'"),

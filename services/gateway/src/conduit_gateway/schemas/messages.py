@@ -70,7 +70,9 @@ class ToolChoiceParam(StrictModel):
 
 class ThinkingParam(StrictModel):
     type: Literal["enabled", "adaptive", "disabled", "between_tools"]
-    budget_tokens: int | None = Field(None, description='Most reasoning tokens, with type "enabled".')
+    budget_tokens: int | None = Field(
+        None, strict=True, description='Most reasoning tokens, with type "enabled".'
+    )
     display: Literal["summarized", "omitted"] | None = None
 
 
@@ -121,13 +123,14 @@ class MessageInputs(StrictModel):
 
 
 class MessagesRequest(MessageInputs):
-    max_tokens: int = Field(description="Most tokens to generate (required).")
+    # strict: true is not 1 here, as on Anthropic's API.
+    max_tokens: int = Field(strict=True, description="Most tokens to generate (required).")
     stream: bool | None = False
     stop_sequences: list[str] | None = None
     # The anthropic SDK 2.x no longer sends these three; older clients and extra_body do.
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(None, strict=True)
     metadata: MetadataParam | None = None
     service_tier: Literal["auto", "standard_only"] | None = Field(None, description="Accepted.")
     inference_geo: str | None = Field(None, description="Accepted.")
