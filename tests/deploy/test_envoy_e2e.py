@@ -105,6 +105,27 @@ def test_grpc_generate_through_envoy_streams_the_engines_tokens(stack, engine_st
     assert proxied[0].prompt_token_ids == list(PROMPT_IDS)
 
 
+def test_messages_api_streams_through_envoy(stack):
+    """Anthropic's Messages API takes the same route: the SDK's stream and count_tokens through Envoy."""
+    import anthropic
+
+    _, gateway, envoy = stack
+    body = {"model": MODEL, "max_tokens": 24, "messages": [{"role": "user", "content": PROMPT}]}
+    greedy = {"extra_body": {"temperature": 0}}
+    proxied = anthropic.Anthropic(
+        base_url=f"http://127.0.0.1:{envoy.http_port}", api_key="unused", max_retries=0
+    )
+    direct = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0)
+    with proxied, direct:
+        with proxied.messages.stream(**body, **greedy) as stream:
+            streamed = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        assert streamed and streamed == direct.messages.create(**body, **greedy).content[0].text
+        assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 24
+        counted = proxied.messages.count_tokens(model=MODEL, messages=body["messages"])
+        assert counted.input_tokens == final.usage.input_tokens + final.usage.cache_read_input_tokens
+
+
 def test_access_log_records_the_request_id_the_client_got(stack):
     _, _, envoy = stack
     response = _client(envoy).models.with_raw_response.list()

@@ -364,7 +364,7 @@ def test_notes_tell_how_to_call_it(release):
     name, _, rendered, _ = release
     notes = rendered["conduit/templates/NOTES.txt"]
     assert "port-forward service/" in notes
-    assert "/v1/completions" in notes
+    assert "/v1/completions" in notes and "/v1/messages" in notes
     assert ("conduit-envoy" in notes) == (name in ("full", "secure"))
     assert ("https://127.0.0.1:8080/v1/completions" in notes) == (name == "secure")
 

@@ -1,5 +1,6 @@
 """A bounded schemathesis run over every operation in /openapi.json (valid and invalid inputs, against
-the fake engine): the gateway never answers 5xx and every error has the OpenAI body."""
+the fake engine): the gateway never answers 5xx and every error has the OpenAI body (Anthropic's on the
+Messages API)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,13 @@ def check_response(case, response) -> None:
     where = f"{case.method} {case.path} body={case.body!r} headers={case.headers!r}"
     assert response.status_code < 500, f"{response.status_code} for {where}: {response.text[:500]}"
     if response.status_code >= 400:
-        error = json.loads(response.text)["error"]
-        assert set(error) == {"message", "type", "param", "code"}, where
+        body = json.loads(response.text)
+        error = body["error"]
+        if case.path.startswith("/v1/messages"):  # Anthropic's error shape on the Messages API
+            assert set(body) == {"type", "error", "request_id"} and body["type"] == "error", where
+            assert set(error) == {"type", "message"}, where
+        else:
+            assert set(error) == {"message", "type", "param", "code"}, where
         assert isinstance(error["message"], str) and error["message"], where
 
 
@@ -31,6 +37,8 @@ def test_openapi_document_lists_the_endpoints(http):
     assert set(document["paths"]) >= {
         "/v1/chat/completions",
         "/v1/completions",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
         "/v1/models",
         "/v1/models/{model_id}",
         "/health",

@@ -223,3 +223,26 @@ def test_probes_and_scrapes_are_not_traced(traced_gateway, gateway_spans):
         client.models.list()
     wait_for(lambda: len(gateway_spans.spans()) == 1, "the span of GET /v1/models")
     assert [s.name for s in gateway_spans.spans()] == ["GET /v1/models"]
+
+
+def test_a_streamed_messages_request_is_one_trace_too(traced_gateway, engine_spans, gateway_spans):
+    import anthropic
+
+    headers = {"traceparent": TRACEPARENT}
+    with anthropic.Anthropic(
+        base_url=traced_gateway.url, api_key=API_KEY, max_retries=0, default_headers=headers
+    ) as client:
+        messages = [{"role": "user", "content": PROMPT}]
+        with client.messages.stream(model=MODEL, max_tokens=12, messages=messages) as stream:
+            message = stream.get_final_message()
+    wait_for(lambda: len(gateway_spans.spans()) == 1, "the gateway's span")
+    (http,) = gateway_spans.spans()
+    generate, _ = _engine_trace(engine_spans)
+    assert http.context.trace_id == generate.context.trace_id == int(CLIENT_TRACE_ID, 16)
+    assert generate.parent.span_id == http.context.span_id
+    assert http.name == "POST /v1/messages" and http.attributes["http.route"] == "/v1/messages"
+    assert http.attributes["http.response.status_code"] == 200
+    usage = message.usage
+    assert http.attributes[tracing.MODEL] == MODEL
+    assert http.attributes[tracing.INPUT_TOKENS] == usage.input_tokens + usage.cache_read_input_tokens
+    assert http.attributes[tracing.OUTPUT_TOKENS] == usage.output_tokens

@@ -23,6 +23,7 @@ from conduit_gateway.context import GatewayContext
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.http import admin
 from conduit_gateway.http.admin_port import AdminPortMiddleware
+from conduit_gateway.http.anthropic import AnthropicApiMiddleware
 from conduit_gateway.http.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -77,7 +78,7 @@ def create_app(
     app = FastAPI(
         title="Conduit gateway",
         version=__version__,
-        description="OpenAI-compatible chat and completions over Conduit engines.",
+        description="OpenAI chat and completions, and Anthropic's Messages API, over Conduit engines.",
         lifespan=lifespan,
         redoc_url=None,
     )
@@ -97,6 +98,7 @@ def create_app(
     if config.admin_port is not None:
         app.add_middleware(AdminPortMiddleware, admin_port=config.admin_port)
     app.add_middleware(InternalErrorMiddleware)
+    app.add_middleware(AnthropicApiMiddleware)  # /v1/messages: every error above in Anthropic's shape
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     app.add_middleware(TracingMiddleware, tracer=tracer)
     app.add_middleware(RequestIdMiddleware)

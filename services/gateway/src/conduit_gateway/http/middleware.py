@@ -124,9 +124,10 @@ class InternalErrorMiddleware(HttpMiddleware):
 
 
 class ApiKeyMiddleware(HttpMiddleware):
-    """Require `Authorization: Bearer <key>` on paths under `prefix` when keys are configured; the key
-    is looked up by its SHA-256 digest and the matched ApiKey (name, limits) goes to
-    `request.state.api_key`. The API keys guard /v1; the admin keys, in a second instance, guard /admin."""
+    """Require `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on paths under `prefix`
+    when keys are configured; the key is looked up by its SHA-256 digest and the matched ApiKey (name,
+    limits) goes to `request.state.api_key`. The API keys guard /v1; the admin keys, in a second instance,
+    guard /admin."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeyStore, prefix: str = "/v1") -> None:
         super().__init__(app)
@@ -140,8 +141,10 @@ class ApiKeyMiddleware(HttpMiddleware):
         if not self._keys.enabled or not self._guards(scope["path"]):
             await self.app(scope, receive, send)
             return
-        authorization = Headers(scope=scope).get("authorization", "")
-        scheme, _, token = authorization.partition(" ")
+        headers = Headers(scope=scope)
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" and headers.get("x-api-key"):
+            scheme, token = "bearer", headers["x-api-key"]  # Anthropic's clients send the key here
         if scheme.lower() != "bearer" or not token.strip():
             await send_error(
                 send, _unauthorized("You didn't provide an API key (Authorization: Bearer KEY).")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -14,6 +15,8 @@ from conduit_gateway.context import GatewayContext
 from conduit_gateway.errors import model_not_found
 from conduit_gateway.handlers.chat import ChatHandler
 from conduit_gateway.handlers.completions import CompletionsHandler
+from conduit_gateway.handlers.messages import MessagesHandler, count_tokens
+from conduit_gateway.http import anthropic
 from conduit_gateway.http.sse import wait_for_disconnect
 from conduit_gateway.keys.keys_file import ApiKey
 from conduit_gateway.race import finished_first
@@ -22,6 +25,13 @@ from conduit_gateway.routing.pool import require_serving
 from conduit_gateway.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from conduit_gateway.schemas.common import error_responses
 from conduit_gateway.schemas.completions import Completion, CompletionRequest
+from conduit_gateway.schemas.messages import (
+    AnthropicError,
+    Message,
+    MessageInputs,
+    MessagesRequest,
+    MessageTokensCount,
+)
 from conduit_gateway.schemas.models import ModelCard, ModelList
 
 router = APIRouter()
@@ -63,20 +73,48 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _until_disconnect(request, handler.handle())
 
 
+# Anthropic's Messages API; http/anthropic.py gives its errors Anthropic's shape (529 for 503).
+_MESSAGES_ERRORS = {status: {"model": AnthropicError} for status in (400, 401, 404, 413, 429, 529)}
+_MESSAGE_EVENTS = {
+    "text/event-stream": {"schema": {"type": "string", "description": "event: NAME / data: {json} events"}}
+}
+
+
+@router.post(
+    "/v1/messages",
+    response_model=Message,
+    responses={200: {"content": _MESSAGE_EVENTS, "description": "With stream: Anthropic's events."}}
+    | _MESSAGES_ERRORS,
+)
+async def messages(body: MessagesRequest, request: Request) -> Response:
+    handler = MessagesHandler(_ctx(request), body, request.state.request_id, _api_key(request))
+    return await _until_disconnect(request, handler.handle())
+
+
+@router.post("/v1/messages/count_tokens", response_model=MessageTokensCount, responses=_MESSAGES_ERRORS)
+async def messages_count_tokens(body: MessageInputs, request: Request) -> MessageTokensCount:
+    return await count_tokens(_ctx(request), body)
+
+
 @router.get("/v1/models", response_model=ModelList, responses=error_responses(401, 503))
-async def list_models(request: Request) -> ModelList:
+async def list_models(request: Request) -> ModelList | JSONResponse:
     pool = _ctx(request).pool
     require_serving(pool)
-    return ModelList(data=[_card(name, engine) for name, engine in sorted(pool.served_models().items())])
+    served = sorted(pool.served_models().items())
+    if anthropic.VERSION_HEADER in request.headers:  # an anthropic SDK: its page of ModelInfo
+        return JSONResponse(anthropic.model_page([_anthropic_info(name, engine) for name, engine in served]))
+    return ModelList(data=[_card(name, engine) for name, engine in served])
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(401, 404, 503))
-async def retrieve_model(model_id: str, request: Request) -> ModelCard:
+async def retrieve_model(model_id: str, request: Request) -> ModelCard | JSONResponse:
     pool = _ctx(request).pool
     require_serving(pool)
     engine = pool.served_models().get(model_id)
     if engine is None:
         raise model_not_found(model_id)
+    if anthropic.VERSION_HEADER in request.headers:
+        return JSONResponse(_anthropic_info(model_id, engine))
     return _card(model_id, engine)
 
 
@@ -94,6 +132,11 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
     return Response(_ctx(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _anthropic_info(name: str, engine: EngineNode) -> dict[str, Any]:
+    info = engine.model_info
+    return anthropic.model_info(name, engine.model_seen_at, info.max_model_len if info is not None else None)
 
 
 def _card(name: str, engine: EngineNode) -> ModelCard:
