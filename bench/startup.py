@@ -6,7 +6,8 @@ Each run starts `python -m conduit_engine` with JSON logs, polls grpc.health.v1 
 phases from its log lines' times: the interpreter and imports until gRPC listens, the weights loaded (and
 prepacked for the CPU kernels), the engine built (KV cache allocated), warm-up until SERVING. Where
 llama-server is built (../shared/peers/llama_server.sh), each run also starts it on a GGUF of the same
-weights and times process start → /health 200, alternating the two. Medians over --runs.
+weights and times process start → /health 200, alternating the two. Medians over --runs. `--module`
+runs another checkout's engine (PYTHONPATH=that checkout's services/*/src, and its CLI module).
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ def _serving(port: int) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def conduit_run(model: Path, dtype: str) -> dict[str, float]:
+def conduit_run(model: Path, dtype: str, module: str = "conduit_engine") -> dict[str, float]:
     """Seconds from process start to the end of each phase, and to SERVING seen by a client."""
     port = free_port()
-    args = [sys.executable, "-m", "conduit_engine", "--model", str(model), "--port", str(port)]
+    args = [sys.executable, "-m", module, "--model", str(model), "--port", str(port)]
     args += ["--host", "127.0.0.1", "--dtype", dtype, "--log-format", "json"]
     started_wall = time.time()
     started = time.monotonic()
@@ -108,16 +109,21 @@ def main() -> None:
     parser.add_argument("--model", default="110m", help="110m (random 134M Llama), stories, or a folder")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--dtype", default="float32", choices=sorted(GGUF_TYPES))
+    parser.add_argument(
+        "--module",
+        default="conduit_engine",
+        help="the engine's module to run (another checkout's: PYTHONPATH=its services/*/src, its module)",
+    )
     args = parser.parse_args()
     model = {"110m": random_llama_110m, "stories": stories_path}.get(args.model, lambda: Path(args.model))()
     gguf = to_gguf(model, model.name, args.dtype) if LLAMA_SERVER.is_file() else None
     conduit: list[dict[str, float]] = []
     llama: list[float] = []
-    conduit_run(model, args.dtype)  # warm the page cache and the kernels' build cache
+    conduit_run(model, args.dtype, args.module)  # warm the page cache and the kernels' build cache
     if gguf is not None:
         llama_run(gguf)
     for _ in range(args.runs):
-        conduit.append(conduit_run(model, args.dtype))
+        conduit.append(conduit_run(model, args.dtype, args.module))
         if gguf is not None:
             llama.append(llama_run(gguf))
     print(f"{model.name}, {args.dtype}, median of {args.runs} runs (seconds from process start):")

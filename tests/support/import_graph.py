@@ -8,6 +8,7 @@ the tree, else to `a.b`.
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def _imported(node: ast.AST, module: str, is_package: bool) -> Iterable[str]:
             yield base
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     """Module → the modules of the tree it imports (itself excluded)."""
     files = module_files()
