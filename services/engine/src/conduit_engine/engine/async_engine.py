@@ -270,8 +270,10 @@ class AsyncEngine:
             # request ends with FinishReason.ERROR and the loop goes on serving new ones.
             log.exception("engine step failed; ending the live requests with an error")
             outputs = self.core.fail_all(f"the engine step failed: {type(exc).__name__}")
-        self._deliver(outputs)
+        # Events first: a client that reads its final output and sends its next turn at once should find
+        # that output's blocks in the gateway's index.
         self.core.kv_events.publish()
+        self._deliver(outputs)
         if not self.core.has_work():
             self._check_integrity()
 

@@ -249,9 +249,9 @@ class EnginePool:
             tokenize.chat.CopyFrom(request.chat)
         else:
             return None
-        for node in self.routable(role):
-            if node.model != model:
-                continue
+        serving = [node for node in self.routable(role) if node.model == model]
+        # The least busy engine tokenizes: Tokenize runs on an engine's event loop, beside its streams.
+        for node in sorted(serving, key=lambda node: node.in_flight)[:1]:
             try:
                 return tuple(await node.client.tokenize(tokenize, self.config.load_timeout_s))
             except grpc.aio.AioRpcError as exc:
