@@ -118,3 +118,22 @@ def test_a_subscriber_that_falls_behind_is_dropped_not_waited_for():
         assert publisher.num_subscribers == 0
 
     asyncio.run(scenario())
+
+
+def test_a_queued_prompt_moves_its_cached_prefix_to_the_back_of_the_eviction_order():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    first, other = make_seq(list(range(9))), make_seq([50] * 9)
+    admit(bm, first)
+    bm.free(first)  # free order: its partial block, block 1, block 0
+    admit(bm, other)
+    bm.free(other)
+    before = bm.free_block_ids()
+    assert bm.touch_prefix(list(range(9)) + [99]) == 2
+    # Its two full blocks are now the last to be reused, block 0 (the head) last of all.
+    assert bm.free_block_ids() == [b for b in before if b not in first_blocks(bm)] + first_blocks(bm)[::-1]
+    bm.check_integrity([])
+
+
+def first_blocks(bm: BlockManager) -> list[int]:
+    """The blocks holding the first prompt's full blocks, head first."""
+    return [bm._cached[h] for h in prefix_block_hashes(list(range(9)), BS)]

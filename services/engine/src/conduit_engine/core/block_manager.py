@@ -13,6 +13,9 @@ block whose tokens all lie before the window of the sequence's next query is nev
 released at once (its entry becomes RELEASED_BLOCK), so a sequence holds a bounded number of blocks
 however long it grows. A released block keeps its prefix-cache hash like any freed block.
 
+A queued request's cached prefix is moved to the back of the eviction order (`touch_prefix`), so what
+it (and a cache-aware router) found cached when it arrived is still there when it is admitted.
+
 With an event log attached (`events`), every block entering the prefix cache and every cached block
 leaving it is recorded there (core/kv_events.py), for the engines' SubscribeKvEvents subscribers.
 """
@@ -148,6 +151,25 @@ class BlockManager:
         seq.num_computed_tokens = reused
         self.release_outside_window(seq)
         return reused
+
+    def touch_prefix(self, token_ids: list[int] | tuple[int, ...]) -> int:
+        """A request was queued: make the free blocks holding its prompt's cached prefix the most recently
+        freed, so that while it waits other blocks are evicted first (what a router predicted it would find
+        cached stays cached). Tail first, so the head stays the last to go. Returns the prefix's blocks."""
+        if not self.enable_prefix_caching:
+            return 0
+        found: list[int] = []
+        parent: BlockHash | None = None
+        for i in range((len(token_ids) - 1) // self.block_size):
+            parent = chain_hash(parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size]))
+            block_id = self._cached.get(parent)
+            if block_id is None:
+                break
+            found.append(block_id)
+        for block_id in reversed(found):
+            if block_id in self._free:
+                self._free.move_to_end(block_id)
+        return len(found)
 
     def record_prefix_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
         """Count one admitted request's prompt in the hit rate (once: not per admission attempt)."""

@@ -189,6 +189,7 @@ class LLMEngine:
             extra=request_extra(req.request_id),
         )
         if consume is None:
+            self.block_manager.touch_prefix(prompt)  # its cached prefix outlives its wait in the queue
             for seq in seqs:
                 self.scheduler.add(seq)
         return prompt
