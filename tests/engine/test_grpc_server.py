@@ -271,3 +271,37 @@ def test_drain_lets_streams_finish_and_refuses_new_ones(stories_path):
     assert sum(len(m.token_ids) for m in received) == 200
     drain.result(timeout=60)
     srv.loop.call_soon_threadsafe(srv.loop.stop)
+
+
+def test_subscribe_kv_events_sends_a_snapshot_then_each_block_a_request_stores(stub):
+    from conduit_common.kv_blocks import prefix_block_hashes
+
+    events = stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(), timeout=60)
+    cached: set[bytes] = set()
+    while True:
+        batch = next(events)
+        assert batch.snapshot
+        cached |= {event.stored.block_hash for event in batch.events}
+        if batch.snapshot_done:
+            break
+    assert len(cached) == batch.num_cached_blocks
+    sequence, engine_id = batch.sequence, batch.engine_id
+    # Token ids no earlier test sent: every full block is new to the cache.
+    prompt = [1] + [3 + (i * 37 + 11) % 500 for i in range(40)]
+    msgs, tokens, _ = collect(
+        stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=greedy_params(8)))
+    )
+    # 41 prompt tokens + 7 sampled ones have their KV computed (the 8th is never fed back): 3 full blocks.
+    expected = prefix_block_hashes(prompt + tokens, 16)
+    assert len(expected) == 3
+    stored: list[pb.BlockStored] = []
+    while len(stored) < 3:
+        batch = next(events)
+        assert (batch.sequence, batch.engine_id, batch.snapshot) == (sequence + 1, engine_id, False)
+        sequence = batch.sequence
+        stored += [event.stored for event in batch.events if event.WhichOneof("event") == "stored"]
+    events.cancel()
+    assert [block.block_hash for block in stored] == expected
+    assert [block.parent_hash for block in stored] == [b"", *expected[:2]]
+    assert [list(block.token_ids) for block in stored] == [(prompt + tokens)[i : i + 16] for i in (0, 16, 32)]
+    assert {block.block_size for block in stored} == {16}

@@ -59,6 +59,13 @@ def test_routing_environment_variables():
     )
 
 
+def test_kv_aware_flags_map_onto_config():
+    args = ["--engine", "a:1", "--routing", "kv_aware", "--kv-overlap-weight", "4", "--router-temperature"]
+    config = config_from_args([*args, "0.5", "--kv-index-max-blocks", "4096"], {})
+    assert (config.routing, config.kv_overlap_weight, config.router_temperature) == ("kv_aware", 4.0, 0.5)
+    assert config.kv_index_max_blocks == 4096
+
+
 def test_unknown_routing_flag_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         config_from_args(["--engine", "a:1", "--routing", "random"], {})
@@ -78,6 +85,9 @@ def test_unknown_routing_flag_is_a_usage_error(capsys):
         ({"affinity_prefix_chars": 0}, "affinity_prefix_chars"),
         ({"affinity_load_factor": 0.5}, "affinity_load_factor"),
         ({"routing": "fastest"}, "routing"),
+        ({"kv_overlap_weight": -1}, "kv_overlap_weight"),
+        ({"router_temperature": float("inf")}, "router_temperature"),
+        ({"kv_index_max_blocks": 0}, "kv_index_max_blocks"),
     ],
 )
 def test_config_errors_name_the_field(kwargs, field):

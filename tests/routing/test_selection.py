@@ -39,7 +39,13 @@ def nodes(*loads: int) -> list[Node]:
 
 
 def test_strategy_names_and_unknown_strategy():
-    assert strategy_names() == ("least_load", "min_expected_latency", "prefix_affinity", "round_robin")
+    assert strategy_names() == (
+        "kv_aware",
+        "least_load",
+        "min_expected_latency",
+        "prefix_affinity",
+        "round_robin",
+    )
     with pytest.raises(ValueError, match="^routing: unknown strategy 'random'"):
         make_selector("random")
 

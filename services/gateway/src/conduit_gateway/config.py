@@ -69,6 +69,12 @@ class GatewayConfig:
     # in-flight count an engine may go before requests spill to the next one on the ring.
     affinity_prefix_chars: int = 256
     affinity_load_factor: float = 2.0
+    # kv_aware: score = kv_overlap_weight × cached blocks − active blocks; router_temperature 0 takes the
+    # best score, above 0 samples from a softmax of the normalised scores; the index holds at most
+    # kv_index_max_blocks block hashes per engine.
+    kv_overlap_weight: float = 1.0
+    router_temperature: float = 0.0
+    kv_index_max_blocks: int = 1_000_000
     # Requests in flight at once; one more gets 429 rather than queueing in the gateway.
     max_concurrent_requests: int = 1024
     max_body_bytes: int = 8 * 1024 * 1024
@@ -212,6 +218,11 @@ class GatewayConfig:
         _positive("affinity_prefix_chars", self.affinity_prefix_chars)
         if not (self.affinity_load_factor >= 1 and math.isfinite(self.affinity_load_factor)):
             raise ConfigError(f"affinity_load_factor: must be >= 1, got {self.affinity_load_factor}")
+        if not (self.kv_overlap_weight >= 0 and math.isfinite(self.kv_overlap_weight)):
+            raise ConfigError(f"kv_overlap_weight: must be >= 0, got {self.kv_overlap_weight}")
+        if not (self.router_temperature >= 0 and math.isfinite(self.router_temperature)):
+            raise ConfigError(f"router_temperature: must be >= 0, got {self.router_temperature}")
+        _positive("kv_index_max_blocks", self.kv_index_max_blocks)
 
     def _check_engine_calls(self) -> None:
         for name in (

@@ -12,19 +12,25 @@ With a sliding window (every layer of the model attending only to its last `slid
 block whose tokens all lie before the window of the sequence's next query is never read again: it is
 released at once (its entry becomes RELEASED_BLOCK), so a sequence holds a bounded number of blocks
 however long it grows. A released block keeps its prefix-cache hash like any freed block.
+
+A queued request's cached prefix is moved to the back of the eviction order (`touch_prefix`), so what
+it (and a cache-aware router) found cached when it arrived is still there when it is admitted.
+
+With an event log attached (`events`), every block entering the prefix cache and every cached block
+leaving it is recorded there (core/kv_events.py), for the engines' SubscribeKvEvents subscribers.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from conduit_common.kv_blocks import BlockHash, chain_hash, prefix_block_hashes
+from conduit_engine.core.kv_events import KvEventLog
 from conduit_engine.core.sequence import RELEASED_BLOCK, Sequence
 
-BlockHash = bytes
+__all__ = ["Block", "BlockHash", "BlockManager", "BlockStats", "chain_hash", "prefix_block_hashes"]
 
 
 @dataclass(slots=True)
@@ -47,28 +53,6 @@ class BlockStats:
     @property
     def hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
-
-
-def chain_hash(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHash:
-    """Hash of a full block given its parent block's hash; equal hashes mean equal prefixes.
-
-    SHA-256, not Python's 64-bit `hash()`: that one is not collision resistant, so a user who knows
-    a prompt others send (a shared system prompt) could craft different tokens with the same hash
-    and have the cache serve one request's KV to another.
-    """
-    digest = hashlib.sha256(parent or b"")
-    digest.update(array("q", tokens).tobytes())
-    return digest.digest()
-
-
-def prefix_block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int) -> list[BlockHash]:
-    """Chained hashes of every full block of `token_ids`: what `commit_computed_blocks` registers."""
-    hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_hash(parent, tuple(token_ids[start : start + block_size]))
-        hashes.append(parent)
-    return hashes
 
 
 class BlockManager:
@@ -95,6 +79,8 @@ class BlockManager:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._pins: Counter[int] = Counter()  # block id → references held by pins
+        # Prefix-cache events for subscribers (SubscribeKvEvents); None: nobody records them.
+        self.events: KvEventLog | None = None
 
     # ----- queries -------------------------------------------------------------------------------
     @property
@@ -166,6 +152,25 @@ class BlockManager:
         self.release_outside_window(seq)
         return reused
 
+    def touch_prefix(self, token_ids: list[int] | tuple[int, ...]) -> int:
+        """A request was queued: make the free blocks holding its prompt's cached prefix the most recently
+        freed, so that while it waits other blocks are evicted first (what a router predicted it would find
+        cached stays cached). Tail first, so the head stays the last to go. Returns the prefix's blocks."""
+        if not self.enable_prefix_caching:
+            return 0
+        found: list[int] = []
+        parent: BlockHash | None = None
+        for i in range((len(token_ids) - 1) // self.block_size):
+            parent = chain_hash(parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size]))
+            block_id = self._cached.get(parent)
+            if block_id is None:
+                break
+            found.append(block_id)
+        for block_id in reversed(found):
+            if block_id in self._free:
+                self._free.move_to_end(block_id)
+        return len(found)
+
     def record_prefix_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
         """Count one admitted request's prompt in the hit rate (once: not per admission attempt)."""
         self._prefix_queries += prompt_tokens
@@ -200,6 +205,8 @@ class BlockManager:
             if block.hash is None and h not in self._cached:
                 block.hash = h
                 self._cached[h] = block.block_id
+                if self.events is not None:
+                    self.events.stored(h, hashes[-2] if i else None, tokens)
 
     def release_outside_window(self, seq: Sequence) -> None:
         """Give back the blocks before the window of `seq`'s next query (at num_computed_tokens, which
@@ -276,6 +283,8 @@ class BlockManager:
                 assert self._cached.get(block.hash) == block.block_id, f"block {block.block_id} hash lost"
         for h, block_id in self._cached.items():
             assert self.blocks[block_id].hash == h
+        if self.events is not None:
+            assert self.events.num_cached == len(self._cached), "the event log's cached blocks drifted"
         for block_id, pins in self._pins.items():
             assert 0 < pins <= self.blocks[block_id].ref_count, f"block {block_id} pinned {pins} times"
         if live is not None:
@@ -328,4 +337,6 @@ class BlockManager:
         if block.hash is not None:
             if self._cached.get(block.hash) == block.block_id:
                 del self._cached[block.hash]
+                if self.events is not None:
+                    self.events.removed(block.hash)
             block.hash = None

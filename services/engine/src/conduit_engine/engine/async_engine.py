@@ -238,6 +238,7 @@ class AsyncEngine:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        self.core.kv_events.close()
         self.core.shutdown()
 
     # ----- loop thread -------------------------------------------------------------------------------
@@ -249,6 +250,7 @@ class AsyncEngine:
         while not self._stopping:
             self._drain_commands()
             self.core.expire_kv_transfers()
+            self.core.kv_events.publish()  # what commands (aborts, pulls, expiries) changed
             if self.failure is None and (failure := self.core.executor_failure()) is not None:
                 self._stop_on_failure(failure)
             if self.failure is not None or not self.core.has_work():
@@ -268,6 +270,9 @@ class AsyncEngine:
             # request ends with FinishReason.ERROR and the loop goes on serving new ones.
             log.exception("engine step failed; ending the live requests with an error")
             outputs = self.core.fail_all(f"the engine step failed: {type(exc).__name__}")
+        # Events first: a client that reads its final output and sends its next turn at once should find
+        # that output's blocks in the gateway's index.
+        self.core.kv_events.publish()
         self._deliver(outputs)
         if not self.core.has_work():
             self._check_integrity()
@@ -277,6 +282,7 @@ class AsyncEngine:
         log.error("the model cannot run any more (%s): ending every live request with an error", reason)
         self.failure = reason
         self._deliver(self.core.fail_all(f"the engine failed: {reason}"))
+        self.core.kv_events.clear()  # nothing can be served from this cache any more
         if self._on_fatal is not None:
             self._on_fatal(reason)
 

@@ -25,6 +25,7 @@ from conduit_engine.core.sequence import FinishReason, Sequence
 from conduit_engine.core.stop_rules import StopRules
 from conduit_engine.engine.admission import Admission, Limits
 from conduit_engine.engine.detokenizer import IncrementalDetokenizer
+from conduit_engine.engine.kv_events import KvEventPublisher
 from conduit_engine.engine.observer import EngineObserver, StepRecord, StepTimer, clock, request_record
 from conduit_engine.engine.output_processor import accept_token
 from conduit_engine.engine.request import GenerationRequest, RequestOutput
@@ -91,6 +92,8 @@ class LLMEngine:
             config.cache.enable_prefix_caching,
             sliding_window=self.arch.uniform_window,  # blocks behind it are freed as sequences grow
         )
+        # Prefix-cache events for SubscribeKvEvents (published by the loop thread after each step).
+        self.kv_events = KvEventPublisher(self.block_manager)
         self.scheduler = Scheduler(
             config.scheduler, self.block_manager, self.max_model_len, self.executor.multi_pass
         )
@@ -186,6 +189,7 @@ class LLMEngine:
             extra=request_extra(req.request_id),
         )
         if consume is None:
+            self.block_manager.touch_prefix(prompt)  # its cached prefix outlives its wait in the queue
             for seq in seqs:
                 self.scheduler.add(seq)
         return prompt

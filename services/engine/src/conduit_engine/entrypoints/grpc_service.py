@@ -7,6 +7,7 @@ around it (health, reflection, start, drain, signals) is `entrypoints/server.py`
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from opentelemetry.trace import Status, StatusCode
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc as pb_grpc
 from conduit_common.logs import current_request_id
+from conduit_engine.core.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch
 from conduit_engine.engine.async_engine import AsyncEngine
 from conduit_engine.engine.llm_engine import LLMEngine
 from conduit_engine.entrypoints.proto_mapping import (
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Engine"].full_name
 _METHOD_PREFIX = f"/{SERVICE_NAME}/"
+# Blocks per snapshot message: 2,048 blocks of 16 tokens are about 200 KB, far below the message limit.
+SNAPSHOT_CHUNK_BLOCKS = 2048
 _ROLES = {"both": pb.ENGINE_ROLE_BOTH, "prefill": pb.ENGINE_ROLE_PREFILL, "decode": pb.ENGINE_ROLE_DECODE}
 
 
@@ -300,3 +304,66 @@ class EngineServicer(pb_grpc.EngineServicer):
             kv_bytes_pulled=stats.kv_bytes_pulled,
             kv_bytes_saved=stats.kv_bytes_saved,
         )
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KvEventBatch]:
+        publisher = self.core.kv_events
+        snapshot, batches = await publisher.subscribe(self.async_engine.run_sync)
+        engine_id, block_size = publisher.engine_id, publisher.block_size
+        blocks = snapshot.blocks
+        for start in range(0, max(1, len(blocks)), SNAPSHOT_CHUNK_BLOCKS):
+            chunk = blocks[start : start + SNAPSHOT_CHUNK_BLOCKS]
+            yield pb.KvEventBatch(
+                sequence=snapshot.sequence,
+                snapshot=True,
+                snapshot_done=start + SNAPSHOT_CHUNK_BLOCKS >= len(blocks),
+                engine_id=engine_id,
+                created_unix_ms=_now_ms(),
+                events=[_stored_to_pb(block, block_size) for block in chunk],
+                num_cached_blocks=len(blocks),
+            )
+        async for batch in batches:
+            yield kv_batch_to_pb(batch, engine_id, block_size)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _stored_to_pb(event: BlockStored, block_size: int) -> pb.KvEvent:
+    return pb.KvEvent(
+        stored=pb.BlockStored(
+            block_hash=event.block_hash,
+            parent_hash=event.parent_hash or b"",
+            token_ids=event.token_ids,
+            block_size=block_size,
+        )
+    )
+
+
+def kv_batch_to_pb(batch: KvEventBatch, engine_id: str, block_size: int) -> pb.KvEventBatch:
+    """One live batch as its message; consecutive removals travel as one BlockRemoved."""
+    events: list[pb.KvEvent] = []
+    removed: list[bytes] = []
+    event: KvEvent
+    for event in batch.events:
+        if isinstance(event, BlockRemoved):
+            removed.append(event.block_hash)
+            continue
+        if removed:
+            events.append(pb.KvEvent(removed=pb.BlockRemoved(block_hashes=removed)))
+            removed = []
+        if isinstance(event, BlockStored):
+            events.append(_stored_to_pb(event, block_size))
+        else:
+            events.append(pb.KvEvent(cleared=pb.AllCleared()))
+    if removed:
+        events.append(pb.KvEvent(removed=pb.BlockRemoved(block_hashes=removed)))
+    return pb.KvEventBatch(
+        sequence=batch.sequence,
+        engine_id=engine_id,
+        created_unix_ms=batch.created_unix_ms,
+        events=events,
+        num_cached_blocks=batch.num_cached,
+    )

@@ -74,6 +74,7 @@ class PromptStream:
     opened_at: float = field(default_factory=time.perf_counter)
     tokens_after_first: int = 0
     closed: bool = False
+    blocks: int = 0  # the prompt's KV blocks, counted in the node's active blocks until close()
     # Observes the time between consecutive token messages of each choice (its inter-token latency).
     token_gaps: Histogram | None = None
     _last_token_at: dict[int, float] = field(default_factory=dict, init=False)
@@ -108,7 +109,7 @@ class PromptStream:
         if not self.closed:
             self.closed = True
             self.call.cancel()
-            self.node.request_ended()
+            self.node.request_ended(self.blocks)
 
 
 async def open_stream(
@@ -122,7 +123,7 @@ async def open_stream(
 ) -> PromptStream:
     """Send `request` to a node of the `role` pool for `model` and wait for its first message, retrying
     refusals elsewhere."""
-    route = pool.route_request(model, request)
+    route = await pool.route_request(model, request, role)
     metadata = (("x-request-id", request.request_id), *engine_trace_metadata())
     tried: list[EngineNode] = []
     refusal: grpc.aio.AioRpcError | None = None
@@ -133,12 +134,13 @@ async def open_stream(
             if refusal is not None:
                 raise refusal from None  # no other node to try: the client sees the refusal (429/503)
             raise
-        node.request_started()
+        blocks = _prompt_blocks(route.token_ids, node.block_size)
+        node.request_started(blocks)
         call = node.client.generate(request, metadata, timeout_s)
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as exc:
-            node.request_ended()
+            node.request_ended(blocks)
             node.request_failed(exc.code())
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 pool.eject(node, f"Generate answered UNAVAILABLE: {exc.details()}")
@@ -156,17 +158,25 @@ async def open_stream(
             continue
         except BaseException:
             call.cancel()
-            node.request_ended()
+            node.request_ended(blocks)
             raise
         if first is grpc.aio.EOF:
-            node.request_ended()
+            node.request_ended(blocks)
             raise OpenAIError(
                 502,
                 "the engine ended the stream without any output",
                 type="server_error",
                 code="engine_error",
             )
-        return PromptStream(prompt_index, pool, node, call, first)
+        predicted = route.predicted_blocks.get(node.address)
+        if predicted is not None and role is not NodeRole.DECODE:  # a decode's cache counts pulled KV
+            node.record_kv_prediction(predicted, first.usage.cached_tokens)
+        return PromptStream(prompt_index, pool, node, call, first, blocks=blocks)
+
+
+def _prompt_blocks(token_ids: tuple[int, ...] | None, block_size: int | None) -> int:
+    """KV blocks a prompt takes (0 when its tokens are not known: only kv_aware asks for them)."""
+    return -(-len(token_ids) // block_size) if token_ids and block_size else 0
 
 
 async def open_streams(

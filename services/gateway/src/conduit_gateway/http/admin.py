@@ -42,6 +42,7 @@ def node_view(node: EngineNode, removed: bool = False) -> NodeView:
         load_score=node.load_score,
         token_latency_ms=round(latency * 1000, 3) if latency is not None else None,
         load=node.load,
+        kv_indexed_blocks=node.indexed_blocks,
     )
 
 

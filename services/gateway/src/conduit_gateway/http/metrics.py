@@ -122,3 +122,62 @@ class NodeCollector(Collector):
             failures.add_metric([node.address], node.failures)
             ejections.add_metric([node.address], node.ejections)
         yield from (up, routable, in_flight, routed, failures, ejections)
+        yield from _kv_index_metrics(nodes)
+
+
+def _kv_index_metrics(nodes: Sequence[EngineNode]) -> Iterator[Metric]:
+    """kv_aware: each engine's part of the KV index, its event stream, and how well it predicted."""
+    indexed = [(node, node.kv_index.peek(node.address)) for node in nodes if node.kv_index is not None]
+    if not indexed:
+        return
+    blocks = GaugeMetricFamily(
+        "conduit_gateway_kv_index_blocks",
+        "Cached blocks of the engine in the KV index (0 while its snapshot is not in).",
+        labels=["engine"],
+    )
+    current = GaugeMetricFamily(
+        "conduit_gateway_kv_index_current",
+        "1 when the engine's event snapshot is in and no batch was missed since.",
+        labels=["engine"],
+    )
+    lag = GaugeMetricFamily(
+        "conduit_gateway_kv_event_lag_seconds",
+        "Age of the engine's last KV event batch when the index applied it.",
+        labels=["engine"],
+    )
+    resubscribes = CounterMetricFamily(
+        "conduit_gateway_kv_event_resubscribes",
+        "Times the gateway subscribed again to the engine's KV events (gap, broken stream, restart).",
+        labels=["engine"],
+    )
+    predictions = CounterMetricFamily(
+        "conduit_gateway_kv_predictions",
+        "Requests kv_aware routed to the engine with a predicted number of cached prompt blocks.",
+        labels=["engine"],
+    )
+    predicted = CounterMetricFamily(
+        "conduit_gateway_kv_prediction_blocks",
+        "Cached prompt blocks per request, summed: predicted (the index), actual (the engine's "
+        "cached_tokens / block size), agreed (min of both) and union (max of both); accuracy is "
+        "agreed / union.",
+        labels=["engine", "kind"],
+    )
+    for node, entry in indexed:
+        address = node.address
+        if entry is None:
+            blocks.add_metric([address], 0)
+            current.add_metric([address], 0)
+            continue
+        blocks.add_metric([address], len(entry.hashes) if entry.current else 0)
+        current.add_metric([address], 1 if entry.current else 0)
+        lag.add_metric([address], entry.lag_s)
+        resubscribes.add_metric([address], entry.resubscribes)
+        predictions.add_metric([address], entry.predictions)
+        for kind, value in (
+            ("predicted", entry.predicted_blocks),
+            ("actual", entry.actual_blocks),
+            ("agreed", entry.agreed_blocks),
+            ("union", entry.union_blocks),
+        ):
+            predicted.add_metric([address, kind], value)
+    yield from (blocks, current, lag, resubscribes, predictions, predicted)

@@ -75,6 +75,12 @@ class EngineClient:
             engine_pb2.GetLoadRequest(), timeout=timeout_s, metadata=self._dialer.metadata()
         )
 
+    def subscribe_kv_events(self) -> grpc.aio.UnaryStreamCall:
+        """SubscribeKvEvents: the engine's cached blocks, then their changes (waits while it is down)."""
+        return self._engine.SubscribeKvEvents(
+            engine_pb2.SubscribeKvEventsRequest(), wait_for_ready=True, metadata=self._dialer.metadata()
+        )
+
     async def tokenize(
         self, request: engine_pb2.TokenizeRequest, timeout_s: float
     ) -> engine_pb2.TokenizeResponse:

@@ -8,6 +8,9 @@ Each node serves one pool (`role`: whole requests, or the prefill or decode side
 Before it joins the rotation its pool's admission check reads the engine's model info; a node it refuses
 (a wrong engine role, a KV layout other than its peers') stays out, with the reason in `refusal`, until a
 later SERVING report passes the check.
+
+With `--routing kv_aware` each node also follows its engine's SubscribeKvEvents stream into the pool's KV
+index (routing/kv_events.py); leaving the rotation makes the index forget the engine until a fresh snapshot.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from conduit_common.engine_dialer import PLAINTEXT, EngineDialer
 from conduit_gateway.config import GatewayConfig
 from conduit_gateway.routing.client import EngineClient
 from conduit_gateway.routing.health import HealthWatch
+from conduit_gateway.routing.kv_events import KvEventSubscriber
+from conduit_gateway.routing.kv_index import KvIndex
 from conduit_gateway.routing.latency import TokenLatency
 from conduit_gateway.routing.load import LoadReport, poll_load
 from conduit_gateway.routing.roles import NodeRole
@@ -68,8 +73,11 @@ class EngineNode:
         dialer: EngineDialer = PLAINTEXT,
         role: NodeRole = NodeRole.COLOCATED,
         admission: Admission | None = None,
+        kv_index: KvIndex | None = None,
     ) -> None:
         self.address = address
+        self.kv_index = kv_index  # the pool's, when routing follows the engines' KV events
+        self.kv_events: KvEventSubscriber | None = None
         self.source = source
         self.role = role
         self._admission = admission
@@ -83,6 +91,9 @@ class EngineNode:
         self.model_seen_at = 0
         self.load: LoadReport | None = None
         self.in_flight = 0
+        self.active_blocks = 0  # KV blocks of this gateway's requests open on the node (prompt blocks)
+        self._changed_at = 0.0  # when one of them started or ended (monotonic)
+        self._load_at = 0.0  # when the last GetLoad answer arrived
         self.routed = 0
         self.failures = 0
         self.ejections = 0
@@ -110,6 +121,26 @@ class EngineNode:
         waiting from its last GetLoad when that is larger (other gateways and clients use it too)."""
         reported = self.load.running + self.load.waiting if self.load is not None else 0
         return max(self.in_flight, reported)
+
+    @property
+    def block_size(self) -> int | None:
+        """Tokens per KV block of the engine (from its model info)."""
+        return self.model_info.block_size if self.model_info is not None else None
+
+    @property
+    def kv_active_blocks(self) -> int:
+        """KV blocks the engine's live sequences hold: its last GetLoad when that answer is newer than this
+        gateway's last request start or end there (then it saw them), else this gateway's own count, which
+        is exact and immediate (a polled number would make an engine look busy right after a request)."""
+        reported = self.load.kv_blocks_used if self.load is not None else 0
+        if self._load_at <= self._changed_at:
+            reported = 0
+        return max(self.active_blocks, reported)
+
+    @property
+    def indexed_blocks(self) -> int | None:
+        """Blocks of the engine in the KV index; None without an index or while its snapshot is not in."""
+        return self.kv_index.indexed_blocks(self.address) if self.kv_index is not None else None
 
     @property
     def token_latency_s(self) -> float | None:
@@ -147,6 +178,15 @@ class EngineNode:
             asyncio.create_task(self._health.run(), name=f"health-watch {self.address}"),
             asyncio.create_task(load, name=f"load-poll {self.address}"),
         ]
+        if self.kv_index is not None:
+            self.kv_events = KvEventSubscriber(
+                self.address,
+                self.client.subscribe_kv_events,
+                self.kv_index,
+                config.reconnect_backoff_s,
+                config.max_reconnect_backoff_s,
+            )
+            self._tasks.append(asyncio.create_task(self.kv_events.run(), name=f"kv-events {self.address}"))
 
     async def stop(self) -> None:
         """Stop the background tasks and close the channel (cancelling any call still open on it)."""
@@ -157,6 +197,8 @@ class EngineNode:
                 await task
         self._tasks = []
         self.serving = False
+        if self.kv_index is not None:
+            self.kv_index.remove(self.address)
         await self.client.close()
 
     async def wait_idle(self) -> None:
@@ -186,6 +228,7 @@ class EngineNode:
 
     def _set_load(self, report: LoadReport | None) -> None:
         self.load = report
+        self._load_at = time.monotonic()
 
     async def set_health(self, serving: bool) -> None:
         """Apply a health report; on the way into SERVING fetch the model info first (a restarted engine
@@ -225,16 +268,23 @@ class EngineNode:
             self.serving = False
             self.ejections += 1
             log.warning("engine %s ejected: %s", self.address, reason)
+            if self.kv_events is not None:
+                self.kv_events.restart()  # what it caches is unknown until a fresh snapshot
 
     # -- this gateway's requests ---------------------------------------------------------------------
 
-    def request_started(self) -> None:
+    def request_started(self, blocks: int = 0) -> None:
+        """One of this gateway's requests opens on the node; `blocks`: its prompt's KV blocks (kv_aware)."""
         self.routed += 1
         self.in_flight += 1
+        self.active_blocks += blocks
+        self._changed_at = time.monotonic()
         self._idle.clear()
 
-    def request_ended(self) -> None:
+    def request_ended(self, blocks: int = 0) -> None:
         self.in_flight -= 1
+        self.active_blocks -= blocks
+        self._changed_at = time.monotonic()
         if self.in_flight == 0:
             self._idle.set()
 
@@ -242,6 +292,14 @@ class EngineNode:
         """Count an engine-side failure (client errors and cancellations are not the node's fault)."""
         if code not in _CLIENT_ERRORS:
             self.failures += 1
+
+    def record_kv_prediction(self, predicted_blocks: int, cached_tokens: int) -> None:
+        """The engine's first message says how many prompt tokens it served from its cache; compare them
+        with the blocks kv_aware predicted it had."""
+        if self.kv_index is not None and self.block_size:
+            self.kv_index.engine(self.address).record_prediction(
+                predicted_blocks, cached_tokens // self.block_size
+            )
 
     def record_decode(self, seconds: float, tokens: int) -> None:
         """A stream finished: `tokens` generated after its first message took `seconds`."""

@@ -17,11 +17,14 @@ import contextlib
 import logging
 from collections.abc import Callable, Collection
 
+import grpc
+
 from conduit.engine.v1 import engine_pb2
 from conduit_common.engine_dialer import PLAINTEXT, EngineDialer
 from conduit_gateway.config import ConfigError, GatewayConfig, parse_engine_address
 from conduit_gateway.errors import model_not_found, no_engine_ready
 from conduit_gateway.routing.discovery import DnsDiscovery, Resolver
+from conduit_gateway.routing.kv_index import KvIndex
 from conduit_gateway.routing.node import EngineNode, NodeSource
 from conduit_gateway.routing.prefix_key import prefix_key
 from conduit_gateway.routing.roles import NodeRole, admission_problem
@@ -47,7 +50,14 @@ class EnginePool:
         self.config = config
         self.dialer = dialer  # TLS and token towards the engines
         self._nodes: dict[str, EngineNode] = {}
-        options = SelectionOptions(affinity_load_factor=config.affinity_load_factor)
+        # kv_aware: one index of every engine's cached blocks, fed by their SubscribeKvEvents streams.
+        self.kv_index = KvIndex(config.kv_index_max_blocks) if config.routing == "kv_aware" else None
+        options = SelectionOptions(
+            affinity_load_factor=config.affinity_load_factor,
+            kv_index=self.kv_index,
+            kv_overlap_weight=config.kv_overlap_weight,
+            router_temperature=config.router_temperature,
+        )
         self._selectors = {role: make_selector(config.routing, options) for role in NodeRole}
         self._static = {
             NodeRole.COLOCATED: config.engines,
@@ -120,7 +130,7 @@ class EnginePool:
         address = parse_engine_address(address, field="address")
         if address in self._nodes:
             raise DuplicateNodeError(address)
-        node = EngineNode(address, source, self.config, self.dialer, role, self._admission)
+        node = EngineNode(address, source, self.config, self.dialer, role, self._admission, self.kv_index)
         self._nodes[address] = node
         node.start()
         log.info("engine %s joined the %s pool (%s)", address, role, source)
@@ -214,8 +224,40 @@ class EnginePool:
 
     # -- routing -------------------------------------------------------------------------------------
 
-    def route_request(self, model: str, request: engine_pb2.GenerateRequest) -> RouteRequest:
-        return RouteRequest(model=model, prefix_key=prefix_key(request, self.config.affinity_prefix_chars))
+    async def route_request(
+        self, model: str, request: engine_pb2.GenerateRequest, role: NodeRole = NodeRole.COLOCATED
+    ) -> RouteRequest:
+        """What the strategy may know of `request`; for kv_aware its token ids, asked of an engine of the
+        pool that serves `model` (Tokenize: the same tokenization as Generate). Without an answer the
+        request is routed by load alone."""
+        key = prefix_key(request, self.config.affinity_prefix_chars)
+        token_ids = None
+        if self.kv_index is not None:
+            token_ids = await self._token_ids(model, request, role)
+        return RouteRequest(model=model, prefix_key=key, token_ids=token_ids)
+
+    async def _token_ids(
+        self, model: str, request: engine_pb2.GenerateRequest, role: NodeRole
+    ) -> tuple[int, ...] | None:
+        kind = request.WhichOneof("input")
+        if kind == "token_ids":
+            return tuple(request.token_ids.ids)
+        tokenize = engine_pb2.TokenizeRequest()
+        if kind == "text":
+            tokenize.text = request.text
+        elif kind == "chat":
+            tokenize.chat.CopyFrom(request.chat)
+        else:
+            return None
+        serving = [node for node in self.routable(role) if node.model == model]
+        # The least busy engine tokenizes: Tokenize runs on an engine's event loop, beside its streams.
+        for node in sorted(serving, key=lambda node: node.in_flight)[:1]:
+            try:
+                return tuple((await node.client.tokenize(tokenize, self.config.load_timeout_s)).token_ids)
+            except grpc.aio.AioRpcError as exc:
+                log.info("Tokenize on %s failed (%s): routing by load", node.address, exc.code().name)
+                return None
+        return None
 
     async def acquire(
         self,

@@ -42,6 +42,11 @@ class NodeView(BaseModel):
     load_score: int = Field(description="Requests at the node, as least_load sees them.")
     token_latency_ms: float | None = Field(description="Recent milliseconds per generated token.")
     load: LoadReport | None = Field(description="The engine's last GetLoad answer (null when unknown).")
+    kv_indexed_blocks: int | None = Field(
+        None,
+        description="kv_aware: the engine's cached blocks in the gateway's KV index (null without kv_aware, "
+        "or while its event snapshot has not arrived).",
+    )
 
 
 class NodeList(BaseModel):

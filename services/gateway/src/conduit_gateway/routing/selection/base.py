@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar, Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from conduit_gateway.routing.kv_index import KvIndex
 
 _REGISTRY: dict[str, type[EngineSelector]] = {}
 
@@ -28,6 +31,14 @@ class RoutableNode(Protocol):
     def token_latency_s(self) -> float | None:
         """Recent seconds per generated token observed on the node's streams; None before any."""
 
+    @property
+    def block_size(self) -> int | None:
+        """Tokens per KV block of the engine; None before its model info is known."""
+
+    @property
+    def kv_active_blocks(self) -> int:
+        """KV blocks the engine's live sequences hold (its GetLoad, or this gateway's own count)."""
+
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
@@ -36,6 +47,10 @@ class RouteRequest:
     model: str
     # The prompt's leading text or token ids (bytes), for prefix affinity; empty when unknown.
     prefix_key: bytes = b""
+    # The prompt's token ids as the engine tokenizes them, for kv_aware; None when not known.
+    token_ids: tuple[int, ...] | None = None
+    # kv_aware writes the prompt blocks it predicts each scored engine has cached (address → blocks).
+    predicted_blocks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +59,9 @@ class SelectionOptions:
 
     affinity_load_factor: float = 2.0
     seed: int | None = None
+    kv_index: KvIndex | None = None  # kv_aware: the pool's index of the engines' cached blocks
+    kv_overlap_weight: float = 1.0
+    router_temperature: float = 0.0
 
 
 Node = TypeVar("Node", bound=RoutableNode)
