@@ -23,7 +23,7 @@ from conduit_engine.sampling.logprobs import compute_prompt_logprobs
 from conduit_engine.sampling.metadata import metadata_from_plan
 from conduit_engine.sampling.sampler import Sampler
 from conduit_engine.sampling.token_logprobs import TokenLogprobs
-from conduit_engine.worker.kv_cache import allocate_kv_caches
+from conduit_engine.worker.kv_cache import allocate_kv_caches, populate_in_background
 from conduit_engine.worker.step_inputs import PromptSpan, StepBatch, StepOutput
 
 
@@ -48,6 +48,7 @@ class ModelRunner:
         local = model.local_config
         shape = (num_blocks, block_size, local.num_kv_heads, local.head_dim)
         self.kv_caches: list[KVCache] = allocate_kv_caches(local.num_layers, shape, dtype, self.device)
+        populate_in_background(self.kv_caches)
         for k_cache, v_cache in self.kv_caches:
             model.ops.check_kv_cache(k_cache, v_cache)
         self.sampler = Sampler()
