@@ -41,7 +41,10 @@ _PROMPT_FIELDS = {"prompt", "messages", "suffix", "input", "instructions"}
 
 
 class GenerationHandler(ABC):
-    """Serves one request. Subclasses set the class constants and implement the five mapping hooks."""
+    """Serves one request: validation, admission against the key's limits, the engine streams, usage, errors
+    and logs. Subclasses map their API's body onto engine requests (`build_inputs`, `build_sampling`,
+    `param_aliases`) and write the answer in `handle`: chat, completions and messages through
+    `ChunkedHandler`'s chunk hooks, responses through its own event writer."""
 
     endpoint: ClassVar[str]  # metrics label
     id_prefix: ClassVar[str]  # "chatcmpl" / "cmpl"
@@ -67,8 +70,6 @@ class GenerationHandler(ABC):
         # The structured-output constraint build_sampling set, if any (engine errors about it name it).
         self.constraint: Constraint | None = None
 
-    # -- hooks -------------------------------------------------------------------------------------
-
     @abstractmethod
     def build_inputs(self) -> list[engine_pb2.GenerateRequest]:
         """One request per prompt with its `input` set; raise OpenAIError(400) naming a bad field."""
@@ -84,53 +85,6 @@ class GenerationHandler(ABC):
     def new_choice(self, index: int, prompt_index: int) -> ChoiceState:
         """State for a choice the engine just started streaming."""
         return ChoiceState(index)
-
-    def opening_choice(self, choice: ChoiceState) -> dict[str, Any] | None:
-        """The choice of a chunk sent before a choice's first text (chat's role delta), or None."""
-        return None
-
-    @abstractmethod
-    def delta_choice(
-        self, choice: ChoiceState, text: str, logprobs: Sequence[engine_pb2.PositionLogprobs]
-    ) -> dict[str, Any] | None:
-        """The streamed choice for new text of `choice` (called before the text is added to it), or None
-        when nothing is to be sent yet (a parser holds the text back)."""
-
-    def flush_choice(self, choice: ChoiceState) -> dict[str, Any] | None:
-        """A streamed choice with what was held back until the choice's end, sent before its finish."""
-        return None
-
-    @abstractmethod
-    def finish_choice(self, choice: ChoiceState) -> dict[str, Any]:
-        """The streamed choice that carries `choice.finish_reason`."""
-
-    @abstractmethod
-    def response(self, choices: list[ChoiceState], usage: UsageTotals) -> BaseModel:
-        """The non-streamed response."""
-
-    # -- the flow ----------------------------------------------------------------------------------
-
-    async def handle(self) -> Response:
-        """Validate and open the streams (errors here become the HTTP status), then respond."""
-        self._check_stream_options()
-        requests = self.prepared_requests()
-        self.admit(len(requests))
-        streaming = False
-        streams: list[EngineStream] = []
-        try:
-            streams = await self._open(requests)
-            self.opened(streams)
-            choices = ChoiceSet(self.n, self.new_choice)
-            usage = UsageTotals(len(requests))
-            if self.body.stream:
-                streaming = True
-                events = self._events(streams, choices, usage)
-                response = EventStreamResponse(events, on_close=lambda: self._release(streams))
-                return self._with_limit_headers(response)
-            return self._with_limit_headers(await self._accumulate(streams, choices, usage))
-        finally:
-            if not streaming:
-                self._release(streams)
 
     def prepared_requests(self) -> list[engine_pb2.GenerateRequest]:
         """The engine requests: the hooks' inputs and sampling set, with ids, model and priority."""
@@ -265,6 +219,67 @@ class GenerationHandler(ABC):
             texts = ["".join(choice.texts) for choice in choices.ordered()]
             log.info("request %s: completion %r", self.request_id, texts)
 
+    def _stream_error(self, error: OpenAIError) -> str:
+        log.warning("request %s: stream ended by error %s: %s", self.request_id, error.status, error.message)
+        self.ctx.metrics.stream_errors.labels(error.code or str(error.status)).inc()
+        return error_event(error)
+
+    @abstractmethod
+    async def handle(self) -> Response:
+        """Validate and open the streams (errors here become the HTTP status), then respond."""
+
+
+class ChunkedHandler(GenerationHandler):
+    """The OpenAI-style flow: every engine message becomes a chunk of streamed choices (or is accumulated
+    into one response). Subclasses implement the chunk hooks."""
+
+    # -- chunk hooks -------------------------------------------------------------------------------
+
+    def opening_choice(self, choice: ChoiceState) -> dict[str, Any] | None:
+        """The choice of a chunk sent before a choice's first text (chat's role delta), or None."""
+        return None
+
+    @abstractmethod
+    def delta_choice(
+        self, choice: ChoiceState, text: str, logprobs: Sequence[engine_pb2.PositionLogprobs]
+    ) -> dict[str, Any] | None:
+        """The streamed choice for new text of `choice` (called before the text is added to it), or None
+        when nothing is to be sent yet (a parser holds the text back)."""
+
+    def flush_choice(self, choice: ChoiceState) -> dict[str, Any] | None:
+        """A streamed choice with what was held back until the choice's end, sent before its finish."""
+        return None
+
+    @abstractmethod
+    def finish_choice(self, choice: ChoiceState) -> dict[str, Any]:
+        """The streamed choice that carries `choice.finish_reason`."""
+
+    @abstractmethod
+    def response(self, choices: list[ChoiceState], usage: UsageTotals) -> BaseModel:
+        """The non-streamed response."""
+
+    async def handle(self) -> Response:
+        """Validate and open the streams (errors here become the HTTP status), then respond."""
+        self._check_stream_options()
+        requests = self.prepared_requests()
+        self.admit(len(requests))
+        streaming = False
+        streams: list[EngineStream] = []
+        try:
+            streams = await self._open(requests)
+            self.opened(streams)
+            choices = ChoiceSet(self.n, self.new_choice)
+            usage = UsageTotals(len(requests))
+            if self.body.stream:
+                streaming = True
+                events = self._events(streams, choices, usage)
+                response = EventStreamResponse(events, on_close=lambda: self._release(streams))
+                return self._with_limit_headers(response)
+            return self._with_limit_headers(await self._accumulate(streams, choices, usage))
+        finally:
+            if not streaming:
+                self._release(streams)
+
     async def _accumulate(
         self, streams: list[EngineStream], choices: ChoiceSet, usage: UsageTotals
     ) -> Response:
@@ -376,8 +391,3 @@ class GenerationHandler(ABC):
                 if last is not None:
                     events += encoder.chunk([last], usage.as_dict)
         return events
-
-    def _stream_error(self, error: OpenAIError) -> str:
-        log.warning("request %s: stream ended by error %s: %s", self.request_id, error.status, error.message)
-        self.ctx.metrics.stream_errors.labels(error.code or str(error.status)).inc()
-        return error_event(error)

@@ -9,7 +9,7 @@ from typing import Any
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.errors import invalid_param
 from conduit_gateway.handlers import fields
-from conduit_gateway.handlers.base import GenerationHandler
+from conduit_gateway.handlers.base import ChunkedHandler
 from conduit_gateway.handlers.chat_output import ChatChoiceState, delta_fields, message
 from conduit_gateway.handlers.choices import ChoiceState, UsageTotals, safe_logprob
 from conduit_gateway.handlers.sampling import sampling_params
@@ -43,7 +43,7 @@ _SERVICE_TIERS = ("auto", "default")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-class ChatHandler(GenerationHandler):
+class ChatHandler(ChunkedHandler):
     endpoint = "chat"
     id_prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"

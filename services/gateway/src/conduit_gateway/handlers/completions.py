@@ -9,7 +9,7 @@ from typing import Any
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.errors import invalid_param
 from conduit_gateway.handlers import fields
-from conduit_gateway.handlers.base import GenerationHandler
+from conduit_gateway.handlers.base import ChunkedHandler
 from conduit_gateway.handlers.choices import (
     ChoiceState,
     UsageTotals,
@@ -29,7 +29,7 @@ from conduit_gateway.structured.constraints import request_constraint
 MAX_PROMPTS = 2048
 
 
-class CompletionsHandler(GenerationHandler):
+class CompletionsHandler(ChunkedHandler):
     endpoint = "completions"
     id_prefix = "cmpl"
     chunk_object = "text_completion"

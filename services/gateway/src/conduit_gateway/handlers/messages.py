@@ -28,7 +28,7 @@ from conduit_gateway.errors import (
     no_engine_ready,
 )
 from conduit_gateway.handlers import fields
-from conduit_gateway.handlers.base import GenerationHandler
+from conduit_gateway.handlers.base import ChunkedHandler
 from conduit_gateway.handlers.chat_output import ChatChoiceState
 from conduit_gateway.handlers.choices import ChoiceSet, ChoiceState, UsageTotals
 from conduit_gateway.handlers.disaggregated import stream_opener
@@ -68,7 +68,7 @@ _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 _TOKENIZE_TIMEOUT_S = 30.0
 
 
-class MessagesHandler(GenerationHandler):
+class MessagesHandler(ChunkedHandler):
     endpoint = "messages"
     id_prefix = "msg"
     chunk_object = "message"  # unused: this API streams its own events

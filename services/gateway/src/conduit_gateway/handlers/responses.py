@@ -23,7 +23,7 @@ from conduit_gateway.context import GatewayContext
 from conduit_gateway.errors import OpenAIError, invalid_param
 from conduit_gateway.handlers.base import GenerationHandler
 from conduit_gateway.handlers.chat_output import ChatChoiceState
-from conduit_gateway.handlers.choices import ChoiceSet, ChoiceState, UsageTotals, safe_logprob
+from conduit_gateway.handlers.choices import ChoiceSet, UsageTotals, safe_logprob
 from conduit_gateway.handlers.response_events import ResponseWriter, item_id
 from conduit_gateway.handlers.response_input import Message, map_input, output_messages, to_pb
 from conduit_gateway.handlers.sampling import sampling_params
@@ -343,18 +343,6 @@ class ResponsesHandler(GenerationHandler):
         """Calls past this many are dropped: one without parallel_tool_calls, at most max_tool_calls."""
         limits = [limit for limit in (None if self.tools.parallel else 1, self.body.max_tool_calls) if limit]
         return min(limits) if limits else None
-
-    # The chunk hooks of chat and completions: a response is written as typed events instead.
-    def delta_choice(
-        self, choice: ChoiceState, text: str, logprobs: Sequence[engine_pb2.PositionLogprobs]
-    ) -> dict[str, Any] | None:
-        raise NotImplementedError("responses are written by ResponseWriter")
-
-    def finish_choice(self, choice: ChoiceState) -> dict[str, Any]:
-        raise NotImplementedError("responses are written by ResponseWriter")
-
-    def response(self, choices: list[ChoiceState], usage: UsageTotals) -> Any:
-        raise NotImplementedError("responses are written by ResponseWriter")
 
     # -- the response object -----------------------------------------------------------------------
 
