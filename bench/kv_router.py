@@ -2,7 +2,7 @@
 round_robin, least_load, prefix_affinity and kv_aware in one run.
 
     .venv/bin/python bench/kv_router.py [--sessions 30] [--turns 7] [--concurrency 12]
-                                        [--kv-cache-blocks 128] [--max-tokens 24]
+                                        [--kv-cache-blocks 128] [--max-tokens 24] [--repeats 1]
 
 Each session is a conversation: its first prompt is a fresh opening (a unique id and a few sentences), and
 every later turn sends the whole conversation so far (the previous prompt, the model's answer, one new
@@ -59,7 +59,22 @@ class RunResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    accuracy: float | None = None
+    agreed_blocks: float = 0.0  # kv_aware's predictions (from /metrics)
+    union_blocks: float = 0.0
+
+    def add(self, other: RunResult) -> None:
+        """Fold another run of the same strategy into this one."""
+        self.seconds += other.seconds
+        self.ttft += other.ttft
+        self.prompt_tokens += other.prompt_tokens
+        self.cached_tokens += other.cached_tokens
+        self.completion_tokens += other.completion_tokens
+        self.agreed_blocks += other.agreed_blocks
+        self.union_blocks += other.union_blocks
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.agreed_blocks / self.union_blocks if self.union_blocks else None
 
     @property
     def hit_rate(self) -> float:
@@ -153,6 +168,7 @@ def run(strategy: str, args: argparse.Namespace, plan) -> RunResult:
     with EngineFleet(args.model, 3, engine_args) as fleet:
         gateway_args = ("--routing", strategy, "--load-interval", "0.2", "--log-level", "warning")
         gateway_args += ("--kv-overlap-weight", str(args.kv_overlap_weight))
+        gateway_args += ("--affinity-load-factor", str(args.affinity_load_factor))
         with start_gateway(fleet.addresses, *gateway_args) as gateway:
             if strategy == "kv_aware":
                 wait_index(gateway.url, 3)
@@ -161,7 +177,7 @@ def run(strategy: str, args: argparse.Namespace, plan) -> RunResult:
                 text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
                 name = "conduit_gateway_kv_prediction_blocks_total"
                 union = metric_sum(text, name, kind="union")
-                result.accuracy = metric_sum(text, name, kind="agreed") / union if union else 1.0
+                result.agreed_blocks, result.union_blocks = metric_sum(text, name, kind="agreed"), union
                 predicted, actual = (
                     metric_sum(text, name, kind="predicted"),
                     metric_sum(text, name, kind="actual"),
@@ -181,7 +197,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-blocks", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-overlap-weight", type=float, default=1.0)
+    parser.add_argument("--affinity-load-factor", type=float, default=2.0)
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every strategy, pooled")
     args = parser.parse_args()
     if not Path(args.model).is_dir():
         raise SystemExit(f"{args.model} is missing: ../shared must sit beside the checkout")
@@ -195,15 +213,19 @@ def main() -> None:
         f"{'strategy':16s} {'hit rate':>8s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'req/s':>7s} {'tok/s':>8s}"
         "  accuracy"
     )
-    results = []
-    for strategy in args.strategies.split(","):
-        result = run(strategy, args, plan)
-        results.append(result)
+    strategies = args.strategies.split(",")
+    merged = {strategy: RunResult(strategy) for strategy in strategies}
+    # Rounds of every strategy in turn: a busy spell of the machine falls on all of them alike.
+    for _ in range(args.repeats):
+        for strategy in strategies:
+            merged[strategy].add(run(strategy, args, plan))
+    results = list(merged.values())
+    for result in results:
         requests = len(result.ttft)
         accuracy = f"{result.accuracy:.1%}" if result.accuracy is not None else "-"
         tokens = result.prompt_tokens + result.completion_tokens
         print(
-            f"{strategy:16s} {result.hit_rate:8.1%} {result.ttft_ms(0.5):7.1f}ms "
+            f"{result.strategy:16s} {result.hit_rate:8.1%} {result.ttft_ms(0.5):7.1f}ms "
             f"{result.ttft_ms(0.9):7.1f}ms "
             f"{requests / result.seconds:7.1f} {tokens / result.seconds:8.0f}"
             f"  {accuracy}"

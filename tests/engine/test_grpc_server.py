@@ -53,6 +53,9 @@ def test_generate_text_streams_tokens_equal_to_transformers(stub, stories_path):
     # streamed deltas concatenate to exactly the tokenizer's decode of the output
     tok = stub.Tokenize(pb.TokenizeRequest(text="x"))  # smoke: the RPC works
     assert list(tok.token_ids)[0] == 1
+    assert len(tok.tokens) == len(tok.token_ids)
+    ids_only = stub.Tokenize(pb.TokenizeRequest(text="x", ids_only=True))  # what kv_aware asks
+    assert list(ids_only.token_ids) == list(tok.token_ids) and not ids_only.tokens
     from tokenizers import Tokenizer
 
     hf_tok = Tokenizer.from_file(str(stories_path / "tokenizer.json"))

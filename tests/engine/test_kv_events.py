@@ -13,6 +13,7 @@ from conduit_engine.core.sequence import Sequence
 from conduit_engine.engine.kv_events import KvEventPublisher
 from conduit_engine.errors import QueueFullError
 from conduit_engine.sampling_params import SamplingParams
+from tests.engine.support.harness import generate, greedy, make_engine
 
 pytestmark = pytest.mark.unit
 
@@ -137,3 +138,27 @@ def test_a_queued_prompt_moves_its_cached_prefix_to_the_back_of_the_eviction_ord
 def first_blocks(bm: BlockManager) -> list[int]:
     """The blocks holding the first prompt's full blocks, head first."""
     return [bm._cached[h] for h in prefix_block_hashes(list(range(9)), BS)]
+
+
+def test_the_evictions_of_a_step_are_published_before_its_model_runs(stories_path):
+    # 6 blocks of 16 tokens: the second prompt's blocks can only come from evicting the first one's.
+    engine = make_engine(stories_path, num_blocks=6, block_size=16)
+    log = engine.kv_events.log
+    generate(engine, {"a": list(range(10, 70))}, greedy(4))  # 60 + 4 tokens: 3 full blocks cached
+    engine.kv_events.publish()
+    cached_before = log.num_cached
+    assert cached_before == 3
+    seen: list[tuple[bool, int]] = []
+    execute = engine.executor.execute
+
+    def watching(scheduled):
+        seen.append((log.has_pending, log.num_cached))
+        return execute(scheduled)
+
+    engine.executor.execute = watching
+    generate(engine, {"b": list(range(100, 180))}, greedy(1))  # 80 tokens: 5 blocks, evicts a's
+    # At the first (prefill) step the model ran with the evictions already taken as a batch: a router
+    # reading the events never sends a request here for blocks scheduling just reused.
+    pending, cached = seen[0]
+    assert not pending and cached < cached_before
+    engine.shutdown()

@@ -83,6 +83,17 @@ def test_kv_aware_takes_the_engine_with_the_most_cached_blocks_weighed_against_a
     assert choose(index, [a, b, c], weight=2.0)[0] is b
 
 
+def test_kv_aware_never_sends_a_request_past_the_load_bound_however_much_is_cached_there():
+    index = index_with(b=5)
+    a, b, c = Node("a", in_flight=1), Node("b", in_flight=5), Node("c", in_flight=0)
+    # Mean in flight with this request (6 + 1) / 3; factor 2 bounds a node at ceil(14 / 3) = 5 after it
+    # takes the request: b (5 + 1) is over, however many blocks it caches, so a and c compete on load.
+    chosen, request = choose(index, [a, b, c], weight=100.0)
+    assert chosen is c and "b" not in request.predicted_blocks
+    b.in_flight = 3  # bound ceil(2 × 5 / 3) = 4, and b at 3 + 1 is within it: its cache wins again
+    assert choose(index, [a, b, c], weight=100.0)[0] is b
+
+
 def test_kv_aware_temperature_samples_and_zero_means_the_best():
     index = index_with(b=5)
     nodes = [Node("a"), Node("b")]

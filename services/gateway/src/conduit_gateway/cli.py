@@ -139,7 +139,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--affinity-load-factor",
         "affinity_load_factor",
-        "prefix_affinity: spill to the next engine above this many times the mean in-flight load (default 2)",
+        "prefix_affinity, kv_aware: no engine above this many times the mean in-flight load (default 2)",
         float,
         2.0,
     ),

@@ -74,6 +74,11 @@ class KvEventLog:
         self._pending.append(AllCleared())
 
     @property
+    def has_pending(self) -> bool:
+        """Events recorded since the last batch was taken."""
+        return bool(self._pending)
+
+    @property
     def num_cached(self) -> int:
         return len(self._live)
 

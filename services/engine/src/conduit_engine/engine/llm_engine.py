@@ -322,6 +322,9 @@ class LLMEngine:
         if scheduled.is_empty:
             return []
         timer.scheduled(scheduled, self._requests)
+        # What scheduling evicted reaches the routers now, not after the model ran: a request routed
+        # during this step must not be sent here for blocks that are already gone.
+        self.kv_events.publish()
         results = self.executor.execute(scheduled)
         self.scheduler.observe(scheduled, timer.executed(scheduled))
         outputs = self._update(scheduled, results, timer.record)

@@ -252,6 +252,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             ids = tok.encode_chat(messages_from_pb(request.chat), add_prompt, tools, documents)
         else:
             raise InvalidRequestError("input", "one of text or chat is required")
+        if request.ids_only:
+            return pb.TokenizeResponse(token_ids=ids)
         return pb.TokenizeResponse(token_ids=ids, tokens=[tok.token_text(i) for i in ids])
 
     async def Detokenize(

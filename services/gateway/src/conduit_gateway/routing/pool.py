@@ -242,7 +242,7 @@ class EnginePool:
         kind = request.WhichOneof("input")
         if kind == "token_ids":
             return tuple(request.token_ids.ids)
-        tokenize = engine_pb2.TokenizeRequest()
+        tokenize = engine_pb2.TokenizeRequest(ids_only=True)
         if kind == "text":
             tokenize.text = request.text
         elif kind == "chat":

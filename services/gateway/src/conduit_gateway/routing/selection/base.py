@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -88,6 +89,15 @@ class EngineSelector(ABC):
     @abstractmethod
     def choose(self, candidates: Sequence[Node], request: RouteRequest | None = None) -> Node:
         """The node to send `request` to."""
+
+
+def load_bound(candidates: Sequence[RoutableNode], factor: float) -> int:
+    """The most in-flight requests a node may hold after taking one more (consistent hashing with bounded
+    loads): `factor` × the mean over `candidates`, counting the request being placed, so an idle pool
+    always admits it anywhere. From this gateway's own in-flight counts, which are exact and immediate;
+    the engines' polled load lags and would make an idle engine look busy right after a request."""
+    total = sum(node.in_flight for node in candidates)
+    return math.ceil(factor * (total + 1) / len(candidates))
 
 
 def registered_strategies() -> dict[str, type[EngineSelector]]:

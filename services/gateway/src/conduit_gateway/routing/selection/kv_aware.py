@@ -13,7 +13,10 @@ Each candidate e gets a score (NVIDIA Dynamo's KV router cost, negated so that h
   gateway's last request start or end on e (a stale poll would make e look busy right after a request).
 
 Choosing e saves kv_overlap_weight × cached(e) blocks of prefill and adds to a queue of active(e) blocks.
-With `router_temperature` 0 the best score wins (ties: fewer in-flight requests, then rotation); above 0 an
+Only engines within the load bound compete (`affinity_load_factor` × the mean in-flight count, as
+prefix_affinity bounds its ring): the cost alone lets a long cached conversation pull its turns onto an
+engine whose queue then makes them wait longer than their prefill would have taken elsewhere. With
+`router_temperature` 0 the best score wins (ties: fewer in-flight requests, then rotation); above 0 an
 engine is drawn with probability ∝ exp(s(e) / T), s being the scores scaled to [−1, 0] by their range, so
 equal engines share the traffic and a hot prefix does not pin one engine.
 """
@@ -26,7 +29,13 @@ import random
 from collections.abc import Sequence
 
 from conduit_common.kv_blocks import prefix_block_hashes
-from conduit_gateway.routing.selection.base import EngineSelector, Node, RouteRequest, SelectionOptions
+from conduit_gateway.routing.selection.base import (
+    EngineSelector,
+    Node,
+    RouteRequest,
+    SelectionOptions,
+    load_bound,
+)
 
 
 class KvAwareSelector(EngineSelector):
@@ -38,6 +47,9 @@ class KvAwareSelector(EngineSelector):
         self._counter = itertools.count()
 
     def choose(self, candidates: Sequence[Node], request: RouteRequest | None = None) -> Node:
+        if len(candidates) > 1:
+            bound = load_bound(candidates, self.options.affinity_load_factor)
+            candidates = [node for node in candidates if node.in_flight + 1 <= bound] or candidates
         scores = [self._score(node, request) for node in candidates]
         if len(candidates) == 1:
             return candidates[0]

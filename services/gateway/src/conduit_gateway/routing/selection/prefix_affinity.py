@@ -3,20 +3,24 @@
 Requests whose prompts start the same way hash to the same engine, so its prefix cache already holds
 their shared blocks. Each engine owns many points on a hash ring; a request walks the ring clockwise from
 its key's hash and takes the first engine whose in-flight count stays within `affinity_load_factor` ×
-the average (consistent hashing with bounded loads): a hot prefix spills over to the next engine on the
-ring, the same one every time, instead of overloading one. Adding or removing an engine only moves the
-keys next to its points. The bound uses this gateway's own in-flight counts, which are exact and
-immediate; the engines' polled load lags and would make an idle engine look busy right after a request.
+the average (consistent hashing with bounded loads, `load_bound`): a hot prefix spills over to the next
+engine on the ring, the same one every time, instead of overloading one. Adding or removing an engine only
+moves the keys next to its points.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
-import math
 from collections.abc import Sequence
 
-from conduit_gateway.routing.selection.base import EngineSelector, Node, RouteRequest, SelectionOptions
+from conduit_gateway.routing.selection.base import (
+    EngineSelector,
+    Node,
+    RouteRequest,
+    SelectionOptions,
+    load_bound,
+)
 
 POINTS_PER_NODE = 64
 # Rings are cached per candidate set; sets change only when engines come, go or change health.
@@ -66,9 +70,7 @@ class PrefixAffinitySelector(EngineSelector):
         by_address = {node.address: node for node in candidates}
         key = request.prefix_key if request is not None else b""
         order = self._ring(by_address).walk(ring_hash(key))
-        total = sum(node.in_flight for node in candidates)
-        # The bound counts the request being placed, so an idle pool always admits it at its home node.
-        bound = math.ceil(self.options.affinity_load_factor * (total + 1) / len(candidates))
+        bound = load_bound(candidates, self.options.affinity_load_factor)
         for address in order:
             node = by_address[address]
             if node.in_flight + 1 <= bound:
