@@ -2,7 +2,7 @@
 round_robin, least_load, prefix_affinity and kv_aware in one run.
 
     .venv/bin/python bench/kv_router.py [--sessions 30] [--turns 7] [--concurrency 12]
-                                        [--kv-cache-blocks 128] [--max-tokens 24] [--repeats 1]
+                                        [--kv-cache-blocks 256] [--max-tokens 24] [--repeats 1]
 
 Each session is a conversation: its first prompt is a fresh opening (a unique id and a few sentences), and
 every later turn sends the whole conversation so far (the previous prompt, the model's answer, one new
@@ -194,9 +194,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-num-seqs", type=int, default=4)
-    parser.add_argument("--kv-cache-blocks", type=int, default=128)
+    parser.add_argument("--kv-cache-blocks", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-overlap-weight", type=float, default=1.0)
+    parser.add_argument("--kv-overlap-weight", type=float, default=8.0)
     parser.add_argument("--affinity-load-factor", type=float, default=2.0)
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every strategy, pooled")

@@ -146,9 +146,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--kv-overlap-weight",
         "kv_overlap_weight",
-        "kv_aware: weight of a cached prompt block against one active block (default 1)",
+        "kv_aware: weight of a cached prompt block against one active block (default 8)",
         float,
-        1.0,
+        8.0,
     ),
     Flag(
         "--router-temperature",

@@ -71,8 +71,10 @@ class GatewayConfig:
     affinity_load_factor: float = 2.0
     # kv_aware: score = kv_overlap_weight × cached blocks − active blocks; router_temperature 0 takes the
     # best score, above 0 samples from a softmax of the normalised scores; the index holds at most
-    # kv_index_max_blocks block hashes per engine.
-    kv_overlap_weight: float = 1.0
+    # kv_index_max_blocks block hashes per engine. The load bound (affinity_load_factor) keeps a cached
+    # engine from being overloaded, so within it a cached block may outweigh an active one (8: measured
+    # with bench/kv_router.py, README).
+    kv_overlap_weight: float = 8.0
     router_temperature: float = 0.0
     kv_index_max_blocks: int = 1_000_000
     # Requests in flight at once; one more gets 429 rather than queueing in the gateway.

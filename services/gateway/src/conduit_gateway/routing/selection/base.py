@@ -61,7 +61,7 @@ class SelectionOptions:
     affinity_load_factor: float = 2.0
     seed: int | None = None
     kv_index: KvIndex | None = None  # kv_aware: the pool's index of the engines' cached blocks
-    kv_overlap_weight: float = 1.0
+    kv_overlap_weight: float = 8.0
     router_temperature: float = 0.0
 
 
