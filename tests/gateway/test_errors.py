@@ -86,6 +86,25 @@ def test_non_object_body_is_400(http):
         ({**CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
         ({**CHAT, "top_k": 2**31}, "top_k"),
         ({**CHAT, "stop": ["\ud800"]}, "stop"),
+        ({**CHAT, "messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+        (
+            {
+                **CHAT,
+                "tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}],
+                "tool_choice": "none",
+            },
+            "tools",
+        ),
+        (
+            {
+                **CHAT,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "string", "description": "\ud800"}},
+                },
+            },
+            "response_format.json_schema.schema",
+        ),
         ({"messages": CHAT["messages"]}, "model"),
     ],
 )

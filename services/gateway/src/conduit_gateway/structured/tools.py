@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conduit_gateway.errors import invalid_param
+from conduit_gateway.handlers import fields
 from conduit_gateway.schemas.structured import NamedToolChoice, ToolDefinition
 from conduit_gateway.structured import validation
 from conduit_gateway.structured.constraints import Constraint
@@ -45,7 +46,10 @@ def plan_tools(
             raise invalid_param("tool_choice", "needs tools: the request defines none")
         return ToolPlan("none")
     names = _check_tools(tools)
-    tools_json = json.dumps([tool.model_dump(exclude_none=True) for tool in tools], ensure_ascii=False)
+    # Names and descriptions are free text: a lone surrogate (JSON carries it, protobuf cannot) is a 400.
+    tools_json = fields.text(
+        "tools", json.dumps([tool.model_dump(exclude_none=True) for tool in tools], ensure_ascii=False)
+    )
     parallel = parallel_tool_calls is not False
     choice = tool_choice or "auto"
     if choice == "none":

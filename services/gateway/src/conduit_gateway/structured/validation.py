@@ -39,7 +39,7 @@ def json_schema_text(param: str, value: dict[str, Any] | str) -> str:
         except ValueError as exc:
             raise invalid_param(param, f"is not valid JSON: {exc}") from None
     check_json_schema(param, value)
-    return check_size(param, json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+    return check_size(param, fields.text(param, json.dumps(value, ensure_ascii=False, separators=(",", ":"))))
 
 
 def check_json_schema(param: str, schema: object) -> None:
