@@ -411,7 +411,7 @@ def prompt_input(body: MessageInputs, tool_call_parser: str | None) -> tuple[eng
     chat = engine_pb2.ChatInput(messages=_chat_messages(body))
     tools = _tool_plan(body, tool_call_parser)
     if tools.tools_json is not None:
-        chat.tools_json = fields.text("tools", tools.tools_json)  # names and descriptions are free text
+        chat.tools_json = tools.tools_json  # plan_tools checked its free text
     return chat, tools
 
 

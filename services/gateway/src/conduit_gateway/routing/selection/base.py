@@ -91,13 +91,13 @@ class EngineSelector(ABC):
         """The node to send `request` to."""
 
 
-def load_bound(candidates: Sequence[RoutableNode], factor: float) -> int:
-    """The most in-flight requests a node may hold after taking one more (consistent hashing with bounded
-    loads): `factor` × the mean over `candidates`, counting the request being placed, so an idle pool
-    always admits it anywhere. From this gateway's own in-flight counts, which are exact and immediate;
-    the engines' polled load lags and would make an idle engine look busy right after a request."""
-    total = sum(node.in_flight for node in candidates)
-    return math.ceil(factor * (total + 1) / len(candidates))
+def within_load_bound(candidates: Sequence[Node], factor: float) -> list[Node]:
+    """The candidates that may take one more request (consistent hashing with bounded loads): those whose
+    in-flight count stays within `factor` × the mean, counting the request being placed, so an idle pool
+    admits it anywhere. From this gateway's own in-flight counts, which are exact and immediate; the
+    engines' polled load lags and would make an idle engine look busy right after a request."""
+    bound = math.ceil(factor * (sum(node.in_flight for node in candidates) + 1) / len(candidates))
+    return [node for node in candidates if node.in_flight + 1 <= bound]
 
 
 def registered_strategies() -> dict[str, type[EngineSelector]]:

@@ -34,7 +34,7 @@ from conduit_gateway.routing.selection.base import (
     Node,
     RouteRequest,
     SelectionOptions,
-    load_bound,
+    within_load_bound,
 )
 
 
@@ -48,8 +48,7 @@ class KvAwareSelector(EngineSelector):
 
     def choose(self, candidates: Sequence[Node], request: RouteRequest | None = None) -> Node:
         if len(candidates) > 1:
-            bound = load_bound(candidates, self.options.affinity_load_factor)
-            candidates = [node for node in candidates if node.in_flight + 1 <= bound] or candidates
+            candidates = within_load_bound(candidates, self.options.affinity_load_factor) or candidates
         scores = [self._score(node, request) for node in candidates]
         if len(candidates) == 1:
             return candidates[0]

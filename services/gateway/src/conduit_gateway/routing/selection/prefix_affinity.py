@@ -3,7 +3,7 @@
 Requests whose prompts start the same way hash to the same engine, so its prefix cache already holds
 their shared blocks. Each engine owns many points on a hash ring; a request walks the ring clockwise from
 its key's hash and takes the first engine whose in-flight count stays within `affinity_load_factor` ×
-the average (consistent hashing with bounded loads, `load_bound`): a hot prefix spills over to the next
+the average (consistent hashing with bounded loads, `within_load_bound`): a hot prefix spills over to the next
 engine on the ring, the same one every time, instead of overloading one. Adding or removing an engine only
 moves the keys next to its points.
 """
@@ -19,7 +19,7 @@ from conduit_gateway.routing.selection.base import (
     Node,
     RouteRequest,
     SelectionOptions,
-    load_bound,
+    within_load_bound,
 )
 
 POINTS_PER_NODE = 64
@@ -70,11 +70,10 @@ class PrefixAffinitySelector(EngineSelector):
         by_address = {node.address: node for node in candidates}
         key = request.prefix_key if request is not None else b""
         order = self._ring(by_address).walk(ring_hash(key))
-        bound = load_bound(candidates, self.options.affinity_load_factor)
+        allowed = {node.address for node in within_load_bound(candidates, self.options.affinity_load_factor)}
         for address in order:
-            node = by_address[address]
-            if node.in_flight + 1 <= bound:
-                return node
+            if address in allowed:
+                return by_address[address]
         return min((by_address[address] for address in order), key=lambda node: node.in_flight)
 
     def _ring(self, by_address: dict[str, Node]) -> HashRing:
