@@ -59,6 +59,36 @@ def random_llama_110m(cache_dir: Path = REPO / ".models" / "random-llama-110m") 
     return cache_dir
 
 
+def random_llama_20m(cache_dir: Path = REPO / ".models" / "random-llama-20m") -> Path:
+    """A random Llama with hidden 384, 6 layers, a 32k vocabulary (tied) and a 2,048-token context."""
+    if (cache_dir / "model.safetensors").is_file():
+        return cache_dir
+    import transformers
+
+    from conduit_engine.models.demo_model import CHAT_TEMPLATE
+
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(cache_dir, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (cache_dir / name).write_bytes((SHARED / "tokenizers" / "llama2" / name).read_bytes())
+    (cache_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return cache_dir
+
+
 def request_set(
     n: int, vocab: int, seed: int = 0, prompt_range=(4, 64), output_range=(16, 128)
 ) -> list[tuple[list[int], int]]:

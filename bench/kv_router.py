@@ -1,10 +1,12 @@
 """KV-aware routing benchmark: multi-turn sessions over three engines whose caches cannot hold them all,
 round_robin, least_load, prefix_affinity and kv_aware in one run.
 
-    .venv/bin/python bench/kv_router.py [--sessions 30] [--turns 7] [--concurrency 12]
-                                        [--kv-cache-blocks 256] [--max-tokens 24] [--repeats 1]
+    .venv/bin/python bench/kv_router.py [--model stories|20m|PATH] [--sessions 30] [--turns 7]
+                                        [--concurrency 12] [--kv-cache-blocks 256] [--max-tokens 24]
+                                        [--opening-sentences 4] [--repeats 1]
 
-Each session is a conversation: its first prompt is a fresh opening (a unique id and a few sentences), and
+Each session is a conversation: its first prompt is a fresh opening (a unique id and `opening-sentences`
+sentences: an agent's system prompt and task), and
 every later turn sends the whole conversation so far (the previous prompt, the model's answer, one new
 sentence), so a turn that lands on the engine holding the conversation finds all of it but the new part
 cached. All sessions run at once, `concurrency` requests at a time, so turns of different sessions
@@ -14,6 +16,11 @@ are evicted. Every strategy gets three fresh engines and the same sessions (gree
 Prints per strategy: prefix-cache hit rate (cached prompt tokens / prompt tokens, from the responses'
 usage), time to first token p50 / p90 (streamed), requests and tokens per second, and for kv_aware the
 index's accuracy (Σ min(predicted, actual) / Σ max(predicted, actual) cached blocks, from /metrics).
+
+`--model stories` (stories260K, the default) computes a prompt in about the time of one decode step, so a
+cached prefix saves almost nothing and TTFT measures load balance alone. `--model 20m` (a random Llama,
+hidden 384 × 6 layers, 32k vocabulary, made once under .models/) with `--opening-sentences 40` gives each
+conversation several hundred tokens whose prefill costs real time, as an agent's long context does.
 """
 
 from __future__ import annotations
@@ -34,10 +41,11 @@ sys.path.insert(0, str(REPO))  # for tests.support
 
 import httpx  # noqa: E402
 
+from bench.common import random_llama_20m, stories_path  # noqa: E402
 from tests.support.engine_fleet import EngineFleet  # noqa: E402
 from tests.support.processes import start_gateway  # noqa: E402
 
-MODEL = "stories260K"
+MODEL_NAME = "bench"  # the engines serve the model under this name
 STRATEGIES = ("round_robin", "least_load", "prefix_affinity", "kv_aware")
 SENTENCES = (
     "Once upon a time, there was a little girl named Lily.",
@@ -84,12 +92,14 @@ class RunResult:
         return 1000 * statistics.quantiles(self.ttft, n=100)[int(q * 100) - 1]
 
 
-def sessions(count: int, turns: int, seed: int) -> list[tuple[str, list[str]]]:
+def sessions(count: int, turns: int, opening: int, seed: int) -> list[tuple[str, list[str]]]:
     """(opening, the new sentence of each later turn) per session."""
     rng = random.Random(seed)
     return [
         (
-            uuid.UUID(int=rng.getrandbits(128)).hex + " " + " ".join(rng.choice(SENTENCES) for _ in range(4)),
+            uuid.UUID(int=rng.getrandbits(128)).hex
+            + " "
+            + " ".join(rng.choice(SENTENCES) for _ in range(opening)),
             [rng.choice(SENTENCES) for _ in range(turns - 1)],
         )
         for _ in range(count)
@@ -98,7 +108,7 @@ def sessions(count: int, turns: int, seed: int) -> list[tuple[str, list[str]]]:
 
 async def stream_one(client: httpx.AsyncClient, prompt: str, max_tokens: int, result: RunResult) -> str:
     body = {
-        "model": MODEL,
+        "model": MODEL_NAME,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -164,6 +174,7 @@ def wait_index(url: str, engines: int) -> None:
 
 def run(strategy: str, args: argparse.Namespace, plan) -> RunResult:
     engine_args = ("--max-num-seqs", str(args.max_num_seqs), "--kv-cache-blocks", str(args.kv_cache_blocks))
+    engine_args += ("--served-model-name", MODEL_NAME)
     result = RunResult(strategy)
     with EngineFleet(args.model, 3, engine_args) as fleet:
         gateway_args = ("--routing", strategy, "--load-interval", "0.2", "--log-level", "warning")
@@ -188,24 +199,29 @@ def run(strategy: str, args: argparse.Namespace, plan) -> RunResult:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(REPO.parent / "shared" / "models" / "stories260K"))
+    parser.add_argument("--model", default="stories", help="stories, 20m or a model folder")
     parser.add_argument("--sessions", type=int, default=30)
     parser.add_argument("--turns", type=int, default=7)
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--kv-cache-blocks", type=int, default=256)
+    parser.add_argument("--opening-sentences", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-overlap-weight", type=float, default=8.0)
     parser.add_argument("--affinity-load-factor", type=float, default=2.0)
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every strategy, pooled")
     args = parser.parse_args()
+    args.model = str(
+        {"stories": stories_path, "20m": random_llama_20m}.get(args.model, lambda: Path(args.model))()
+    )
     if not Path(args.model).is_dir():
-        raise SystemExit(f"{args.model} is missing: ../shared must sit beside the checkout")
-    plan = sessions(args.sessions, args.turns, args.seed)
+        raise SystemExit(f"{args.model} is not a model folder")
+    plan = sessions(args.sessions, args.turns, args.opening_sentences, args.seed)
     print(
-        f"3 engines ({args.kv_cache_blocks} KV blocks of 16 tokens each, {args.max_num_seqs} seqs); "
+        f"{Path(args.model).name}: 3 engines ({args.kv_cache_blocks} KV blocks of 16 tokens each, "
+        f"{args.max_num_seqs} seqs); "
         f"{args.sessions} sessions x {args.turns} turns, {args.concurrency} requests at a time, "
         f"{args.max_tokens} tokens per answer"
     )

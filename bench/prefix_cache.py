@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from common import REPO, SHARED, stories_path
+from common import random_llama_20m, stories_path
 
 from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from conduit_engine.engine.llm_engine import LLMEngine
@@ -24,37 +24,6 @@ from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
-
-
-def random_llama_20m(cache_dir: Path = REPO / ".models" / "random-llama-20m") -> Path:
-    """A random Llama with hidden 384, 6 layers, a 32k vocabulary (tied) and a 2,048-token context."""
-    if (cache_dir / "model.safetensors").is_file():
-        return cache_dir
-    import transformers
-
-    from conduit_engine.models.demo_model import CHAT_TEMPLATE
-
-    config = transformers.LlamaConfig(
-        vocab_size=32000,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=6,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(cache_dir, safe_serialization=True)
-    tok_src = SHARED / "tokenizers" / "llama2"
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (cache_dir / name).write_bytes((tok_src / name).read_bytes())
-    (cache_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    return cache_dir
 
 
 @dataclass(frozen=True)
