@@ -36,6 +36,7 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
     ERROR = "error"
     KV_HANDOFF = "kv_handoff"  # prefill side of a disaggregated request: a decode engine continues it
+    MIGRATE = "migrate"  # the engine is draining: the caller continues the choice on another engine
 
 
 @dataclass(eq=False, slots=True)

@@ -84,6 +84,11 @@ class AsyncEngine:
     def start_draining(self) -> None:
         self._draining = True
 
+    def migrate_all(self) -> None:
+        """End every live request with FinishReason.MIGRATE (the drain's time is up: callers continue them
+        on other engines); their streams end once they have read those outputs."""
+        self._submit(lambda: self._deliver(self.core.migrate_all()))
+
     @property
     def num_active(self) -> int:
         with self._lock:

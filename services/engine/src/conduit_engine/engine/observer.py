@@ -25,6 +25,7 @@ clock = time.monotonic
 _REQUEST_REASON_ORDER = (
     FinishReason.ERROR,
     FinishReason.ABORT,
+    FinishReason.MIGRATE,
     FinishReason.LENGTH,
     FinishReason.KV_HANDOFF,
     FinishReason.STOP,

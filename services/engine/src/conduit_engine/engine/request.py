@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conduit_engine.core.sequence import FinishReason
+from conduit_engine.engine.continuation import Continuation
 from conduit_engine.kv_transfer.params import KvConsume
 from conduit_engine.kv_transfer.registry import KvTransfer
 from conduit_engine.models.tokenizer import ChatMessage
@@ -33,11 +34,18 @@ class GenerationRequest:
     # Disaggregation (at most one): run only the prefill side and hand the KV off, or only the decode side.
     kv_produce: bool = False
     kv_consume: KvConsume | None = None
+    # Migration: the choices another engine started, continued here from their tokens so far.
+    continuation: Continuation | None = None
 
     @property
     def num_choices(self) -> int:
-        """Choices this engine runs: all n, or on the decode side those the prefill left running."""
-        return len(self.kv_consume.first_tokens) if self.kv_consume is not None else self.params.n
+        """Choices this engine runs: all n, on the decode side those the prefill left running, and for a
+        continuation those it continues."""
+        if self.kv_consume is not None:
+            return len(self.kv_consume.first_tokens)
+        if self.continuation is not None:
+            return len(self.continuation.choices)
+        return self.params.n
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,7 +85,12 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
         False,
         "with --tensor-parallel-size 1: run the model in a worker process",
     ),
-    ("--drain-seconds", float, 30.0, "on SIGTERM, how long in-flight streams may finish"),
+    (
+        "--drain-seconds",
+        float,
+        30.0,
+        "on SIGTERM, how long in-flight streams may finish before the rest are handed back for migration",
+    ),
     ("--grpc-max-message-bytes", int, 64 * 1024 * 1024, "largest gRPC message sent or received"),
     ("--grpc-keepalive", float, 30.0, "HTTP/2 keepalive ping period towards clients, seconds"),
     ("--grpc-min-ping-interval", float, 5.0, "clients may ping no more often than this, seconds"),

@@ -9,6 +9,7 @@ from typing import Any
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.core.sequence import FinishReason
+from conduit_engine.engine.continuation import Continuation, ContinuedChoice
 from conduit_engine.engine.request import GenerationRequest, RequestOutput
 from conduit_engine.errors import InvalidRequestError
 from conduit_engine.kv_transfer.proto import consume_from_pb
@@ -24,6 +25,7 @@ _FINISH = {
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
     FinishReason.KV_HANDOFF: pb.FINISH_REASON_KV_HANDOFF,
+    FinishReason.MIGRATE: pb.FINISH_REASON_MIGRATE,
 }
 
 # Proto fields copied as they are when present: (proto field, SamplingParams field)
@@ -135,7 +137,17 @@ def request_from_pb(msg: pb.GenerateRequest) -> GenerationRequest:
         req.kv_produce = mode == "produce"
         if mode == "consume":
             req.kv_consume = consume_from_pb(msg.kv_transfer.consume)
+    if msg.HasField("continuation"):
+        if msg.HasField("kv_transfer"):
+            raise InvalidRequestError("continuation", "cannot be combined with kv_transfer")
+        req.continuation = continuation_from_pb(msg.continuation)
     return req
+
+
+def continuation_from_pb(msg: pb.Continuation) -> Continuation:
+    return Continuation(
+        tuple(ContinuedChoice(index=c.index, token_ids=tuple(c.token_ids), text=c.text) for c in msg.choices)
+    )
 
 
 def _logprob_pb(lp: TokenLogprobs, decode: Callable[[int], str]) -> pb.PositionLogprobs:

@@ -1,5 +1,6 @@
 """The engine process around the gRPC service: the grpc.aio server with health and reflection, loading and
-warm-up (health NOT_SERVING until both are done), SIGTERM drain, SIGHUP reload, and a worker failure.
+warm-up (health NOT_SERVING until both are done), SIGUSR1 leaving rotation, SIGTERM drain (streams still
+running when it ends are handed back with FINISH_REASON_MIGRATE), SIGHUP reload, and a worker failure.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ async def warm_up(async_engine: AsyncEngine) -> None:
 
 # After a worker failure: how long the failed streams get to send their error before gRPC stops.
 _FAILED_STREAMS_GRACE_S = 2.0
+# After the drain: how long the streams handed back get to send their MIGRATE messages before gRPC stops.
+_HAND_BACK_GRACE_S = 2.0
 
 
 class EngineServer:
@@ -100,6 +103,7 @@ class EngineServer:
         self.async_engine: AsyncEngine | None = None
         self._stop = asyncio.Event()
         self._drained = False
+        self._rotation_task: asyncio.Future[None] | None = None
 
     @property
     def advertise_address(self) -> str:
@@ -161,8 +165,9 @@ class EngineServer:
         log.info("SERVING %s", core.model_name)
 
     async def drain_and_stop(self) -> None:
-        """Stop taking requests, let in-flight streams finish (up to drain_seconds), then stop. Once: a
-        second call returns at once (the stopped engine thread would never answer its stats)."""
+        """Stop taking requests, let in-flight streams finish (up to drain_seconds), hand the rest back
+        (FINISH_REASON_MIGRATE: the gateway continues them elsewhere), then stop. Once: a second call
+        returns at once (the stopped engine thread would never answer its stats)."""
         if self._drained:
             return
         self._drained = True
@@ -170,9 +175,16 @@ class EngineServer:
         self.telemetry.set_state("draining")
         if self.async_engine is not None:
             self.async_engine.start_draining()
-            deadline = asyncio.get_running_loop().time() + self.config.server.drain_seconds
-            while await self._busy() and asyncio.get_running_loop().time() < deadline:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.config.server.drain_seconds
+            while loop.time() < deadline and await self._busy():
                 await asyncio.sleep(0.1)
+            if self.async_engine.num_active:
+                log.info("drain time is up: handing %d stream(s) back", self.async_engine.num_active)
+                self.async_engine.migrate_all()
+                deadline = loop.time() + _HAND_BACK_GRACE_S
+                while self.async_engine.num_active and loop.time() < deadline:
+                    await asyncio.sleep(0.02)
         await self.server.stop(grace=1.0)
         if self.async_engine is not None:
             await self.async_engine.close_transport()
@@ -191,6 +203,14 @@ class EngineServer:
         self.security.reload()
         if self.engine_dialer.reload():
             log.info("SIGHUP: re-read the token presented to other engines")
+
+    def _leave_rotation(self) -> None:
+        """SIGUSR1 (a pre-stop hook, before SIGTERM): health says NOT_SERVING, so routers stop sending
+        requests here, while the engine still serves what reaches it and its running streams go on."""
+        log.info("SIGUSR1: health NOT_SERVING (leaving rotation; requests are still served until SIGTERM)")
+        self._rotation_task = asyncio.ensure_future(
+            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
 
     def _fatal(self, reason: str) -> None:
         self.failure = reason
@@ -214,6 +234,7 @@ class EngineServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._reload)
+        loop.add_signal_handler(signal.SIGUSR1, self._leave_rotation)
         await self.start()
         await self._stop.wait()
         if self.failure is not None:
