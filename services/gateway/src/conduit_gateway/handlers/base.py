@@ -206,6 +206,15 @@ class GenerationHandler(ABC):
                 type="server_error",
                 code="engine_error",
             )
+        if message.finish_reason == engine_pb2.FINISH_REASON_MIGRATE:
+            # The engine's drain ran out and handed the stream back; until the gateway continues such a
+            # stream elsewhere it ends as an engine that went away mid-stream does, never as a short "stop".
+            raise OpenAIError(
+                503,
+                f"The engine shut down while generating choice {choice.index}.",
+                type="server_error",
+                code="engine_unavailable",
+            )
         choice.finish_reason = FINISH_REASONS.get(message.finish_reason, "stop")
 
     def _finished(self, usage: UsageTotals, choices: ChoiceSet) -> None:
