@@ -40,6 +40,14 @@ log = logging.getLogger(__name__)
 _PROMPT_FIELDS = {"prompt", "messages", "suffix", "input", "instructions"}
 
 
+# Engine endings that are not an output: the error event each one becomes. A stream the engine hands back
+# at the end of its drain (MIGRATE) ends as an engine gone mid-stream does, never as a short "stop".
+_ENGINE_ENDINGS = {
+    engine_pb2.FINISH_REASON_ERROR: (500, "failed", "engine_error"),
+    engine_pb2.FINISH_REASON_MIGRATE: (503, "shut down", "engine_unavailable"),
+}
+
+
 class GenerationHandler(ABC):
     """Serves one request: validation, admission against the key's limits, the engine streams, usage, errors
     and logs. Subclasses map their API's body onto engine requests (`build_inputs`, `build_sampling`,
@@ -199,21 +207,14 @@ class GenerationHandler(ABC):
         return choices.get(prompt_index, message.index)
 
     def _finish(self, choice: ChoiceState, message: engine_pb2.GenerateResponse) -> None:
-        if message.finish_reason == engine_pb2.FINISH_REASON_ERROR:
+        ending = _ENGINE_ENDINGS.get(message.finish_reason)
+        if ending is not None:
+            status, what, code = ending
             raise OpenAIError(
-                500,
-                f"The engine failed while generating choice {choice.index}.",
+                status,
+                f"The engine {what} while generating choice {choice.index}.",
                 type="server_error",
-                code="engine_error",
-            )
-        if message.finish_reason == engine_pb2.FINISH_REASON_MIGRATE:
-            # The engine's drain ran out and handed the stream back; until the gateway continues such a
-            # stream elsewhere it ends as an engine that went away mid-stream does, never as a short "stop".
-            raise OpenAIError(
-                503,
-                f"The engine shut down while generating choice {choice.index}.",
-                type="server_error",
-                code="engine_unavailable",
+                code=code,
             )
         choice.finish_reason = FINISH_REASONS.get(message.finish_reason, "stop")
 
