@@ -1,6 +1,7 @@
-"""An engine SIGKILLed under load: requests that had not started streaming finish on other engines,
-streams on the dead engine end with an error event, and the engine is ejected, then re-admitted after it
-restarts on the same port. The gateway here is the real `conduit-gateway` process."""
+"""An engine SIGKILLed under load: requests that had not started streaming are retried on other engines,
+streams running on the dead engine move to another one and finish (migration), and the engine is
+ejected, then re-admitted after it restarts on the same port. The gateway is the real `conduit-gateway`
+process. With migration off (`--migration-limit 0`) those streams end with an error event."""
 
 from __future__ import annotations
 
@@ -51,10 +52,11 @@ def _stream(client: openai.OpenAI, index: int, outcome: StreamOutcome, started: 
         outcome.error = exc
 
 
-@pytest.fixture
-def gateway(fleet):
+@pytest.fixture(params=[3, 0], ids=["migration", "no_migration"])
+def gateway(fleet, request):
     args = ("--routing", "round_robin", "--admin-key", ADMIN_KEY, "--health-interval", "0.5")
-    with start_gateway(fleet.addresses, *args) as process:
+    with start_gateway(fleet.addresses, *args, "--migration-limit", str(request.param)) as process:
+        process.migration_limit = request.param
         yield process
 
 
@@ -66,7 +68,7 @@ def victim(fleet):
         fleet.restart(1)
 
 
-def test_sigkill_under_load_loses_no_request_that_had_not_started(fleet, gateway, victim):
+def test_sigkill_under_load_loses_no_request(fleet, gateway, victim):
     address = fleet.addresses[victim]
     outcomes = [StreamOutcome() for _ in range(STREAMS)]
     started = threading.Semaphore(0)
@@ -83,24 +85,30 @@ def test_sigkill_under_load_loses_no_request_that_had_not_started(fleet, gateway
 
     failed = [outcome for outcome in outcomes if outcome.error is not None]
     completed = [outcome for outcome in outcomes if outcome.error is None]
-    # Only the two streams running on the victim were lost, after their first tokens, with an error event.
-    assert len(failed) == 2
-    for outcome in failed:
-        assert outcome.started
-        assert outcome.error.body == {
-            "message": outcome.error.message,
-            "type": "server_error",
-            "param": None,
-            "code": "engine_unavailable",
-        }
+    metrics = _metrics(gateway.url)
+    if gateway.migration_limit:
+        # The two streams running on the victim moved to the other engines and finished there.
+        assert failed == []
+        assert 'conduit_gateway_migrations_total{reason="unavailable"} 2.0' in metrics
+    else:
+        # Without migration they are lost after their first tokens, with an error event.
+        assert len(failed) == 2
+        for outcome in failed:
+            assert outcome.started
+            assert outcome.error.body == {
+                "message": outcome.error.message,
+                "type": "server_error",
+                "param": None,
+                "code": "engine_unavailable",
+            }
+        assert "conduit_gateway_migrations_total{" not in metrics
     # Its two waiting requests had sent nothing yet: they were retried on the other engines and finished.
-    assert len(completed) == STREAMS - 2
+    assert len(completed) == STREAMS - len(failed)
     assert all((o.completion_tokens, o.finish_reason) == (TOKENS, "length") for o in completed)
 
     view = nodes(gateway.url)[address]
     assert (view["state"], view["serving"], view["ejections"]) == ("unavailable", False, 1)
     assert view["failures"] == 4 and view["in_flight"] == 0
-    metrics = _metrics(gateway.url)
     assert 'conduit_gateway_retries_total{code="UNAVAILABLE"} 2.0' in metrics
     assert f'conduit_gateway_node_ejections_total{{node="{address}"}} 1.0' in metrics
     assert f'conduit_gateway_engine_up{{engine="{address}"}} 0.0' in metrics

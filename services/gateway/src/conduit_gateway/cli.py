@@ -130,6 +130,13 @@ FLAGS: tuple[Flag, ...] = (
         1,
     ),
     Flag(
+        "--migration-limit",
+        "migration_limit",
+        "times a request's running streams may move to another engine when theirs fails (0: never)",
+        int,
+        3,
+    ),
+    Flag(
         "--affinity-prefix-chars",
         "affinity_prefix_chars",
         "prefix_affinity: leading prompt characters hashed to pick the engine (default 256)",

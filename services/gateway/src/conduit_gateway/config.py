@@ -65,6 +65,8 @@ class GatewayConfig:
     load_interval_s: float = 1.0
     # Extra attempts on other engines for a request refused (UNAVAILABLE, RESOURCE_EXHAUSTED) before output.
     retries: int = 1
+    # How many times a request's running streams may move to another engine when theirs fails (0: never).
+    migration_limit: int = 3
     # prefix_affinity: how much of the prompt's start picks the engine, and how far above the average
     # in-flight count an engine may go before requests spill to the next one on the ring.
     affinity_prefix_chars: int = 256
@@ -217,6 +219,8 @@ class GatewayConfig:
             )
         if self.retries < 0:
             raise ConfigError(f"retries: must be >= 0, got {self.retries}")
+        if self.migration_limit < 0:
+            raise ConfigError(f"migration_limit: must be >= 0, got {self.migration_limit}")
         _positive("affinity_prefix_chars", self.affinity_prefix_chars)
         if not (self.affinity_load_factor >= 1 and math.isfinite(self.affinity_load_factor)):
             raise ConfigError(f"affinity_load_factor: must be >= 1, got {self.affinity_load_factor}")

@@ -24,10 +24,12 @@ from conduit_gateway.handlers.choices import (
     ChoiceSet,
     ChoiceState,
     UsageTotals,
+    ending_error,
     prompt_logprobs_entries,
 )
-from conduit_gateway.handlers.disaggregated import stream_opener
-from conduit_gateway.handlers.streams import EngineStream, close_all, open_streams, read_messages
+from conduit_gateway.handlers.disaggregated import continuation_opener, stream_opener
+from conduit_gateway.handlers.migration import Migration, Migrations, migrating
+from conduit_gateway.handlers.streams import EngineStream, OpenOne, close_all, open_streams, read_messages
 from conduit_gateway.http.sse import DONE_EVENT, ChunkEncoder, EventStreamResponse, error_event
 from conduit_gateway.keys.keys_file import ApiKey
 from conduit_gateway.keys.rate_limit import Admission
@@ -38,14 +40,6 @@ log = logging.getLogger(__name__)
 
 # The request fields that hold prompt text, logged only with --log-prompts.
 _PROMPT_FIELDS = {"prompt", "messages", "suffix", "input", "instructions"}
-
-
-# Engine endings that are not an output: the error event each one becomes. A stream the engine hands back
-# at the end of its drain (MIGRATE) ends as an engine gone mid-stream does, never as a short "stop".
-_ENGINE_ENDINGS = {
-    engine_pb2.FINISH_REASON_ERROR: (500, "failed", "engine_error"),
-    engine_pb2.FINISH_REASON_MIGRATE: (503, "shut down", "engine_unavailable"),
-}
 
 
 class GenerationHandler(ABC):
@@ -77,6 +71,9 @@ class GenerationHandler(ABC):
         self.prompt_logprobs: dict[int, list[engine_pb2.PositionLogprobs]] = {}
         # The structured-output constraint build_sampling set, if any (engine errors about it name it).
         self.constraint: Constraint | None = None
+        self._stream_opener: OpenOne | None = None
+        # The request's span (the SERVER span with tracing on), for events after the handler returns.
+        self._span = trace.get_current_span()
 
     @abstractmethod
     def build_inputs(self) -> list[engine_pb2.GenerateRequest]:
@@ -176,15 +173,49 @@ class GenerationHandler(ABC):
         if self.body.prompt_logprobs is not None and self.body.stream:
             raise invalid_param("prompt_logprobs", "not available when stream is true")
 
-    async def _open(self, requests: list[engine_pb2.GenerateRequest]) -> list[EngineStream]:
-        opener = stream_opener(
-            self.ctx.pool,
-            self.body.model,
-            self.ctx.config.request_timeout_s,
-            on_retry=lambda code: self.ctx.metrics.retries.labels(code.name).inc(),
+    def _opener(self) -> OpenOne:
+        """How this request's streams open (once per request: its prompts share one migration budget)."""
+        if self._stream_opener is None:
+            pool, model, config = self.ctx.pool, self.body.model, self.ctx.config
+            retried = self.ctx.metrics.retries
+
+            def on_retry(code: grpc.StatusCode) -> None:
+                retried.labels(code.name).inc()
+
+            opener = stream_opener(pool, model, config.request_timeout_s, on_retry)
+            if config.migration_limit > 0:
+                reopen = continuation_opener(pool, model, config.request_timeout_s, on_retry)
+                opener = migrating(opener, Migrations(config.migration_limit, reopen, self._migrated))
+            self._stream_opener = opener
+        return self._stream_opener
+
+    def _migrated(self, migration: Migration) -> None:
+        """A stream of this request moved to another engine: log it, count it, mark it on the trace."""
+        log.warning(
+            "request %s: prompt %d choices %s moved from %s to %s after %d tokens (%s)",
+            self.request_id,
+            migration.prompt_index,
+            list(migration.choices),
+            migration.source,
+            migration.target,
+            migration.tokens,
+            migration.reason,
         )
+        self.ctx.metrics.migrations.labels(migration.reason).inc()
+        self._span.add_event(
+            "migration",
+            {
+                "conduit.migration.reason": migration.reason,
+                "conduit.migration.source": migration.source,
+                "conduit.migration.target": migration.target,
+                "conduit.migration.prompt_index": migration.prompt_index,
+                "conduit.migration.tokens": migration.tokens,
+            },
+        )
+
+    async def _open(self, requests: list[engine_pb2.GenerateRequest]) -> list[EngineStream]:
         try:
-            return await open_streams(requests, opener)
+            return await open_streams(requests, self._opener())
         except grpc.aio.AioRpcError as exc:
             raise self._rpc_error(exc) from None
 
@@ -207,15 +238,9 @@ class GenerationHandler(ABC):
         return choices.get(prompt_index, message.index)
 
     def _finish(self, choice: ChoiceState, message: engine_pb2.GenerateResponse) -> None:
-        ending = _ENGINE_ENDINGS.get(message.finish_reason)
-        if ending is not None:
-            status, what, code = ending
-            raise OpenAIError(
-                status,
-                f"The engine {what} while generating choice {choice.index}.",
-                type="server_error",
-                code=code,
-            )
+        error = ending_error(message.finish_reason, choice.index)
+        if error is not None:
+            raise error
         choice.finish_reason = FINISH_REASONS.get(message.finish_reason, "stop")
 
     def _finished(self, usage: UsageTotals, choices: ChoiceSet) -> None:

@@ -8,12 +8,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conduit.engine.v1 import engine_pb2
+from conduit_gateway.errors import OpenAIError
 
 FINISH_REASONS = {
     engine_pb2.FINISH_REASON_STOP: "stop",
     engine_pb2.FINISH_REASON_LENGTH: "length",
     engine_pb2.FINISH_REASON_ABORT: "abort",
 }
+
+# Engine endings that are not an output: the error each one becomes. A stream the engine hands back at the
+# end of its drain (MIGRATE) ends as an engine gone mid-stream does, never as a short "stop".
+_ENGINE_ENDINGS = {
+    engine_pb2.FINISH_REASON_ERROR: (500, "failed", "engine_error"),
+    engine_pb2.FINISH_REASON_MIGRATE: (503, "shut down", "engine_unavailable"),
+}
+
+
+def ending_error(finish_reason: int, index: int) -> OpenAIError | None:
+    """The error a choice's engine ending is for the client (None for an output's ending)."""
+    ending = _ENGINE_ENDINGS.get(finish_reason)
+    if ending is None:
+        return None
+    status, what, code = ending
+    return OpenAIError(
+        status, f"The engine {what} while generating choice {index}.", type="server_error", code=code
+    )
+
 
 # JSON has no -inf; OpenAI-compatible servers report impossible tokens with this floor instead.
 LOGPROB_FLOOR = -9999.0

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.handlers.streams import OnRetry, OpenOne, PromptStream, open_stream
 from conduit_gateway.routing.client import EngineClient
+from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.pool import EnginePool
 from conduit_gateway.routing.roles import NodeRole
 
@@ -68,6 +70,21 @@ def stream_opener(pool: EnginePool, model: str, timeout_s: float | None, on_retr
     return open_pair
 
 
+def continuation_opener(
+    pool: EnginePool, model: str, timeout_s: float | None, on_retry: OnRetry
+) -> Callable[[int, engine_pb2.GenerateRequest, Sequence[EngineNode]], Awaitable[PromptStream]]:
+    """Where a migrated stream's continuation goes: a colocated engine, or with disaggregation a decode
+    engine, which runs the continuation as a whole request (a continuation has no kv_transfer)."""
+
+    async def reopen(
+        index: int, request: engine_pb2.GenerateRequest, exclude: Sequence[EngineNode]
+    ) -> PromptStream:
+        role = NodeRole.DECODE if uses_disaggregation(pool, model) else NodeRole.COLOCATED
+        return await open_stream(pool, model, index, request, timeout_s, on_retry, role, exclude)
+
+    return reopen
+
+
 class DecodeTarget:
     """Where and how a disaggregated stream opens its decode side."""
 
@@ -101,6 +118,11 @@ class DisaggregatedStream:
         self._unclaimed = False  # a handle no decode engine has taken yet
         self._completion_before = 0  # completion tokens of the choices that ended on the prefill engine
         self.first = self._from_prefill(prefill.first)
+
+    @property
+    def node(self) -> EngineNode:
+        """The engine serving the stream now: the prefill engine until the decode engine takes over."""
+        return self._prefill.node if self._decode is None else self._decode.node
 
     async def read(self) -> engine_pb2.GenerateResponse | None:
         if not self._prefill_done:

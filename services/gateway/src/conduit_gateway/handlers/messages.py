@@ -31,7 +31,6 @@ from conduit_gateway.handlers import fields
 from conduit_gateway.handlers.base import ChunkedHandler
 from conduit_gateway.handlers.chat_output import ChatChoiceState
 from conduit_gateway.handlers.choices import ChoiceSet, ChoiceState, UsageTotals
-from conduit_gateway.handlers.disaggregated import stream_opener
 from conduit_gateway.handlers.message_blocks import Event, MessageBlocks, sse
 from conduit_gateway.handlers.streams import EngineStream, close_all, read_messages
 from conduit_gateway.handlers.thinking_budget import BudgetedStream, ThinkingBudget
@@ -142,12 +141,7 @@ class MessagesHandler(ChunkedHandler):
         answer = engine_pb2.GenerateRequest()
         answer.CopyFrom(requests[0])
         answer.sampling.CopyFrom(self.answer_sampling)
-        opener = stream_opener(
-            self.ctx.pool,
-            self.body.model,
-            self.ctx.config.request_timeout_s,
-            on_retry=lambda code: self.ctx.metrics.retries.labels(code.name).inc(),
-        )
+        opener = self._opener()
         try:
             return [
                 BudgetedStream(

@@ -4,7 +4,8 @@ A stream counts as open once its first message has arrived, so that errors the e
 output (bad parameters, queue full, not ready) become the HTTP status of the response rather than an
 event inside a 200 stream. A refusal before the first message (UNAVAILABLE: the engine is down or
 draining; RESOURCE_EXHAUSTED: its queue is full) is retried on another engine, `config.retries` times at
-most; once output has reached the client a request is never retried.
+most; once output has reached the client a request is not retried but migrated: handlers/migration.py
+continues its choices on another engine.
 
 `EngineStream` is what the shared flow reads: a `PromptStream` (one engine), or a disaggregated stream
 (handlers/disaggregated.py: a prefill engine, then a decode engine) that reads the same way.
@@ -37,6 +38,21 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXH
 OnRetry = Callable[[grpc.StatusCode], None]
 
 
+class StreamLost(OpenAIError):
+    """The node of an open stream was lost (its health watch broke, or another stream on it did): the call
+    was cancelled. The stream moves elsewhere (handlers/migration.py), or the client gets this error."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(
+            503,
+            f"The engine became unavailable while generating ({reason}).",
+            type="server_error",
+            code="engine_unavailable",
+        )
+        self.address = address
+        self.reason = reason
+
+
 class EngineStream(Protocol):
     """One prompt's messages, its first one already received."""
 
@@ -59,7 +75,7 @@ class EngineStream(Protocol):
 OpenOne = Callable[[int, engine_pb2.GenerateRequest], Awaitable[EngineStream]]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # eq=False: hashable, for the node's lost watchers
 class PromptStream:
     """The live gRPC stream of one prompt on one node, with its already-received first message.
 
@@ -78,18 +94,34 @@ class PromptStream:
     # Observes the time between consecutive token messages of each choice (its inter-token latency).
     token_gaps: Histogram | None = None
     _last_token_at: dict[int, float] = field(default_factory=dict, init=False)
+    lost: str | None = field(default=None, init=False)  # why the node was lost while this was open
 
     def __post_init__(self) -> None:
         self._last_token_at[self.first.index] = self.opened_at
+        self.node.watch_lost(self._on_lost)
+
+    def _on_lost(self, reason: str) -> None:
+        self.lost = reason
+        self.call.cancel()  # a pending read() ends now, even on a hung engine
 
     async def read(self) -> engine_pb2.GenerateResponse | None:
-        """The next message, or None at the end of the stream; engine errors propagate (AioRpcError)."""
+        """The next message, or None at the end of the stream; engine errors propagate (AioRpcError), and
+        StreamLost when the node was lost meanwhile."""
         try:
             message = await self.call.read()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.lost is None or (task is not None and task.cancelling()):
+                raise
+            self.node.request_failed(grpc.StatusCode.UNAVAILABLE)
+            raise StreamLost(self.node.address, self.lost) from None
         except grpc.aio.AioRpcError as exc:
             self.node.request_failed(exc.code())
+            if self.lost is not None:
+                raise StreamLost(self.node.address, self.lost) from None
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self.pool.eject(self.node, f"stream of {self.first.request_id} broke: {exc.details()}")
+                # Its connection broke: the other streams on the node move too.
+                self.node.mark_lost(f"stream of {self.first.request_id} broke: {exc.details()}")
             raise
         now = time.perf_counter()
         if message is grpc.aio.EOF:
@@ -108,6 +140,7 @@ class PromptStream:
         and give back the node's in-flight slot; safe to call more than once."""
         if not self.closed:
             self.closed = True
+            self.node.unwatch_lost(self._on_lost)
             self.call.cancel()
             self.node.request_ended(self.blocks)
 
@@ -120,12 +153,13 @@ async def open_stream(
     timeout_s: float | None,
     on_retry: OnRetry,
     role: NodeRole = NodeRole.COLOCATED,
+    exclude: Sequence[EngineNode] = (),
 ) -> PromptStream:
-    """Send `request` to a node of the `role` pool for `model` and wait for its first message, retrying
-    refusals elsewhere."""
+    """Send `request` to a node of the `role` pool for `model` (not one of `exclude`) and wait for its
+    first message, retrying refusals elsewhere."""
     route = await pool.route_request(model, request, role)
     metadata = (("x-request-id", request.request_id), *engine_trace_metadata())
-    tried: list[EngineNode] = []
+    tried: list[EngineNode] = list(exclude)
     refusal: grpc.aio.AioRpcError | None = None
     while True:
         try:
@@ -144,7 +178,7 @@ async def open_stream(
             node.request_failed(exc.code())
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 pool.eject(node, f"Generate answered UNAVAILABLE: {exc.details()}")
-            if exc.code() not in RETRYABLE or len(tried) >= pool.config.retries:
+            if exc.code() not in RETRYABLE or len(tried) - len(exclude) >= pool.config.retries:
                 raise
             log.warning(
                 "engine %s refused %s (%s), trying another",

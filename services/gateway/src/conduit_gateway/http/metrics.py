@@ -71,6 +71,13 @@ class GatewayMetrics:
             "Requests refused because the gateway's concurrency limit was full.",
             registry=self.registry,
         )
+        self.migrations = Counter(
+            "conduit_gateway_migrations",
+            "Running streams moved to another engine, by why: unavailable (the stream broke or its engine "
+            "was lost), engine_error, or drain (handed back at the end of a drain).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.retries = Counter(
             "conduit_gateway_retries",
             "Requests sent to another engine after a refusal before their first token, by gRPC status.",

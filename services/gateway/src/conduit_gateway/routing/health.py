@@ -40,6 +40,7 @@ class Backoff:
 class HealthWatch:
     """Runs one engine's Watch loop: `watch()` opens a grpc.health.v1 Watch stream, and every status it
     learns goes to `set_health(serving)`; `rewatch()` re-opens the stream to learn the current status now.
+    A stream that fails (a broken connection, not an ending or a rewatch) is also told to `on_broken`.
     `address` names the engine in the log."""
 
     def __init__(
@@ -49,8 +50,10 @@ class HealthWatch:
         set_health: Callable[[bool], Awaitable[None]],
         initial_backoff_s: float,
         max_backoff_s: float,
+        on_broken: Callable[[str], None] | None = None,
     ) -> None:
         self._address = address
+        self._on_broken = on_broken
         self._watch = watch
         self._set_health = set_health
         self._backoff = Backoff(initial_backoff_s, max_backoff_s)
@@ -68,6 +71,8 @@ class HealthWatch:
                 await self._follow(call)
             except grpc.aio.AioRpcError as exc:
                 log.info("engine %s health watch ended: %s", self._address, exc.code().name)
+                if self._on_broken is not None:
+                    self._on_broken(f"health watch broke: {exc.code().name}")
             finally:
                 call.cancel()
             # Ended stream, broken connection or a rewatch: out of rotation until a stream says SERVING.

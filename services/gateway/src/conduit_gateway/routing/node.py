@@ -4,6 +4,10 @@ A node is routable while its engine says SERVING (and its model is known) and no
 ejected (out of rotation, `ejections` + 1) when its health watch breaks or reports NOT_SERVING, or when a
 request sees UNAVAILABLE, and it is re-admitted as soon as its health watch reports SERVING again.
 
+An engine that says NOT_SERVING is draining: its running streams go on. One whose health watch or Check
+breaks, or whose stream broke, is *lost*: `mark_lost` tells the streams open on it (`watch_lost`), so that
+they move to another engine (handlers/migration.py) rather than wait on a dead or hung one.
+
 Each node serves one pool (`role`: whole requests, or the prefill or decode side of disaggregated ones).
 Before it joins the rotation its pool's admission check reads the engine's model info; a node it refuses
 (a wrong engine role, a KV layout other than its peers') stays out, with the reason in `refusal`, until a
@@ -104,6 +108,7 @@ class EngineNode:
         self._transition = asyncio.Lock()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._lost_watchers: set[Callable[[str], None]] = set()
 
     # -- what routing reads --------------------------------------------------------------------------
 
@@ -165,6 +170,7 @@ class EngineNode:
             self.set_health,
             config.reconnect_backoff_s,
             config.health_interval_s,
+            on_broken=self.mark_lost,
         )
         load = poll_load(
             self.address,
@@ -217,7 +223,7 @@ class EngineNode:
                 # Once per distinct failure: a TLS or token misconfiguration must be visible, not a flood.
                 log.warning("engine %s %s", self.address, failure)
                 self._last_check_failure = failure
-            self.eject(f"health check failed: {exc.code().name}")
+            self.mark_lost(f"health check failed: {exc.code().name}")
             return False
         self._last_check_failure = None
         if serving:
@@ -262,6 +268,19 @@ class EngineNode:
         self._leave_rotation(reason)
         if self._health is not None:
             self._health.rewatch()
+
+    def mark_lost(self, reason: str) -> None:
+        """The engine is gone or hung (not draining): eject it and tell every stream open on it."""
+        self.eject(reason)
+        for watcher in list(self._lost_watchers):
+            watcher(reason)
+
+    def watch_lost(self, watcher: Callable[[str], None]) -> None:
+        """Call `watcher(reason)` if the node is lost while the caller's stream is open."""
+        self._lost_watchers.add(watcher)
+
+    def unwatch_lost(self, watcher: Callable[[str], None]) -> None:
+        self._lost_watchers.discard(watcher)
 
     def _leave_rotation(self, reason: str) -> None:
         if self.serving:
