@@ -1,6 +1,6 @@
-"""An engine whose drain runs out hands its streams back (FINISH_REASON_MIGRATE): until the gateway
-continues such a stream on another engine, the client sees the error event of an engine gone mid-stream,
-never a short output that claims to have finished. Real engine and gateway processes."""
+"""An engine whose drain runs out hands its streams back (FINISH_REASON_MIGRATE): with no other engine to
+continue them on, the client sees the error event of an engine gone mid-stream, never a short output that
+claims to have finished. Real engine and gateway processes (tests/migration: with other engines)."""
 
 from __future__ import annotations
 
