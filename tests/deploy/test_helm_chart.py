@@ -135,10 +135,14 @@ def test_engine_drains_before_it_is_killed(release):
     engine = find(objects, "StatefulSet")
     container = _container(engine)
     args = engine_cli.build_parser().parse_args(container["args"])
-    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    # The hook leaves rotation (SIGUSR1 to the engine, PID 1) and pauses before SIGTERM starts the drain.
+    assert command[:3] == ["python", "-m", "conduit_engine.entrypoints.pre_stop"]
+    pre_stop = float(command[command.index("--sleep") + 1])
     grace = engine["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert pre_stop > 0
-    assert grace > pre_stop + args.drain_seconds
+    # The drain's end hands the remaining streams back: a margin after preStop + drain.
+    assert grace >= pre_stop + args.drain_seconds + 5
 
 
 def test_gpu_values_request_gpus_and_run_on_gpu_nodes():
@@ -408,6 +412,10 @@ def test_schema_rejects_bad_values(overrides, message):
 def test_grace_period_shorter_than_drain_is_refused():
     with pytest.raises(helm.HelmRenderError, match="terminationGracePeriodSeconds"):
         chart_render.render({"engine": {"terminationGracePeriodSeconds": 100, "drainSeconds": 240}})
+    # preStop 10 + drain 240 + the hand-back's 5 s margin: 254 is one short, 255 renders.
+    with pytest.raises(helm.HelmRenderError, match=r"drainSeconds \+ 5 \(255\)"):
+        chart_render.render({"engine": {"terminationGracePeriodSeconds": 254, "drainSeconds": 240}})
+    chart_render.render({"engine": {"terminationGracePeriodSeconds": 255, "drainSeconds": 240}})
 
 
 def test_values_file_documents_parse_strictly():

@@ -165,9 +165,15 @@ spec:
           livenessProbe:
             {{- include "conduit.engine.probe" (dict "root" $root "probe" $e.livenessProbe) | nindent 12 }}
           lifecycle:
+            # Health NOT_SERVING first (SIGUSR1), then the pause: routers stop sending before SIGTERM.
             preStop:
-              sleep:
-                seconds: {{ $e.preStopSleepSeconds }}
+              exec:
+                command:
+                  - python
+                  - -m
+                  - conduit_engine.entrypoints.pre_stop
+                  - --sleep
+                  - {{ $e.preStopSleepSeconds | quote }}
           resources:
             {{- $resources := deepCopy $p.resources }}
             {{- if $e.gpu.enabled }}
