@@ -8,7 +8,9 @@ pending transfer and no request left on any engine (GetLoad).
   event once the first token was streamed). The decode engines are filled with transfers of their own.
 - The client goes away between prefill and decode: the gateway releases the transfer (the lease is 30 s;
   it is freed at once).
-- A decode engine dies mid-stream: the client gets an error event.
+- A decode engine dies mid-stream: another decode engine continues the stream (migration) and the client
+  gets exactly the colocated text; with no decode engine left but a colocated one, that one continues it;
+  with neither, the client gets an error event.
 - The source dies before the pull, or the handle expires: the decode engine recomputes the prompt and the
   client's stream goes on with the tokens colocated serving gives.
 
@@ -24,7 +26,7 @@ import pytest
 
 from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
 from tests.disaggregation.conftest import Gateways
-from tests.disaggregation.helpers import load, model_info, sdk, wait_idle
+from tests.disaggregation.helpers import ADMIN_KEY, load, model_info, sdk, wait_idle
 from tests.gateway.sse import parse_events
 from tests.support.engine_fleet import EngineFleet
 from tests.support.fake_engine import FakeEngine, Script
@@ -243,6 +245,58 @@ def test_a_decode_engine_dying_mid_stream_ends_the_stream_with_an_error_event(fl
     error = rest[-2]["error"]
     assert (error["type"], error["code"]) == ("server_error", "engine_unavailable")
     assert load(fleet.addresses[P]).kv_transfers_pending == 0  # it had been pulled
+
+
+def _decode_serving(gateway_url: str, fleet, candidates: list[int]) -> int | None:
+    """The one of `candidates` the gateway has the stream open on (None: not yet)."""
+    view = httpx.get(
+        f"{gateway_url}/admin/nodes", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30
+    ).json()
+    busy = {node["address"] for node in view["nodes"] if node["in_flight"]}
+    serving = [i for i in candidates if fleet.addresses[i] in busy]
+    return serving[0] if len(serving) == 1 else None
+
+
+def _migrations(url: str) -> float:
+    lines = httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+    return sum(
+        float(line.split()[-1]) for line in lines if line.startswith("conduit_gateway_migrations_total{")
+    )
+
+
+@pytest.mark.parametrize("replacement", ["decode", "colocated"])
+def test_a_decode_engine_dying_mid_stream_is_replaced_and_the_stream_goes_on(
+    fleet, gateways, healthy, replacement
+):
+    # D2 (a `both` engine) is a second decode engine, or the colocated pool the model falls back to.
+    decode = [D_VICTIM, D2] if replacement == "decode" else [D_VICTIM]
+    if replacement == "decode":
+        gateway = gateways(prefill=[P], decode=decode)
+    else:
+        gateway = gateways(prefill=[P], decode=decode, engines=[D2])
+    expected = colocated_text(fleet, 300)  # 360 tokens with the prompt: D2's 24 blocks hold them
+    # The decode engines wait (SIGSTOP) until the test knows which one took the stream; that one then
+    # runs until its first event and is killed mid-stream.
+    for index in decode:
+        fleet.pause(index)
+    events = SseReader(gateway.url, 300)
+    first = [events.next()]  # the prefill engine's first token
+    wait_for(lambda: _decode_serving(gateway.url, fleet, decode) is not None, "the decode side opened")
+    victim = _decode_serving(gateway.url, fleet, decode)
+    fleet.resume(victim)
+    first.append(events.next())  # the decode engine's first event
+    fleet.pause(victim)
+    fleet.kill(victim)
+    for index in decode:
+        if index != victim:
+            fleet.resume(index)
+    rest = events.rest()
+    events.close()
+    assert not any(isinstance(event, dict) and "error" in event for event in rest)
+    assert text_of(first + rest) == expected
+    finishes = [e["choices"][0]["finish_reason"] for e in rest if isinstance(e, dict) and e.get("choices")]
+    assert finishes[-1] == "length"
+    assert _migrations(gateway.url) == 1
 
 
 @pytest.mark.parametrize("gone", ["source killed", "lease expired"])
