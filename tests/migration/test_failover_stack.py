@@ -1,10 +1,10 @@
 """Migration on the real stack: three engine processes (stories260K) behind the real gateway process,
-loaded with concurrent chat and completions requests (greedy, seeded n=2 with logprobs, stop strings,
-penalties, a JSON schema; streamed and not). An engine SIGKILLed, or drained with SIGTERM, or two engines
-killed one after the other, fail no request: every output equals the same request's output on the
-unbroken fleet (text byte for byte, logprobs within 1e-4, finish reasons and usage equal), and the
-surviving engines hold no KV block afterwards. With every engine dead, streams end with error events and
-nothing hangs."""
+loaded with concurrent chat, completions, responses and messages requests (greedy, seeded n=2 with
+logprobs, stop strings, penalties, a JSON schema; streamed and not; the openai and anthropic SDKs). An
+engine SIGKILLed, or drained with SIGTERM, or two engines killed one after the other, fail no request:
+every output equals the same request's output on the unbroken fleet (text byte for byte, logprobs within
+1e-4, finish reasons and usage equal), and the surviving engines hold no KV block afterwards. With every
+engine dead, streams end with error events and nothing hangs."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -27,7 +28,7 @@ from tests.support.stories import MODEL
 pytestmark = pytest.mark.integration
 
 ADMIN_KEY = "admin-secret"
-REQUESTS = 150  # each scenario's load, all at once; with n=2 for a sixth of them
+REQUESTS = 160  # each scenario's load, all at once; with n=2 for an eighth of them
 # Eight sequences per batch: each engine runs some of its requests and queues the rest.
 ENGINE_ARGS = ("--max-num-seqs", "8", "--drain-seconds", "1")
 SCHEMA = {
@@ -52,7 +53,7 @@ def load(count: int) -> list[Spec]:
     """`count` requests mixing every kind of choice a migration must continue exactly."""
     specs = []
     for i in range(count):
-        kind = i % 6
+        kind = i % 8
         stream = i % 5 != 4  # a fifth are not streamed
         prompt = f"Once upon a time, number {i}"
         if kind == 0:  # greedy to the length limit
@@ -89,7 +90,7 @@ def load(count: int) -> list[Spec]:
                 "response_format": schema,
             }
             specs.append(Spec("chat", stream, body))
-        else:  # greedy chat with logprobs
+        elif kind == 5:  # greedy chat with logprobs
             body = {
                 "messages": MESSAGES,
                 "max_tokens": 150,
@@ -98,6 +99,18 @@ def load(count: int) -> list[Spec]:
                 "top_logprobs": 1,
             }
             specs.append(Spec("chat", stream, body | {"ignore_eos": True}))
+        elif kind == 6:  # the Responses API, seeded
+            body = {
+                "input": prompt,
+                "max_output_tokens": 150,
+                "temperature": 0.8,
+                "seed": i,
+                "ignore_eos": True,
+            }
+            specs.append(Spec("responses", stream, body))
+        else:  # Anthropic's Messages API, greedy
+            body = {"messages": MESSAGES, "max_tokens": 150, "temperature": 0}
+            specs.append(Spec("messages", stream, body))
     return specs
 
 
@@ -109,7 +122,7 @@ class Outcome:
     finish: dict[int, str | None] = field(default_factory=dict)
     logprobs: dict[int, list[tuple[str, float]]] = field(default_factory=dict)
     usage: tuple[int, int] | None = None
-    error: openai.APIError | None = None
+    error: str | None = None  # the error's code (OpenAI, Responses) or type (Anthropic)
     chunks: int = 0
 
 
@@ -119,6 +132,67 @@ def _logprob_pairs(choice: Any, endpoint: str) -> list[tuple[str, float]]:
     if endpoint == "chat":
         return [(entry.token, entry.logprob) for entry in choice.logprobs.content or ()]
     return list(zip(choice.logprobs.tokens or (), choice.logprobs.token_logprobs or (), strict=True))
+
+
+async def run_responses(client: openai.AsyncOpenAI, spec: Spec, outcome: Outcome) -> None:
+    body = dict(spec.body)
+    extra = {key: body.pop(key) for key in ("seed", "ignore_eos") if key in body}
+    try:
+        if not spec.stream:
+            response = await client.responses.create(model=MODEL, extra_body=extra, **body)
+        else:
+            stream = await client.responses.create(model=MODEL, stream=True, extra_body=extra, **body)
+            response = None
+            async for event in stream:
+                outcome.chunks += 1
+                if event.type in ("response.completed", "response.incomplete"):
+                    response = event.response
+                elif event.type == "response.failed":
+                    assert event.response.error is not None
+                    outcome.error = event.response.error.code
+                    return
+            assert response is not None
+        outcome.texts[0] = response.output_text
+        outcome.finish[0] = response.status
+        outcome.usage = (response.usage.input_tokens, response.usage.output_tokens)
+    except openai.APIError as exc:
+        outcome.error = _code(exc)
+
+
+def _code(exc: openai.APIError) -> str:
+    body = exc.body if isinstance(exc.body, dict) else {}
+    return f"{body.get('type')}/{body.get('code')}"
+
+
+def _prompt_tokens(usage: Any) -> int:
+    """The whole prompt: Anthropic's input_tokens leaves out what the prefix cache held."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
+async def run_messages(client: anthropic.AsyncAnthropic, spec: Spec, outcome: Outcome) -> None:
+    body = dict(spec.body)
+    extra = {"temperature": body.pop("temperature")}
+    try:
+        if not spec.stream:
+            message = await client.messages.create(model=MODEL, extra_body=extra, **body)
+            outcome.texts[0] = "".join(block.text for block in message.content if block.type == "text")
+            outcome.finish[0] = message.stop_reason
+            outcome.usage = (_prompt_tokens(message.usage), message.usage.output_tokens)
+            return
+        stream = await client.messages.create(model=MODEL, stream=True, extra_body=extra, **body)
+        prompt_tokens = 0
+        async for event in stream:
+            outcome.chunks += 1
+            if event.type == "message_start":
+                prompt_tokens = _prompt_tokens(event.message.usage)
+            elif event.type == "content_block_delta" and event.delta.type == "text_delta":
+                outcome.texts[0] = outcome.texts.get(0, "") + event.delta.text
+            elif event.type == "message_delta":
+                outcome.finish[0] = event.delta.stop_reason
+                outcome.usage = (prompt_tokens, event.usage.output_tokens)
+    except anthropic.APIError as exc:
+        body = exc.body if isinstance(exc.body, dict) else {}
+        outcome.error = f"anthropic/{body.get('error', {}).get('type')}"
 
 
 async def run(client: openai.AsyncOpenAI, spec: Spec, outcome: Outcome) -> None:
@@ -149,7 +223,7 @@ async def run(client: openai.AsyncOpenAI, spec: Spec, outcome: Outcome) -> None:
             if chunk.usage is not None:
                 outcome.usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
     except openai.APIError as exc:
-        outcome.error = exc
+        outcome.error = _code(exc)
 
 
 class Load:
@@ -169,7 +243,23 @@ class Load:
             timeout=300,
             http_client=openai.DefaultAsyncHttpxClient(limits=limits),
         ) as client:
-            await asyncio.gather(*(run(client, s, o) for s, o in zip(self.specs, self.outcomes, strict=True)))
+            async with anthropic.AsyncAnthropic(
+                base_url=url,
+                api_key="unused",
+                max_retries=0,
+                timeout=300,
+                http_client=anthropic.DefaultAsyncHttpxClient(limits=limits),
+            ) as claude:
+                await asyncio.gather(
+                    *(
+                        run_messages(claude, spec, outcome)
+                        if spec.endpoint == "messages"
+                        else run_responses(client, spec, outcome)
+                        if spec.endpoint == "responses"
+                        else run(client, spec, outcome)
+                        for spec, outcome in zip(self.specs, self.outcomes, strict=True)
+                    )
+                )
 
     def start(self) -> Load:
         self._thread.start()
@@ -309,16 +399,25 @@ def test_two_engines_killed_one_after_the_other_fail_no_request(whole_fleet, gat
 
 
 def test_with_every_engine_dead_streams_end_with_error_events(whole_fleet, gateway):
-    running = Load(gateway.url, [s for s in load(12) if s.stream]).start()
-    wait_for(lambda: running.streamed_chunks() >= 12, "the streams under way", attempts=4000)
+    specs = [spec for spec in load(16) if spec.stream]
+    running = Load(gateway.url, specs).start()
+    wait_for(lambda: running.streamed_chunks() >= len(specs), "the streams under way", attempts=4000)
     for index in range(3):
         whole_fleet.kill(index)
     outcomes = running.join()  # nothing hangs: each stream ends
-    unfinished = [o for o in outcomes if o.error is not None]
-    assert unfinished, "some stream was still running when the fleet died"
-    for outcome in unfinished:
-        assert outcome.error.body["code"] == "engine_unavailable"
-        assert outcome.error.body["type"] == "server_error"
+    # Each API's error for an engine gone mid-stream, as without migration.
+    expected = {
+        "completions": "server_error/engine_unavailable",
+        "chat": "server_error/engine_unavailable",
+        "responses": "engine_unavailable",
+        "messages": "anthropic/overloaded_error",
+    }
+    cut = [
+        (spec, outcome) for spec, outcome in zip(specs, outcomes, strict=True) if outcome.error is not None
+    ]
+    assert cut, "some stream was still running when the fleet died"
+    for spec, outcome in cut:
+        assert outcome.error == expected[spec.endpoint], spec
     for outcome in outcomes:
         if outcome.error is None:  # it had finished before the kill
             assert outcome.finish and None not in outcome.finish.values()
