@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from tests.support.engine_fleet import EngineFleet
+from tests.support.otlp_receiver import OtlpReceiver
 from tests.support.polling import wait_for
 from tests.support.processes import require_shared, start_gateway
 from tests.support.stories import MODEL
@@ -298,7 +299,13 @@ def fleet():
 
 
 @pytest.fixture(scope="module")
-def gateway(fleet):
+def otlp():
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet, otlp):
     # --retries 2: a request still queued (no output yet) survives two engine deaths by retries alone.
     args = (
         "--routing",
@@ -310,7 +317,9 @@ def gateway(fleet):
         "--retries",
         "2",
     )
-    with start_gateway(fleet.addresses, *args) as process:
+    # Traced: each migration is an event on its request's span (exported every 50 ms).
+    tracing = ("--otlp-endpoint", otlp.endpoint)
+    with start_gateway(fleet.addresses, *args, *tracing, env={"OTEL_BSP_SCHEDULE_DELAY": "50"}) as process:
         yield process
 
 
@@ -364,14 +373,31 @@ def _wait_until_streaming(load_: Load, gateway_url: str, victim: str) -> None:
     assert _nodes(gateway_url)[victim]["in_flight"] > 0
 
 
-def test_sigkill_of_an_engine_under_load_fails_no_request(whole_fleet, gateway, reference):
+def test_sigkill_of_an_engine_under_load_fails_no_request(whole_fleet, gateway, reference, otlp):
     before = _migrations(gateway.url).get("unavailable", 0)
     running = Load(gateway.url, load(REQUESTS)).start()
     _wait_until_streaming(running, gateway.url, whole_fleet.addresses[0])
     whole_fleet.kill(0)
     _assert_equal_outputs(running.join(), reference)
-    assert _migrations(gateway.url).get("unavailable", 0) > before  # streams did move mid-way
+    moved = _migrations(gateway.url).get("unavailable", 0) - before
+    assert moved > 0  # streams did move mid-way
     _assert_no_blocks_held(whole_fleet, [1, 2])
+
+    # Each move is an event on its request's span: from the victim, to an engine left.
+    def events() -> list[dict]:
+        found = []
+        for received in otlp.spans():
+            for event in received.span.events:
+                if event.name == "migration":
+                    found.append({a.key: a.value.string_value or a.value.int_value for a in event.attributes})
+        return found
+
+    wait_for(lambda: len(events()) >= moved, "the migration span events", attempts=400)
+    victim, survivors = whole_fleet.addresses[0], set(whole_fleet.addresses[1:])
+    kill_events = [e for e in events() if e["conduit.migration.source"] == victim]
+    assert len(kill_events) == moved
+    assert all(e["conduit.migration.reason"] == "unavailable" for e in kill_events)
+    assert all(e["conduit.migration.target"] in survivors for e in kill_events)
 
 
 def test_sigterm_drain_of_an_engine_under_load_fails_no_request(whole_fleet, gateway, reference):
@@ -417,7 +443,11 @@ def test_with_every_engine_dead_streams_end_with_error_events(whole_fleet, gatew
     ]
     assert cut, "some stream was still running when the fleet died"
     for spec, outcome in cut:
-        assert outcome.error == expected[spec.endpoint], spec
+        if spec.endpoint == "responses" and outcome.chunks == 0:
+            # Refused before its stream began: the HTTP error, not a response.failed event.
+            assert outcome.error == "server_error/engine_unavailable", spec
+        else:
+            assert outcome.error == expected[spec.endpoint], spec
     for outcome in outcomes:
         if outcome.error is None:  # it had finished before the kill
             assert outcome.finish and None not in outcome.finish.values()

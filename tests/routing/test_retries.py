@@ -78,7 +78,8 @@ def test_no_retry_when_retries_is_zero(fakes, make_gateway):
 
 
 def test_failure_after_the_first_token_is_never_retried(fakes, make_gateway):
-    gateway = make_gateway([fake.address for fake in fakes])
+    # Migration off: the stream is not retried from the start, it ends with an error event.
+    gateway = make_gateway([fake.address for fake in fakes], migration_limit=0)
     fakes[0].script.error_after = 1
     fakes[0].script.error_code = grpc.StatusCode.UNAVAILABLE
     fakes[0].script.error_message = "engine went away"
@@ -90,6 +91,24 @@ def test_failure_after_the_first_token_is_never_retried(fakes, make_gateway):
     assert _requests(fakes) == [1, 0, 0]
     view = nodes(gateway.url)[fakes[0].address]
     assert (view["failures"], view["in_flight"]) == (1, 0)
+
+
+def test_with_migration_a_broken_stream_continues_on_another_engine_where_it_stopped(fakes, make_gateway):
+    gateway = make_gateway([fake.address for fake in fakes], routing="round_robin")
+    fakes[0].script.error_after = 1
+    fakes[0].script.error_code = grpc.StatusCode.UNAVAILABLE
+    fakes[0].script.error_message = "engine went away"
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        response, events = post_stream(http, "/v1/completions", {**BODY, "max_tokens": 4, "stream": True})
+    assert response.status_code == 200
+    # Nothing repeated, nothing lost: the other engine was asked to continue after the one token sent.
+    texts = [event["choices"][0]["text"] for event in events[:-1]]
+    assert [text for text in texts if text] == ["Once", " upon", " a", " time"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
+    moved = [request for fake in fakes[1:] for request in fake.record.requests]
+    assert len(fakes[0].record.requests) == 1 and len(moved) == 1
+    assert [list(choice.token_ids) for choice in moved[0].continuation.choices] == [[100]]
+    assert nodes(gateway.url)[fakes[0].address]["in_flight"] == 0
 
 
 def test_health_changes_eject_and_readmit_a_node(fakes, make_gateway):

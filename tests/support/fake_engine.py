@@ -71,10 +71,17 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
         # Fuzzed requests may ask for billions of tokens: a fake only needs to show the shape.
         max_tokens, n = min(max_tokens, script.max_tokens_cap), min(n, script.n_cap)
         prompt_ids = _prompt_ids(request)
+        # A continuation carries on its choices where the other engine stopped; the rest had finished.
+        start = {index: 0 for index in range(n)}
+        if request.HasField("continuation"):
+            start = {choice.index: len(choice.token_ids) for choice in request.continuation.choices}
+        replayed = sum(start.values())
         sent = 0
         try:
             for step in range(max_tokens):
-                for index in range(n):
+                for index in sorted(start):
+                    if step < start[index]:
+                        continue
                     if script.error_after is not None and sent >= script.error_after:
                         await context.abort(script.error_code, script.error_message)
                     if script.hold_after is not None and sent >= script.hold_after:
@@ -88,7 +95,7 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
                         token_ids=[100 + step],
                         usage=engine_pb2.Usage(
                             prompt_tokens=len(prompt_ids),
-                            completion_tokens=(step * n) + index + 1,
+                            completion_tokens=replayed + sent + 1,
                             cached_tokens=0,
                         ),
                         finished=last,
