@@ -171,7 +171,7 @@ inline T __ldg(const T* p) {
 namespace emu {
 
 enum class State { Runnable, BlockBarrier, WarpOp, Done };
-enum class WarpKind { ShflIdx, ShflUp, ShflDown, ShflXor, All, Any, Ballot, Sync };
+enum class WarpKind { ShflIdx, ShflUp, ShflDown, ShflXor, All, Any, Ballot, Sync, Mma };
 enum Schedule { kForward = 0, kReverse = 1, kShuffled = 2 };
 
 struct Fiber {
@@ -354,9 +354,77 @@ inline uint64_t warp_op(WarpKind kind, unsigned mask, uint64_t value, int arg, i
   return f.result;
 }
 
+// ---- tensor-core MMA --------------------------------------------------------------------------------
+// One lane's operands of mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: D[16x8] = A[16x16] B[16x8] + C
+// with C and D in `d`. The fragment layout is PTX's (ISA "Matrix Fragments for mma.m16n8k16"), with
+// g = lane / 4 and t = lane % 4, each 32-bit register holding two elements, the lower index in the low half:
+//   A: a[0] = row g, cols 2t..2t+1; a[1] = row g + 8, cols 2t..; a[2] = row g, cols 2t + 8..; a[3] = row g + 8,
+//      cols 2t + 8..   B (k x n, col-major): b[0] = k 2t..2t+1, col g; b[1] = k 2t + 8.., col g
+//   C/D: d[0..1] = row g, cols 2t, 2t + 1; d[2..3] = row g + 8, cols 2t, 2t + 1.
+// Products of two 16-bit floats are exact in float32; the sum runs over k in order, in float32.
+struct MmaLane {
+  const uint32_t* a;
+  const uint32_t* b;
+  float* d;
+  bool bf16;
+};
+
+inline float mma_element(uint32_t reg, int half, bool bf16) {
+  const uint32_t bits = half ? reg >> 16 : reg & 0xffffu;
+  if (bf16) {
+    const uint32_t f = bits << 16;
+    float v;
+    std::memcpy(&v, &f, sizeof v);
+    return v;
+  }
+  return ::__half2float(::__half{static_cast<uint16_t>(bits)});
+}
+
+inline void resolve_mma(Fiber* fibers, size_t base) {
+  MmaLane lanes[32];
+  for (int l = 0; l < 32; ++l) lanes[l] = *reinterpret_cast<const MmaLane*>(fibers[base + l].value);
+  float out[32][4];
+  for (int l = 0; l < 32; ++l) {
+    if (lanes[l].bf16 != lanes[0].bf16) {
+      rt().aborted = true;
+      rt().error = "lanes of one warp reached mma.sync with different element types";
+      return;
+    }
+    const int g = l / 4, t = l % 4;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + (i >= 2 ? 8 : 0);
+      const int col = 2 * t + (i & 1);
+      float acc = lanes[l].d[i];
+      for (int k = 0; k < 16; ++k) {
+        const MmaLane& a = lanes[4 * (row % 8) + (k % 8) / 2];
+        const MmaLane& b = lanes[4 * col + (k % 8) / 2];
+        const float x = mma_element(a.a[(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k % 2, lanes[0].bf16);
+        const float y = mma_element(b.b[k >= 8 ? 1 : 0], k % 2, lanes[0].bf16);
+        acc += x * y;
+      }
+      out[l][i] = acc;
+    }
+  }
+  for (int l = 0; l < 32; ++l)
+    for (int i = 0; i < 4; ++i) lanes[l].d[i] = out[l][i];
+}
+
 // All lanes of warp `w` named in `mask` wait with that mask: compute each one's result and release.
 inline void resolve_warp(Fiber* fibers, size_t base, size_t count, unsigned mask) {
   Fiber& first = fibers[base + static_cast<size_t>(__builtin_ctz(mask))];
+  if (first.kind == WarpKind::Mma) {
+    // mma.sync.aligned: all 32 lanes of a full warp execute the same instruction.
+    bool same = count == 32 && mask == 0xffffffffu;
+    for (size_t l = 0; l < count && same; ++l) same = fibers[base + l].kind == WarpKind::Mma;
+    if (!same) {
+      rt().aborted = true;
+      rt().error = "mma.sync needs all 32 lanes of a full warp at the same instruction";
+      return;
+    }
+    resolve_mma(fibers, base);
+    for (size_t l = 0; l < count; ++l) fibers[base + l].state = State::Runnable;
+    return;
+  }
   uint64_t ballot = 0;
   for (size_t l = 0; l < count; ++l)
     if ((mask >> l) & 1u) ballot |= static_cast<uint64_t>(fibers[base + l].value != 0) << l;
@@ -391,7 +459,8 @@ inline void resolve_warp(Fiber* fibers, size_t base, size_t count, unsigned mask
       case WarpKind::All: f.result = ballot == mask; break;
       case WarpKind::Any: f.result = ballot != 0; break;
       case WarpKind::Ballot: f.result = ballot; break;
-      case WarpKind::Sync: f.result = 0; break;
+      case WarpKind::Sync:
+      case WarpKind::Mma: f.result = 0; break;
     }
   }
   for (size_t l = 0; l < count; ++l)
@@ -640,6 +709,12 @@ inline int __any_sync(unsigned mask, int p) {
 }
 inline unsigned __ballot_sync(unsigned mask, int p) {
   return static_cast<unsigned>(emu::warp_op(emu::WarpKind::Ballot, mask, p != 0, 0, 32));
+}
+
+// The tensor-core MMA (kernels/mma.cuh calls it in place of the PTX instruction): see emu::MmaLane.
+inline void conduit_emu_mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, bool bf16) {
+  emu::MmaLane lane{a, b, d, bf16};
+  emu::warp_op(emu::WarpKind::Mma, 0xffffffffu, reinterpret_cast<uint64_t>(&lane), 0, 32);
 }
 
 // Fibers never run concurrently, so a plain read-modify-write is atomic.

@@ -14,7 +14,7 @@ from tests.support.shared import require_executable
 HERE = Path(__file__).resolve().parent
 SELFTEST_SOURCE = HERE / "emu_selftest.cu"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-HEAD_DIMS = (8, 64, 128)  # stories260K has head_dim 8; 64 and 128 are the common real sizes
+HEAD_DIMS = (8, 64, 128, 256)  # stories260K has head_dim 8; 64, 128 and 256 (Gemma) the real sizes
 SELFTEST_KERNELS = tuple(
     KernelRef("emu_selftest.cu", name)
     for name in (
@@ -26,6 +26,7 @@ SELFTEST_KERNELS = tuple(
         "selftest_convert",
         "selftest_atomics",
         "selftest_smem_overflow",
+        "selftest_mma",
     )
 )
 

@@ -1,5 +1,6 @@
 // Test-only kernels that exercise the emulation harness itself (tests/kernels/test_emulator.py).
 #include "common.cuh"
+#include "mma.cuh"
 
 // Sum of x[0..n) per block through conduit::block_sum (shuffles + a static __shared__ scratch).
 __global__ void selftest_block_sum(float* out, const float* x, int n) {
@@ -87,4 +88,25 @@ __global__ void selftest_atomics(int* counter, float* total, int* maximum, int* 
 __global__ void selftest_smem_overflow(int shift) {
   CONDUIT_DYNAMIC_SMEM(float, buf);
   buf[threadIdx.x + shift] = 1.0f;
+}
+
+// One tensor-core mma.m16n8k16 by one warp with the fragment layout of kernels/mma.cuh: a [16][16] row-major,
+// b_t [8][16] (B transposed: each column's 16 k values contiguous), d [16][8] row-major holding C on entry.
+// `lanes` < 32: only that many lanes reach the mma (invalid: mma.sync needs the whole warp).
+__global__ void selftest_mma(float* d, const unsigned short* a, const unsigned short* b_t, int use_bf16, int lanes) {
+  const int lane = threadIdx.x;
+  if (lane >= lanes) return;
+  const int g = lane / 4, t = lane % 4;
+  const unsigned fa[4] = {conduit::load_pair(a + g * 16 + 2 * t), conduit::load_pair(a + (g + 8) * 16 + 2 * t),
+                          conduit::load_pair(a + g * 16 + 2 * t + 8), conduit::load_pair(a + (g + 8) * 16 + 2 * t + 8)};
+  const unsigned fb[2] = {conduit::load_pair(b_t + g * 16 + 2 * t), conduit::load_pair(b_t + g * 16 + 2 * t + 8)};
+  float acc[4] = {d[g * 8 + 2 * t], d[g * 8 + 2 * t + 1], d[(g + 8) * 8 + 2 * t], d[(g + 8) * 8 + 2 * t + 1]};
+  if (use_bf16)
+    conduit::mma_m16n8k16<conduit::bf16>(acc, fa, fb);
+  else
+    conduit::mma_m16n8k16<conduit::f16>(acc, fa, fb);
+  d[g * 8 + 2 * t] = acc[0];
+  d[g * 8 + 2 * t + 1] = acc[1];
+  d[(g + 8) * 8 + 2 * t] = acc[2];
+  d[(g + 8) * 8 + 2 * t + 1] = acc[3];
 }

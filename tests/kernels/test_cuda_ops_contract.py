@@ -8,7 +8,12 @@ import pytest
 import torch
 from test_ops_emulated import _meta_for_tokens
 
-from conduit_engine.ops.cuda_ops import CudaOps, decode_shared_bytes, prefill_shared_bytes
+from conduit_engine.ops.cuda_ops import (
+    CudaOps,
+    decode_shared_bytes,
+    prefill_mma_shared_bytes,
+    prefill_shared_bytes,
+)
 from conduit_engine.ops.kernel_loader import (
     KERNEL_SOURCES,
     all_specializations,
@@ -53,6 +58,8 @@ def test_shared_memory_fits_the_default_limit_for_common_shapes():
     assert decode_shared_bytes(group_size=8, head_dim=128, threads=128) <= 48 * 1024
     assert prefill_shared_bytes(128) <= 48 * 1024
     assert prefill_shared_bytes(256) <= 227 * 1024  # opts in to more than 48 KiB through the launcher
+    assert prefill_mma_shared_bytes(64) <= 48 * 1024
+    assert prefill_mma_shared_bytes(256) <= 227 * 1024
 
 
 @pytest.fixture

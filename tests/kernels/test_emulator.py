@@ -10,7 +10,7 @@ from kernel_emulator import FORWARD, REVERSE, SHUFFLED, EmulatedLauncher, Emulat
 
 pytestmark = pytest.mark.kernels
 
-BLOCK_SUM, WARP_OPS, ROTATE, ROTATE_DYNAMIC, BAD_SYNC, CONVERT, ATOMICS, SMEM_OVERFLOW = SELFTEST_KERNELS
+BLOCK_SUM, WARP_OPS, ROTATE, ROTATE_DYNAMIC, BAD_SYNC, CONVERT, ATOMICS, SMEM_OVERFLOW, MMA = SELFTEST_KERNELS
 
 
 def _launcher(emu_build, schedule=FORWARD) -> EmulatedLauncher:
@@ -162,3 +162,25 @@ def test_writes_past_dynamic_shared_memory_are_reported(emu_build):
     launcher.launch(SMEM_OVERFLOW, (2, 1, 1), (64, 1, 1), [np.int32(0)], 64 * 4)  # in bounds
     with pytest.raises(EmulationError, match="wrote past the 256 bytes of dynamic shared memory"):
         launcher.launch(SMEM_OVERFLOW, (2, 1, 1), (64, 1, 1), [np.int32(1)], 64 * 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_tensor_core_mma_follows_the_ptx_fragment_layout(emu_build, dtype):
+    """D = A B + C for mma.m16n8k16 with fragments loaded and stored as kernels/mma.cuh documents them
+    (small integers: every product and sum is exact, so the result must equal the matmul exactly)."""
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randint(-8, 9, (16, 16), generator=gen).to(dtype)
+    b = torch.randint(-8, 9, (16, 8), generator=gen).to(dtype)
+    c = torch.randint(-50, 51, (16, 8), generator=gen).float()
+    d = c.clone()
+    args = [d, a.view(torch.int16), b.t().contiguous().view(torch.int16), np.int32(dtype == torch.bfloat16)]
+    _launcher(emu_build, SHUFFLED).launch(MMA, (1, 1, 1), (32, 1, 1), [*args, np.int32(32)])
+    assert torch.equal(d, a.float() @ b.float() + c)
+
+
+def test_tensor_core_mma_needs_the_whole_warp(emu_build):
+    d = torch.zeros(16, 8)
+    a = torch.zeros(16, 16, dtype=torch.int16)
+    b_t = torch.zeros(8, 16, dtype=torch.int16)
+    with pytest.raises(EmulationError, match="deadlock: .* 16 at warp operations, 16 exited"):
+        _launcher(emu_build).launch(MMA, (1, 1, 1), (32, 1, 1), [d, a, b_t, np.int32(1), np.int32(16)])

@@ -218,6 +218,7 @@ def _check_attention(
     seed,
     sliding_window=None,
     logit_softcap=None,
+    tol=None,
 ):
     """`ops.attention` against TorchOps' on random paged caches (also run by test_cpu_ops on CpuOps)."""
     gen = torch.Generator().manual_seed(seed)
@@ -229,7 +230,7 @@ def _check_attention(
     got = ops.attention(q, batch.k_cache, batch.v_cache, step(ops, batch.meta), scale, **args)
     want = REF.attention(q, batch.k_cache, batch.v_cache, step(REF, batch.meta), scale, **args)
     assert not want.isnan().any() and not got.isnan().any()
-    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(got, want, **(tol or TOL[dtype]))
     return got
 
 
@@ -285,6 +286,12 @@ PREFILL_CASES = [
     ((50, 5), (17, 1), 16, 4, 1, 128, 16, None),  # a chunk whose window starts mid-block, a decode row
     ((40,), (40,), 4, 4, 4, 8, 1, None),  # window 1
     ((90, 18), (70, 18), 4, 8, 2, 64, None, 1.5),  # soft-capping alone, several key tiles
+    # Shapes for the tensor-core kernel (64 query rows, 64 or 32 keys a tile): several row blocks and key
+    # tiles, head_dim 256, GQA 1/4/8, windows that start inside a row block, chunks over cached prefixes.
+    ((130, 70), (100, 70), 16, 8, 1, 256, None, None),  # GQA 8, 30 cached, two row blocks
+    ((150,), (150,), 16, 4, 1, 128, 48, 2.0),  # GQA 4, window and soft-cap across row blocks
+    ((100, 40), (36, 40), 8, 4, 4, 256, 30, None),  # GQA 1, window, 64 cached
+    ((200, 9), (80, 9), 16, 8, 2, 64, None, 5.0),  # GQA 4, a chunk after 120 cached, soft-cap
 ]
 
 
@@ -304,7 +311,20 @@ def test_prefill_attention_matches_reference(launcher, dtype, case):
         seed=sum(seq_lens),
         sliding_window=window,
         logit_softcap=softcap,
+        # The tensor-core kernel rounds P to the model dtype before P V, as FlashAttention does: one more
+        # float16 rounding (2^-11) than the float32 kernel, in a few elements just past TOL's 2e-3.
+        tol={"atol": 4e-3, "rtol": 4e-3} if dtype == torch.float16 else None,
     )
+    tensor_cores = dtype != torch.float32 and head_dim % 16 == 0
+    kernel = "paged_prefill_attention_mma_kernel" if tensor_cores else "paged_prefill_attention_kernel"
+    assert [k.name.split("<")[0] for k in launcher.launches] == [kernel]
+
+
+def test_prefill_without_tensor_cores_runs_the_float32_kernel(launcher):
+    """CudaOps(tensor_cores=False) (a pre-sm_80 GPU) keeps bf16 prefill on the float32 kernel."""
+    seq_lens, query_lens, block_size, heads, kv_heads, head_dim, window, softcap = PREFILL_CASES[2]
+    args = (seq_lens, query_lens, block_size, heads, kv_heads, head_dim)
+    _check_attention(_ops(launcher, tensor_cores=False), torch.bfloat16, *args, seed=3)
     assert [k.name.split("<")[0] for k in launcher.launches] == ["paged_prefill_attention_kernel"]
 
 
@@ -347,11 +367,20 @@ def test_kernels_are_race_free_under_other_schedules(emu_build, schedule):
         prefill = PagedBatch(gen, (40, 21), (30, 21), 8, 2, 64, torch.bfloat16)
         q_dec = _rand(gen, 2, 4, 64, dtype=torch.float16)
         q_pre = _rand(gen, 51, 4, 64, dtype=torch.bfloat16)
+        # Tensor cores over two row blocks and several key tiles with a window; the float32 kernel.
+        long = PagedBatch(gen, (150,), (120,), 16, 1, 128, torch.float16)
+        q_long = _rand(gen, 120, 4, 128, dtype=torch.float16)
+        simt = PagedBatch(gen, (40,), (40,), 8, 2, 64, torch.float32)
+        q_simt = _rand(gen, 40, 4, 64)
         x = _rand(gen, 3, 96)
         results.append(
             [
                 ops.attention(q_dec, decode.k_cache, decode.v_cache, step(ops, decode.meta), 0.125),
                 ops.attention(q_pre, prefill.k_cache, prefill.v_cache, step(ops, prefill.meta), 0.125),
+                ops.attention(
+                    q_long, long.k_cache, long.v_cache, step(ops, long.meta), 0.09, sliding_window=70
+                ),
+                ops.attention(q_simt, simt.k_cache, simt.v_cache, step(ops, simt.meta), 0.125),
                 ops.add_rms_norm(x, x.flip(0), torch.ones(96), 1e-5)[0],
             ]
         )

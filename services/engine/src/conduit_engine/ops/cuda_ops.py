@@ -28,6 +28,8 @@ from conduit_engine.ops.kernel_loader import KernelArg, KernelLauncher, KernelRe
 _DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 _PREFILL_ROWS = 16  # query rows per prefill block (prefill_attention.cu)
 _PREFILL_THREADS = 128
+_MMA_PREFILL_ROWS = 64  # query rows per tensor-core prefill block (4 warps x 16)
+_TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 # Blocks per masked row: enough to fill the GPU at small batches; larger vocabularies loop in the kernel.
 _BITMASK_MAX_BLOCKS_PER_ROW = 64
 
@@ -101,6 +103,32 @@ def prefill_shared_bytes(head_dim: int) -> int:
     return 4 * (rows * (head_dim + 1) + keys * (head_dim + 1) + keys * head_dim + rows * (keys + 1))
 
 
+def prefill_mma_tile_keys(head_dim: int) -> int:
+    """Keys per tile of paged_prefill_attention_mma_kernel (MmaPrefillTile<HEAD_DIM>::kKeys)."""
+    return 64 if head_dim <= 128 else 32
+
+
+def prefill_mma_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of paged_prefill_attention_mma_kernel: Q and K tiles row-major, V transposed,
+    16-bit elements, rows padded by 8 (layout in prefill_attention.cu)."""
+    keys = prefill_mma_tile_keys(head_dim)
+    return 2 * ((_MMA_PREFILL_ROWS + keys) * (head_dim + 8) + head_dim * (keys + 8))
+
+
+def uses_tensor_core_prefill(
+    q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> bool:
+    """Whether prefill attention of these tensors can run on the tensor-core kernel: f16/bf16, head_dim
+    a multiple of 16, 16-byte aligned tensors whose token strides are whole 16-byte chunks."""
+    return (
+        q.dtype in _TENSOR_CORE_DTYPES
+        and q.shape[2] % 16 == 0
+        and _aligned(q, out, k_cache, v_cache)
+        and q.stride(0) % 8 == 0
+        and out.stride(0) % 8 == 0
+    )
+
+
 class CudaOps(Ops):
     """`Ops` on the kernels in kernels/; `launcher` defaults to CuPy on the current CUDA device.
 
@@ -109,6 +137,8 @@ class CudaOps(Ops):
     check_calls: check every call's arguments (see cuda_checks); step inputs and caches are checked
     regardless, in begin_step and check_kv_cache.
     bitmask_threads: threads per block of the grammar-masking kernel (bitmask.cu).
+    tensor_cores: run prefill attention on tensor cores where it applies (f16/bf16, head_dim % 16 == 0);
+    None asks the launcher (sm_80 and later; the CPU emulation has them).
     """
 
     name = "cuda"
@@ -121,6 +151,7 @@ class CudaOps(Ops):
         decode_threads: int = 128,
         check_calls: bool = True,
         bitmask_threads: int = 256,
+        tensor_cores: bool | None = None,
     ) -> None:
         check(
             decode_threads % 32 == 0 and 32 <= decode_threads <= 1024,
@@ -140,6 +171,9 @@ class CudaOps(Ops):
         self.decode_threads = decode_threads
         self.check_calls = check_calls
         self.bitmask_threads = bitmask_threads
+        self.tensor_cores = (
+            tensor_cores if tensor_cores is not None else bool(getattr(self._launcher, "tensor_cores", True))
+        )
         # (cache addresses, device table of them) of the last KV transfer: one engine has one cache.
         self._kv_pointers: tuple[tuple[object, ...], torch.Tensor] | None = None
 
@@ -443,9 +477,15 @@ class CudaOps(Ops):
     def _prefill_attention(self, a: _PagedAttention) -> None:
         out, q, k_cache, v_cache, meta, scale, num_kv_heads, group, log2_block, window, softcap = a
         num_heads, head_dim = q.shape[1], q.shape[2]
+        if self.tensor_cores and uses_tensor_core_prefill(q, out, k_cache, v_cache):
+            kernel = kl.prefill_attention_mma_kernel(q.dtype, head_dim)
+            rows, shared = _MMA_PREFILL_ROWS, prefill_mma_shared_bytes(head_dim)
+        else:
+            kernel = kl.prefill_attention_kernel(q.dtype, head_dim)
+            rows, shared = _PREFILL_ROWS, prefill_shared_bytes(head_dim)
         self._launch(
-            kl.prefill_attention_kernel(q.dtype, head_dim),
-            (math.ceil(meta.max_query_len / _PREFILL_ROWS), meta.num_seqs, num_heads),
+            kernel,
+            (math.ceil(meta.max_query_len / rows), meta.num_seqs, num_heads),
             (_PREFILL_THREADS, 1, 1),
             [
                 out,
@@ -466,7 +506,7 @@ class CudaOps(Ops):
                 np.float32(softcap),
                 np.float32(1.0 / softcap if softcap else 0.0),
             ],
-            prefill_shared_bytes(head_dim),
+            shared,
         )
 
     # ---- grammar masking (once per step) ---------------------------------------------------------------
@@ -583,6 +623,8 @@ class CupyLauncher:
             ) from exc
         self._cupy = cupy
         self._streams: dict[int, object] = {}
+        # mma.sync m16n8k16 with bf16 (the tensor-core prefill kernel) needs sm_80 or later.
+        self.tensor_cores = torch.cuda.get_device_capability() >= (8, 0)
 
     def launch(
         self,

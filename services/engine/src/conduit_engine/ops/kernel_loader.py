@@ -129,6 +129,13 @@ def prefill_attention_kernel(dtype: torch.dtype, head_dim: int) -> KernelRef:
     return KernelRef("prefill_attention.cu", f"paged_prefill_attention_kernel<{ctype(dtype)}, {head_dim}>")
 
 
+def prefill_attention_mma_kernel(dtype: torch.dtype, head_dim: int) -> KernelRef:
+    """The tensor-core prefill kernel: float16/bfloat16, head_dim a multiple of 16."""
+    return KernelRef(
+        "prefill_attention.cu", f"paged_prefill_attention_mma_kernel<{ctype(dtype)}, {head_dim}>"
+    )
+
+
 APPLY_TOKEN_BITMASK_KERNEL = KernelRef("bitmask.cu", "apply_token_bitmask_kernel")
 
 
@@ -157,5 +164,7 @@ def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int])
             scatter_kv_blocks_kernel(dtype),
         ]
         refs += [prefill_attention_kernel(dtype, head_dim) for head_dim in head_dims]
+        if dtype in (torch.float16, torch.bfloat16):
+            refs += [prefill_attention_mma_kernel(dtype, hd) for hd in head_dims if hd % 16 == 0]
     refs.append(APPLY_TOKEN_BITMASK_KERNEL)
     return refs
