@@ -12,23 +12,38 @@
 // becomes logit_softcap * tanh(s * inv_softcap) before the softmax (inv_softcap = 1 / logit_softcap).
 //
 // Grid of paged_decode_attention_kernel: (num_seqs, num_kv_heads, num_partitions); block: a multiple of 32
-// threads, which is also the tile of tokens processed per step. Each block serves all `group_size` query
-// heads of one KV head (K/V are read once per group) over tokens [first + p * partition_size, first + (p + 1) *
-// partition_size) of its sequence, where `first` is the first visible token (0 without a window). With num_partitions == 1 it writes `out` directly; otherwise it writes
-// the normalised partial output, its running max and its sum to the float32 partial_* buffers
-// ([num_seqs, num_heads, num_partitions(, head_dim)]) and paged_decode_reduce_kernel (grid (num_seqs,
-// num_heads), any block size) combines them. Partitions past a sequence's end exit at once, so the grid
-// may be sized for the longest possible context (what CUDA graph capture needs).
+// threads. Each block serves all `group_size` query heads of one KV head (K/V are read once per group, in
+// passes of GROUP heads: the launcher picks the power of two that covers the group, up to
+// kDecodeGroupChunk / CHUNKS, so registers hold only the heads there are) over tokens [first + p * partition_size, first + (p + 1) *
+// partition_size) of its sequence, where `first` is the first visible token (0 without a window).
+// A K or V row is split into 16-byte chunks across L lanes (L = the row's chunks rounded up to a power of
+// two, at most 32; CHUNKS chunks a lane beyond 32), so a warp reads 32 / L rows per step with 16-byte
+// vector loads, each token's row contiguous; the lanes of a row add their partial dot products by shuffles
+// and each keeps an online softmax and output accumulator for its own dimensions, in registers. At the
+// end the 32 / L rows of a warp merge by shuffles and the warps through shared memory. With num_partitions
+// == 1 the block writes `out` directly; otherwise it writes the normalised partial output, its running max
+// and its sum to the float32 partial_* buffers ([num_seqs, num_heads, num_partitions(, head_dim)]) and
+// paged_decode_reduce_kernel (grid (num_seqs, num_heads), any block size) combines them. Partitions past a
+// sequence's end exit at once, so the grid may be sized for the longest possible context (what CUDA graph
+// capture needs).
 // Dynamic shared memory: decode_shared_bytes() in services/engine/src/conduit_engine/ops/cuda_ops.py.
-// Limits: block_size a power of two (passed as log2), head_dim a multiple of 16 / sizeof(T),
-// partition_size a multiple of blockDim.x, slots (block * block_size + offset) < 2^31.
+// Limits: block_size a power of two (passed as log2), head_dim a multiple of 16 / sizeof(T) and at most
+// 32 * CHUNKS * 16 / sizeof(T), slots (block * block_size + offset) < 2^31.
 #include "common.cuh"
 
 namespace conduit {
-constexpr int kDecodeMaxGroupChunk = 8;  // query heads scored per pass over a K row (registers)
+constexpr int kDecodeGroupChunk = 8;  // GROUP x CHUNKS at most: query heads per pass over the KV (registers)
+
+// Merge two online-softmax states (max, sum, accumulator) of the same rows.
+__device__ __forceinline__ void merge_scale(float m1, float m2, float& a1, float& a2, float& m) {
+  m = fmaxf(m1, m2);
+  const float base = m == neg_inf() ? 0.0f : m;  // both empty: weights 0, not NaN
+  a1 = __expf(m1 - base);
+  a2 = __expf(m2 - base);
+}
 }  // namespace conduit
 
-template <typename T>
+template <typename T, int CHUNKS, int GROUP>
 __global__ void paged_decode_attention_kernel(T* __restrict__ out, long long out_token_stride,
                                               float* __restrict__ partial_out, float* __restrict__ partial_max,
                                               float* __restrict__ partial_sum, const T* __restrict__ q,
@@ -39,12 +54,15 @@ __global__ void paged_decode_attention_kernel(T* __restrict__ out, long long out
                                               float scale, int partition_size, int sliding_window,
                                               float logit_softcap, float inv_softcap) {
   using namespace conduit;
+  constexpr int V = Pack<T>::kSize;                  // elements per 16-byte chunk
+  static_assert(GROUP * CHUNKS <= kDecodeGroupChunk, "GROUP x CHUNKS is bounded by the registers");
+  constexpr int GC = GROUP;                          // heads per pass
+  constexpr int E = CHUNKS * V;                      // elements of a row a lane owns
   const int seq = blockIdx.x;
   const int kv_head = blockIdx.y;
   const int part = blockIdx.z;
   const int num_parts = gridDim.z;
   const int num_heads = num_kv_heads * group_size;
-  const int tile = blockDim.x;
   const int tid = threadIdx.x;
   const int G = group_size;
   const int D = head_dim;
@@ -54,7 +72,7 @@ __global__ void paged_decode_attention_kernel(T* __restrict__ out, long long out
   if (start >= seq_len) {
     // Nothing to attend to: leave an empty partial (weight 0) for the reduction. Uniform per block.
     if (num_parts > 1) {
-      for (int g = tid; g < G; g += tile) {
+      for (int g = tid; g < G; g += blockDim.x) {
         const long long idx = (static_cast<long long>(seq) * num_heads + kv_head * G + g) * num_parts + part;
         partial_max[idx] = neg_inf();
         partial_sum[idx] = 0.0f;
@@ -63,120 +81,165 @@ __global__ void paged_decode_attention_kernel(T* __restrict__ out, long long out
     return;
   }
   const int end = min(start + partition_size, seq_len);
+  const int row_chunks = D / V;
+  int lanes = 1;  // L: lanes per row
+  while (lanes < row_chunks && lanes < 32) lanes <<= 1;
+  const int rows_per_step = 32 / lanes;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int num_warps = blockDim.x >> 5;
+  const int sub = lane / lanes;      // which row of the warp's step
+  const int li = lane - sub * lanes;  // lane within the row
 
-  CONDUIT_DYNAMIC_SMEM(unsigned char, smem);
-  int* slots = reinterpret_cast<int*>(smem);               // [tile]
-  float* q_s = reinterpret_cast<float*>(slots + tile);     // [G][D], pre-scaled
-  float* acc = q_s + G * D;                                // [G][D]
-  float* scores = acc + G * D;                             // [G][tile]
-  float* run_max = scores + G * tile;                      // [G]
-  float* run_sum = run_max + G;                            // [G]
-  float* rescale = run_sum + G;                            // [G]
-
-  const T* q_seq = q + seq * q_token_stride + kv_head * G * D;
-  for (int e = tid; e < G * D; e += tile) {
-    q_s[e] = to_float(q_seq[e]) * scale;
-    acc[e] = 0.0f;
-  }
-  for (int g = tid; g < G; g += tile) {
-    run_max[g] = neg_inf();
-    run_sum[g] = 0.0f;
-  }
-  __syncthreads();
+  CONDUIT_DYNAMIC_SMEM(float, smem);
+  float* s_acc = smem;                           // [num_warps][GC][D]
+  float* s_max = s_acc + num_warps * GC * D;     // [num_warps][GC]
+  float* s_sum = s_max + num_warps * GC;         // [num_warps][GC]
 
   const int block_mask = (1 << log2_block_size) - 1;
   const int* table = block_tables + static_cast<long long>(seq) * block_table_stride;
   const long long row_stride = static_cast<long long>(num_kv_heads) * D;  // elements per slot
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  const int num_warps = tile >> 5;
-  constexpr int V = Pack<T>::kSize;
 
-  for (int tile_start = start; tile_start < end; tile_start += tile) {
-    // 1. Scores: each thread owns one token of the tile and scores it against every head of the group.
-    const int t = tile_start + tid;
-    if (t < end) {
-      const int slot = (table[t >> log2_block_size] << log2_block_size) | (t & block_mask);
-      slots[tid] = slot;
-      const T* k_row = k_cache + slot * row_stride + kv_head * D;
-      for (int g0 = 0; g0 < G; g0 += kDecodeMaxGroupChunk) {
-        float s[kDecodeMaxGroupChunk];
+  for (int g0 = 0; g0 < G; g0 += GC) {
+    const int gn = min(GC, G - g0);
+    const T* q_seq = q + seq * q_token_stride + (kv_head * G + g0) * D;
+    float qr[GC][E];
+    float acc[GC][E];
+    float m[GC];
+    float l[GC];
 #pragma unroll
-        for (int j = 0; j < kDecodeMaxGroupChunk; ++j) s[j] = 0.0f;
-        for (int c = 0; c < D; c += V) {
-          const Pack<T> k = load_pack(k_row + c);
+    for (int j = 0; j < GC; ++j) {
+      m[j] = neg_inf();
+      l[j] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        const int chunk = li + c * lanes;
+        const bool here = j < gn && chunk < row_chunks;
+        // Element by element (once per block): q may be a view with any alignment.
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          qr[j][c * V + i] = here ? to_float(q_seq[j * D + chunk * V + i]) * scale : 0.0f;
+          acc[j][c * V + i] = 0.0f;
+        }
+      }
+    }
+
+    for (int t0 = start + warp * rows_per_step; t0 < end; t0 += num_warps * rows_per_step) {
+      const int t = t0 + sub;
+      const bool valid = t < end;
+      float kf[E];
+      float vf[E];
+      if (valid) {
+        const int slot = (table[t >> log2_block_size] << log2_block_size) | (t & block_mask);
+        const T* k_row = k_cache + slot * row_stride + kv_head * D;
+        const T* v_row = v_cache + slot * row_stride + kv_head * D;
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+          const int chunk = li + c * lanes;
+          Pack<T> kp{}, vp{};
+          if (chunk < row_chunks) {
+            kp = load_pack(k_row + chunk * V);
+            vp = load_pack(v_row + chunk * V);
+          }
 #pragma unroll
           for (int i = 0; i < V; ++i) {
-            const float kf = to_float(k.v[i]);
-#pragma unroll
-            for (int j = 0; j < kDecodeMaxGroupChunk; ++j)
-              if (g0 + j < G) s[j] += q_s[(g0 + j) * D + c + i] * kf;
+            kf[c * V + i] = chunk < row_chunks ? to_float(kp.v[i]) : 0.0f;
+            vf[c * V + i] = chunk < row_chunks ? to_float(vp.v[i]) : 0.0f;
           }
         }
+      } else {
 #pragma unroll
-        for (int j = 0; j < kDecodeMaxGroupChunk; ++j)
-          if (g0 + j < G) scores[(g0 + j) * tile + tid] = soft_cap(s[j], logit_softcap, inv_softcap);
+        for (int e = 0; e < E; ++e) kf[e] = vf[e] = 0.0f;
       }
-    } else {
-      for (int g = 0; g < G; ++g) scores[g * tile + tid] = neg_inf();
+      float s[GC];
+#pragma unroll
+      for (int j = 0; j < GC; ++j) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) dot += qr[j][e] * kf[e];
+        s[j] = dot;
+      }
+      // The row's lanes are an aligned group of `lanes`: xor offsets below it stay inside the row.
+      for (int offset = lanes >> 1; offset > 0; offset >>= 1) {
+#pragma unroll
+        for (int j = 0; j < GC; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], offset);
+      }
+      if (valid) {
+#pragma unroll
+        for (int j = 0; j < GC; ++j) {
+          if (j >= gn) continue;
+          const float score = soft_cap(s[j], logit_softcap, inv_softcap);
+          const float new_max = fmaxf(m[j], score);
+          const float alpha = __expf(m[j] - new_max);
+          const float p = __expf(score - new_max);
+          l[j] = l[j] * alpha + p;
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc[j][e] = acc[j][e] * alpha + p * vf[e];
+          m[j] = new_max;
+        }
+      }
+    }
+
+    // The warp's rows (lanes `lanes` apart) merge into sub-row 0.
+    for (int offset = lanes; offset < 32; offset <<= 1) {
+#pragma unroll
+      for (int j = 0; j < GC; ++j) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m[j], offset);
+        const float l2 = __shfl_xor_sync(0xffffffffu, l[j], offset);
+        float a1, a2;
+        merge_scale(m[j], m2, a1, a2, m[j]);
+        l[j] = l[j] * a1 + l2 * a2;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[j][e] = acc[j][e] * a1 + __shfl_xor_sync(0xffffffffu, acc[j][e], offset) * a2;
+      }
+    }
+    if (sub == 0) {
+#pragma unroll
+      for (int j = 0; j < GC; ++j) {
+        if (j >= gn) continue;
+        const int w = warp * GC + j;
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+          const int chunk = li + c * lanes;
+          if (chunk >= row_chunks) continue;
+#pragma unroll
+          for (int i = 0; i < V; ++i) s_acc[w * D + chunk * V + i] = acc[j][c * V + i];
+        }
+        if (li == 0) {
+          s_max[w] = m[j];
+          s_sum[w] = l[j];
+        }
+      }
     }
     __syncthreads();
 
-    // 2. Online softmax: one warp per head updates the running max and sum and turns scores into p.
-    for (int g = warp; g < G; g += num_warps) {
-      float* row = scores + g * tile;
-      float tile_max = neg_inf();
-      for (int i = lane; i < tile; i += 32) tile_max = fmaxf(tile_max, row[i]);
-      tile_max = warp_max(tile_max);
-      const float old_max = run_max[g];
-      const float new_max = fmaxf(old_max, tile_max);  // finite: the tile holds at least one token
-      float sum = 0.0f;
-      for (int i = lane; i < tile; i += 32) {
-        const float p = expf(row[i] - new_max);
-        row[i] = p;
-        sum += p;
+    // The warps' states merge: one thread per (head, dimension).
+    for (int e = tid; e < gn * D; e += blockDim.x) {
+      const int j = e / D;
+      const int d = e - j * D;
+      float best = neg_inf();
+      for (int w = 0; w < num_warps; ++w) best = fmaxf(best, s_max[w * GC + j]);
+      float total = 0.0f;
+      float o = 0.0f;
+      for (int w = 0; w < num_warps; ++w) {
+        const float weight = s_max[w * GC + j] == neg_inf() ? 0.0f : __expf(s_max[w * GC + j] - best);
+        total += s_sum[w * GC + j] * weight;
+        o += s_acc[(w * GC + j) * D + d] * weight;
       }
-      sum = warp_sum(sum);
-      if (lane == 0) {
-        const float alpha = expf(old_max - new_max);
-        run_sum[g] = run_sum[g] * alpha + sum;
-        run_max[g] = new_max;
-        rescale[g] = alpha;
-      }
-    }
-    __syncthreads();
-
-    // 3. acc = acc * alpha + p @ V; thread owns fixed (head, dim) elements, V rows are read coalesced.
-    const int n = min(tile, end - tile_start);
-    for (int e = tid; e < G * D; e += tile) {
-      const int g = e / D;
-      const int d = e - g * D;
-      const float* p = scores + g * tile;
-      const T* v_col = v_cache + kv_head * D + d;
-      float a = acc[e] * rescale[g];
-      // Unrolled so several independent V loads are in flight per thread.
-#pragma unroll 4
-      for (int i = 0; i < n; ++i) a += p[i] * to_float(v_col[slots[i] * row_stride]);
-      acc[e] = a;
-    }
-    __syncthreads();
-  }
-
-  for (int e = tid; e < G * D; e += tile) {
-    const int g = e / D;
-    const int d = e - g * D;
-    const int head = kv_head * G + g;
-    const float o = acc[e] / run_sum[g];
-    if (num_parts == 1) {
-      out[seq * out_token_stride + head * D + d] = from_float<T>(o);
-    } else {
-      const long long idx = (static_cast<long long>(seq) * num_heads + head) * num_parts + part;
-      partial_out[idx * D + d] = o;
-      if (d == 0) {
-        partial_max[idx] = run_max[g];
-        partial_sum[idx] = run_sum[g];
+      o /= total;  // the partition holds a token, so some warp saw one
+      const int head = kv_head * G + g0 + j;
+      if (num_parts == 1) {
+        out[seq * out_token_stride + head * D + d] = from_float<T>(o);
+      } else {
+        const long long idx = (static_cast<long long>(seq) * num_heads + head) * num_parts + part;
+        partial_out[idx * D + d] = o;
+        if (d == 0) {
+          partial_max[idx] = best;
+          partial_sum[idx] = total;
+        }
       }
     }
+    __syncthreads();  // before the next head chunk reuses the buffers
   }
 }
 

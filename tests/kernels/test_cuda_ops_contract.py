@@ -10,6 +10,8 @@ from test_ops_emulated import _meta_for_tokens
 
 from conduit_engine.ops.cuda_ops import (
     CudaOps,
+    auto_decode_partition,
+    decode_pass_heads,
     decode_shared_bytes,
     prefill_mma_shared_bytes,
     prefill_shared_bytes,
@@ -170,3 +172,21 @@ def test_kv_transfer_of_no_blocks_launches_nothing(launcher):
     assert ops.gather_kv_blocks(caches, empty).shape == (1, 2, 0, 2, 1, 8)
     ops.scatter_kv_blocks(torch.zeros(1, 2, 0, 2, 1, 8), caches, empty)
     assert launcher.launches == []
+
+
+def test_automatic_split_k_fills_the_sms_without_cutting_contexts_too_fine():
+    # batch 1 x 32k, 8 KV heads on 132 SMs: 128 partitions of 256 tokens (1,024 blocks).
+    assert auto_decode_partition(32768, 8, 132, 128) == 256
+    # batch 64 x 4096, 8 KV heads: 512 blocks want 3 partitions of 1,408 tokens.
+    assert auto_decode_partition(4096, 512, 132, 128) == 1408
+    # Enough blocks already, or a short context: one partition.
+    assert auto_decode_partition(4096, 4096, 132, 128) == 4096
+    assert auto_decode_partition(300, 1, 132, 128) == 384
+
+
+@pytest.mark.parametrize(
+    ("group", "chunks", "heads"),
+    [(1, 1, 1), (2, 1, 2), (3, 1, 4), (4, 1, 4), (8, 1, 8), (12, 1, 8), (8, 2, 4)],
+)
+def test_decode_passes_hold_only_the_heads_there_are(group, chunks, heads):
+    assert decode_pass_heads(group, chunks) == heads

@@ -249,6 +249,8 @@ DECODE_CASES = [
     ((50, 3), 16, 4, 4, 32, 32, 32, None, 5.0),  # soft-capping alone, split-K
     ((77, 20, 1), 2, 4, 2, 16, 32, 32, 33, 2.5),  # both, split-K, a one-token context
     ((64, 65), 16, 4, 4, 8, 512, 32, 1, None),  # window 1: each query sees only itself
+    ((90, 257), 16, 32, 4, 256, 128, 128, None, None),  # GQA 8, head_dim 256: float32 reads 2 chunks a lane
+    ((40, 3), 8, 12, 1, 64, 512, 64, None, None),  # GQA 12: a pass of 8 heads, then one of 4
 ]
 
 
@@ -326,6 +328,19 @@ def test_prefill_without_tensor_cores_runs_the_float32_kernel(launcher):
     args = (seq_lens, query_lens, block_size, heads, kv_heads, head_dim)
     _check_attention(_ops(launcher, tensor_cores=False), torch.bfloat16, *args, seed=3)
     assert [k.name.split("<")[0] for k in launcher.launches] == ["paged_prefill_attention_kernel"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_decode_splits_long_contexts_by_itself(launcher, dtype):
+    """Without decode_partition_size, split-K follows sequences x KV heads against the SM count (16 when
+    the launcher does not say): two sequences of one KV head over 2,000 tokens split into 384-token
+    partitions (6 of them), reduced by the second kernel."""
+    _check_attention(_ops(launcher), dtype, (2000, 700), [1, 1], 16, 4, 1, 64, seed=11)
+    assert [k.name.split("<")[0] for k in launcher.launches] == [
+        "paged_decode_attention_kernel",
+        "paged_decode_reduce_kernel",
+    ]
+    assert launcher.grids[0] == (2, 1, 6)
 
 
 @pytest.mark.parametrize(("window", "partitions"), [(None, 8), (40, 2)], ids=["full", "window40"])

@@ -86,9 +86,45 @@ def _split_k_buffers(
     return partial_out, partial_max, torch.empty_like(partial_max)
 
 
-def decode_shared_bytes(group_size: int, head_dim: int, threads: int) -> int:
-    """Dynamic shared memory of paged_decode_attention_kernel (layout in decode_attention.cu)."""
-    return 4 * threads + 4 * (2 * group_size * head_dim + group_size * threads + 3 * group_size)
+_DECODE_GROUP_CHUNK = 8  # query heads per pass over the KV (kDecodeGroupChunk in decode_attention.cu)
+_DECODE_MIN_PARTITION = 256  # the automatic split-K never cuts a context finer than this
+_DECODE_BLOCKS_PER_SM = 8  # the automatic split-K aims at this many blocks per SM
+_DEFAULT_SM_COUNT = 16  # a launcher that does not say (the CPU emulation)
+
+
+def decode_lane_chunks(head_dim: int, element_size: int) -> int:
+    """16-byte chunks of a K/V row each lane reads in paged_decode_attention_kernel (its CHUNKS)."""
+    row_chunks = head_dim * element_size // 16
+    check(
+        row_chunks <= 64,
+        f"q: head_dim {head_dim} is over the decode kernel's {64 * 16 // element_size} for this dtype",
+    )
+    return 1 if row_chunks <= 32 else 2
+
+
+def decode_pass_heads(group_size: int, chunks: int) -> int:
+    """Query heads per pass of paged_decode_attention_kernel (its GROUP): the power of two covering
+    the group, at most _DECODE_GROUP_CHUNK / chunks (larger groups take several passes)."""
+    heads = 1
+    while heads < group_size and heads * chunks < _DECODE_GROUP_CHUNK:
+        heads *= 2
+    return heads
+
+
+def decode_shared_bytes(group_size: int, head_dim: int, threads: int, element_size: int = 2) -> int:
+    """Dynamic shared memory of paged_decode_attention_kernel: each warp's merged state per head of a
+    pass (layout in decode_attention.cu)."""
+    heads = decode_pass_heads(group_size, decode_lane_chunks(head_dim, element_size))
+    return 4 * (threads // 32) * heads * (head_dim + 2)
+
+
+def auto_decode_partition(visible: int, blocks: int, sm_count: int, threads: int) -> int:
+    """Split-K partition size for `blocks` (sequences x KV heads) over `visible` tokens: enough
+    partitions for _DECODE_BLOCKS_PER_SM blocks per SM, none shorter than _DECODE_MIN_PARTITION tokens,
+    a multiple of `threads`."""
+    wanted = max(1, math.ceil(_DECODE_BLOCKS_PER_SM * sm_count / max(1, blocks)))
+    partitions = max(1, min(wanted, visible // _DECODE_MIN_PARTITION))
+    return _round_up(math.ceil(visible / partitions), threads)
 
 
 def prefill_tile_keys(head_dim: int) -> int:
@@ -134,6 +170,8 @@ class CudaOps(Ops):
 
     decode_partition_size: context tokens per split-K partition of decode attention (a multiple of
     decode_threads); contexts longer than one partition are split across thread blocks and reduced.
+    None (the default) chooses it per call from sequences x KV heads against the SM count
+    (auto_decode_partition); under CUDA graph capture that is once per captured batch size.
     check_calls: check every call's arguments (see cuda_checks); step inputs and caches are checked
     regardless, in begin_step and check_kv_cache.
     bitmask_threads: threads per block of the grammar-masking kernel (bitmask.cu).
@@ -147,7 +185,7 @@ class CudaOps(Ops):
         self,
         launcher: KernelLauncher | None = None,
         *,
-        decode_partition_size: int = 512,
+        decode_partition_size: int | None = None,
         decode_threads: int = 128,
         check_calls: bool = True,
         bitmask_threads: int = 256,
@@ -158,7 +196,8 @@ class CudaOps(Ops):
             f"decode_threads: must be a multiple of 32 in [32, 1024], got {decode_threads}",
         )
         check(
-            decode_partition_size > 0 and decode_partition_size % decode_threads == 0,
+            decode_partition_size is None
+            or (decode_partition_size > 0 and decode_partition_size % decode_threads == 0),
             f"decode_partition_size: must be a positive multiple of decode_threads ({decode_threads}), "
             f"got {decode_partition_size}",
         )
@@ -171,6 +210,7 @@ class CudaOps(Ops):
         self.decode_threads = decode_threads
         self.check_calls = check_calls
         self.bitmask_threads = bitmask_threads
+        self.sm_count = int(getattr(self._launcher, "sm_count", _DEFAULT_SM_COUNT))
         self.tensor_cores = (
             tensor_cores if tensor_cores is not None else bool(getattr(self._launcher, "tensor_cores", True))
         )
@@ -409,11 +449,15 @@ class CudaOps(Ops):
         # The grid follows the host copy of the lengths (under CUDA graph capture: the longest allowed
         # context), or the window when shorter; partitions past a sequence's real end exit at once.
         visible = min(meta.max_seq_len, window) if window else meta.max_seq_len
-        partitions = max(1, math.ceil(visible / self.decode_partition_size))
         threads = self.decode_threads
+        partition_size = self.decode_partition_size or auto_decode_partition(
+            visible, num_seqs * num_kv_heads, self.sm_count, threads
+        )
+        partitions = max(1, math.ceil(visible / partition_size))
         partial_out, partial_max, partial_sum = _split_k_buffers(q, partitions)
+        chunks = decode_lane_chunks(head_dim, q.element_size())
         self._launch(
-            kl.decode_attention_kernel(q.dtype),
+            kl.decode_attention_kernel(q.dtype, chunks, decode_pass_heads(group, chunks)),
             (num_seqs, num_kv_heads, partitions),
             (threads, 1, 1),
             [
@@ -434,15 +478,17 @@ class CudaOps(Ops):
                 np.int32(group),
                 np.int32(log2_block),
                 np.float32(scale),
-                np.int32(self.decode_partition_size),
+                np.int32(partition_size),
                 np.int32(window),
                 np.float32(softcap),
                 np.float32(1.0 / softcap if softcap else 0.0),
             ],
-            decode_shared_bytes(group, head_dim, threads),
+            decode_shared_bytes(group, head_dim, threads, q.element_size()),
         )
         if partitions > 1:
-            self._decode_reduce(out, partial_out, partial_max, partial_sum, meta.seq_lens, partitions, window)
+            self._decode_reduce(
+                out, partial_out, partial_max, partial_sum, meta.seq_lens, partitions, partition_size, window
+            )
 
     def _decode_reduce(
         self,
@@ -452,6 +498,7 @@ class CudaOps(Ops):
         partial_sum: torch.Tensor,
         seq_lens: torch.Tensor,
         partitions: int,
+        partition_size: int,
         window: int,
     ) -> None:
         """Combine the split-K partitions of decode attention into `out`."""
@@ -469,7 +516,7 @@ class CudaOps(Ops):
                 seq_lens,
                 np.int32(head_dim),
                 np.int32(partitions),
-                np.int32(self.decode_partition_size),
+                np.int32(partition_size),
                 np.int32(window),
             ],
         )
@@ -625,6 +672,7 @@ class CupyLauncher:
         self._streams: dict[int, object] = {}
         # mma.sync m16n8k16 with bf16 (the tensor-core prefill kernel) needs sm_80 or later.
         self.tensor_cores = torch.cuda.get_device_capability() >= (8, 0)
+        self.sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
     def launch(
         self,

@@ -117,8 +117,16 @@ def write_kv_kernel(dtype: torch.dtype) -> KernelRef:
     return KernelRef("cache.cu", f"write_kv_kernel<{ctype(dtype)}>")
 
 
-def decode_attention_kernel(dtype: torch.dtype) -> KernelRef:
-    return KernelRef("decode_attention.cu", f"paged_decode_attention_kernel<{ctype(dtype)}>")
+DECODE_VARIANTS = ((1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4))  # (chunks, group) specialised
+
+
+def decode_attention_kernel(dtype: torch.dtype, chunks: int = 1, group: int = 8) -> KernelRef:
+    """`chunks`: 16-byte chunks of a K/V row per lane (1 up to 32 chunks a row, 2 up to 64); `group`:
+    query heads per pass over the KV (a power of two, group x chunks <= 8)."""
+    if (chunks, group) not in DECODE_VARIANTS:
+        raise ValueError(f"no decode attention kernel for chunks={chunks}, group={group}")
+    name = f"paged_decode_attention_kernel<{ctype(dtype)}, {chunks}, {group}>"
+    return KernelRef("decode_attention.cu", name)
 
 
 def decode_reduce_kernel(dtype: torch.dtype) -> KernelRef:
@@ -158,7 +166,7 @@ def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int])
             silu_and_mul_kernel(dtype),
             gelu_tanh_and_mul_kernel(dtype),
             write_kv_kernel(dtype),
-            decode_attention_kernel(dtype),
+            *(decode_attention_kernel(dtype, chunks, group) for chunks, group in DECODE_VARIANTS),
             decode_reduce_kernel(dtype),
             gather_kv_blocks_kernel(dtype),
             scatter_kv_blocks_kernel(dtype),
