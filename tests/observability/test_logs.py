@@ -19,10 +19,12 @@ PROMPT = "The purple giraffe whispered to the lighthouse"
 JSON_LOGS = ("--log-format", "json")
 
 
-def _serve_and_log(stories_path, *extra: str) -> tuple[list[str], list[str], list[str]]:
+def _serve_and_log(stories_path, *extra: str) -> tuple[list[str], list[str], list[str], dict[str, str]]:
     """Serve three requests (completion, streamed chat, two prompts) with `extra` flags on both services;
-    returns (the completions' texts, the engine's log lines, the gateway's log lines)."""
+    returns (the completions' texts, the engine's log lines, the gateway's log lines, and the gateway's
+    own request id of each client id: the base of the response's id)."""
     texts: list[str] = []
+    ids: dict[str, str] = {}
     with start_engine(stories_path, *JSON_LOGS, "--log-level", "DEBUG", *extra) as engine:
         with start_gateway(engine.address, *JSON_LOGS, "--log-level", "debug", *extra) as gateway:
             with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0) as client:
@@ -34,6 +36,7 @@ def _serve_and_log(stories_path, *extra: str) -> tuple[list[str], list[str], lis
                     extra_headers={"x-request-id": "log-1"},
                 )
                 texts.append(completion.choices[0].text)
+                ids["log-1"] = completion.id.removeprefix("cmpl-")
                 chunks = client.chat.completions.create(
                     model=MODEL,
                     messages=[{"role": "user", "content": PROMPT}],
@@ -42,7 +45,9 @@ def _serve_and_log(stories_path, *extra: str) -> tuple[list[str], list[str], lis
                     stream=True,
                     extra_headers={"x-request-id": "log-2"},
                 )
+                chunks = list(chunks)
                 texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+                ids["log-2"] = chunks[0].id.removeprefix("chatcmpl-")
                 two = client.completions.create(
                     model=MODEL,
                     prompt=[PROMPT, PROMPT + " again"],
@@ -51,8 +56,9 @@ def _serve_and_log(stories_path, *extra: str) -> tuple[list[str], list[str], lis
                     extra_headers={"x-request-id": "log-3"},
                 )
                 texts += [choice.text for choice in two.choices]
+                ids["log-3"] = two.id.removeprefix("cmpl-")
         gateway_lines = _lines(gateway)
-    return texts, _lines(engine), gateway_lines
+    return texts, _lines(engine), gateway_lines, ids
 
 
 def _lines(process: ManagedProcess) -> list[str]:
@@ -75,20 +81,22 @@ def _messages(lines: list[str]) -> str:
     return "\n".join(record["message"] for record in _records(lines))
 
 
-def _check_request_ids(records: list[dict], ids: dict[str, tuple[str, ...]]) -> None:
-    """Every line that names a request carries its id, and each request has its lines."""
+def _check_request_ids(
+    records: list[dict], ids: dict[str, tuple[str, ...]], field: str = "request_id"
+) -> None:
+    """Every line that names a request carries its id (in `field`), and each request has its lines."""
     for record in records:
         named = [rid for rid in ids if rid in record["message"]]
         for rid in named:
-            assert record.get("request_id", "").startswith(rid), record
+            assert record.get(field, "").startswith(rid), record
     for rid, expected in ids.items():
-        mine = [r["message"] for r in records if r.get("request_id", "").startswith(rid)]
+        mine = [r["message"] for r in records if r.get(field, "").startswith(rid)]
         for fragment in expected:
             assert any(fragment in message for message in mine), (rid, fragment, mine)
 
 
 def test_logs_never_hold_prompts_or_completions_and_name_their_requests(stories_path):
-    texts, engine_lines, gateway_lines = _serve_and_log(stories_path)
+    texts, engine_lines, gateway_lines, ids = _serve_and_log(stories_path)
     fragments = [piece for text in texts for piece in _fragments(text)]
     assert len(fragments) >= len(texts)
     for lines in (engine_lines, gateway_lines):
@@ -96,20 +104,28 @@ def test_logs_never_hold_prompts_or_completions_and_name_their_requests(stories_
             assert "purple giraffe" not in log
             for piece in fragments:
                 assert piece not in log
-    # The engine gets one request id per prompt (the gateway's id, "-0", "-1" for several).
+    # The engine gets one request id per prompt (the gateway's own id, "-0", "-1" for several), never
+    # the client's.
+    assert len(set(ids.values())) == 3 and not set(ids.values()) & set(ids)
     _check_request_ids(
-        _records(engine_lines),
-        {"log-1": ("queued", "finished"), "log-2": ("queued", "finished"), "log-3": ("queued", "finished")},
+        _records(engine_lines), {ids[rid]: ("queued", "finished") for rid in ("log-1", "log-2", "log-3")}
     )
-    # The gateway's own line and uvicorn's access line of each request carry the id too.
-    _check_request_ids(
-        _records(gateway_lines),
-        {"log-1": ("completions", "POST /v1/completions"), "log-2": ("chat", "POST /v1/chat/completions")},
-    )
+    assert not any(r.get("request_id", "").startswith("log-") for r in _records(engine_lines))
+    # The gateway's own line and uvicorn's access line of each request carry both ids.
+    expected = {
+        "log-1": ("completions", "POST /v1/completions"),
+        "log-2": ("chat", "POST /v1/chat/completions"),
+    }
+    gateway_records = _records(gateway_lines)
+    _check_request_ids(gateway_records, {ids[rid]: lines for rid, lines in expected.items()})
+    _check_request_ids(gateway_records, expected, field="client_request_id")
+    for record in gateway_records:
+        if "client_request_id" in record:
+            assert record["request_id"] == ids[record["client_request_id"]], record
 
 
 def test_log_prompts_puts_prompts_and_completions_in_both_logs(stories_path):
-    texts, engine_lines, gateway_lines = _serve_and_log(stories_path, "--log-prompts")
+    texts, engine_lines, gateway_lines, _ = _serve_and_log(stories_path, "--log-prompts")
     for messages in (_messages(engine_lines), _messages(gateway_lines)):
         assert PROMPT in messages
         for text in texts:
