@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import re
 
+import grpc
+import httpx
 import openai
 import pytest
 
+from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
 from tests.support.processes import ManagedProcess, start_engine, start_gateway
 from tests.support.stories import MODEL
 
@@ -146,3 +149,49 @@ def test_a_worker_process_logs_in_the_engines_json_format(stories_path):
     records = _records(_lines(engine))
     assert any(r["message"].startswith("worker rank 0: loaded shard 0/1") for r in records)
     assert not any("Loading weights" in r["message"] for r in records)
+
+
+# A line an attacker wants in the log, as the text format writes a real one.
+FORGED = "2026-01-01 00:00:00,000 INFO conduit_gateway.http.admin: admin removed node 10.0.0.9:50051"
+QUERY_KEY = "sk-in-the-query-4242"
+API_KEY = "sk-tenant-key-1717"
+
+
+def test_text_logs_escape_what_clients_send_and_never_hold_a_query_key(stories_path):
+    """Text-format logs of a real run where clients send a `user` and a model name with a newline and a
+    fake log line, an X-Request-Id with control characters, and a key in the query string; a gRPC client
+    sends such a request_id to the engine. Each record stays one line, no line is forged, no key shows."""
+    with start_engine(stories_path, "--log-level", "DEBUG") as engine:
+        with start_gateway(engine.address, "--api-key", API_KEY, "--log-level", "debug") as gateway:
+            auth = {"Authorization": f"Bearer {API_KEY}"}
+            with httpx.Client(base_url=gateway.url, timeout=60, headers=auth) as http:
+                body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "user": "tenant\n" + FORGED}
+                assert http.post("/v1/completions", json=body).status_code == 200
+                odd_id = {"X-Request-Id": "id\twith\ttabs"}
+                assert http.post("/v1/completions", json=body, headers=odd_id).status_code == 200
+                wrong_model = {"model": "nope\r\n" + FORGED, "prompt": "Hi", "max_tokens": 2}
+                assert http.post("/v1/completions", json=wrong_model).status_code == 404
+                served = http.post(f"/v1/completions?api_key={QUERY_KEY}", json=body)
+                assert served.status_code == 200
+            refused = httpx.get(f"{gateway.url}/v1/models?api_key={QUERY_KEY}", timeout=60)
+            assert refused.status_code == 401
+            with grpc.insecure_channel(engine.address) as channel:
+                sampling = engine_pb2.SamplingParams(max_tokens=2)
+                request = engine_pb2.GenerateRequest(
+                    request_id="grpc\n" + FORGED, text="Hi", sampling=sampling
+                )
+                assert list(engine_pb2_grpc.EngineStub(channel).Generate(request))[-1].finished
+        gateway_log, engine_log = _text(gateway), _text(engine)
+    for log in (gateway_log, engine_log):
+        assert not any(line.startswith(FORGED[:30]) for line in log.splitlines())
+        assert QUERY_KEY not in log and API_KEY not in log
+        assert not any(char in log for char in "\r\t")
+    assert "user=tenant\\n" + FORGED in gateway_log  # logged, escaped, on the request's own line
+    assert "POST /v1/completions?[query redacted] HTTP/1.1" in gateway_log
+    assert "GET /v1/models?[query redacted] HTTP/1.1" in gateway_log
+    assert "request grpc\\n" + FORGED in engine_log
+
+
+def _text(process: ManagedProcess) -> str:
+    process.stop()
+    return process.log_path.read_text()
