@@ -101,3 +101,17 @@ def test_the_same_client_id_on_concurrent_requests_of_one_tenant_is_served_twice
         assert finishes == ["length"]
         assert sum(1 for e in stream for c in e["choices"] if c["text"]) > 0
     assert streams[0][0]["id"] != streams[1][0]["id"]
+
+
+def test_messages_echo_the_clients_id_and_answer_the_gateways_as_request_id(gateway):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    replies = []
+    with httpx.Client(base_url=gateway.url, timeout=60) as http:
+        for key in (KEY_A, KEY_B):
+            auth = {"x-api-key": key, "anthropic-version": "2023-06-01", "X-Request-Id": VICTIM_ID}
+            reply = http.post("/v1/messages", json=body, headers=auth)
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["x-request-id"] == VICTIM_ID
+            assert reply.json()["id"] == f"msg_{reply.headers['request-id']}"
+            replies.append(reply.headers["request-id"])
+    assert len(set(replies)) == 2 and VICTIM_ID not in replies
