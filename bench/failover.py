@@ -39,7 +39,9 @@ from tests.support.processes import start_gateway  # noqa: E402
 MODEL_NAME = "bench"
 BIN_S = 0.25
 SAME_READ_S = 0.0005  # tokens closer than this arrived together
-_MOVED = re.compile(r"request (\S+): prompt \d+ choices \[[^\]]*\] moved from")
+# The gateway's migration line; it names the stream by the x-request-id this bench sent (the gateway's
+# own request id is another).
+_MOVED = re.compile(r"request \S+: prompt \d+ choices \[[^\]]*\] moved from .* client_request_id=(\S+)")
 
 
 @dataclass

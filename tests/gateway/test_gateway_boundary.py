@@ -215,10 +215,21 @@ def test_a_sighup_with_a_broken_keys_file_keeps_the_keys(stack):
 
 
 def test_no_key_or_token_ever_reaches_the_log(stack):
-    gateway, _, _, _, _ = stack
+    gateway, _, pki, _, _ = stack
+    # Keys in the query string (refused: only headers carry keys), and values that try to forge a line.
+    with httpx.Client(base_url=gateway.url, verify=verify(pki), timeout=30) as http:
+        assert http.get(f"/v1/models?api_key={OLD_KEY}").status_code == 401
+        forged = '{"time": "2026-01-01T00:00:00.000+00:00", "level": "INFO", "message": "forged"}'
+        body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 2, "user": "u\n" + forged}
+        headers = {"Authorization": f"Bearer {OLD_KEY}", "X-Request-Id": "a\tb"}
+        assert http.post(f"/v1/completions?api_key={NEW_KEY}", json=body, headers=headers).status_code == 200
     log = gateway.output_tail(max_chars=10_000_000)
     assert "SIGHUP" in log and "/v1/completions" in log  # the log is the debug-level one, and full
     for secret in (OLD_KEY, NEW_KEY, ADMIN_KEY, ENGINE_TOKEN):
         assert secret not in log
     records = [json.loads(line) for line in log.splitlines() if line.strip()]
     assert any(" input=" in record["message"] for record in records)  # --log-prompts was in force
+    assert not any(record["message"] == "forged" for record in records)
+    assert any(
+        record["message"].endswith('"GET /v1/models?[query redacted] HTTP/1.1" 401') for record in records
+    )

@@ -275,14 +275,19 @@ def test_chat_messages_map_to_chat_input(client, fake):
     assert not chat.HasField("add_generation_prompt")
 
 
-def test_request_id_is_echoed_and_reaches_engine(http, fake):
-    response = http.post(
-        "/v1/completions", json={"model": MODEL, "prompt": "x"}, headers={"X-Request-Id": "abc-123"}
-    )
-    assert response.headers["x-request-id"] == "abc-123"
-    assert response.json()["id"] == "cmpl-abc-123"
-    assert fake.record.requests[-1].request_id == "abc-123"
-    assert fake.record.metadata[-1]["x-request-id"] == "abc-123"
+def test_the_clients_request_id_is_echoed_and_the_engine_gets_the_gateways_own(http, fake):
+    ids = set()
+    for _ in range(2):
+        response = http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "x"}, headers={"X-Request-Id": "abc-123"}
+        )
+        assert response.headers["x-request-id"] == "abc-123"
+        engine_id = fake.record.requests[-1].request_id
+        assert engine_id != "abc-123" and len(engine_id) == 32
+        assert response.json()["id"] == f"cmpl-{engine_id}"
+        assert fake.record.metadata[-1]["x-request-id"] == engine_id
+        ids.add(engine_id)
+    assert len(ids) == 2  # one id per request, whatever the client sends
 
 
 def test_request_id_generated_when_absent_or_unusable(http, fake):

@@ -135,7 +135,9 @@ def _engine_trace(engine_spans: Collector) -> tuple[ReadableSpan, dict[str, Read
 
 
 def test_one_trace_from_the_client_through_gateway_and_engine(traced_gateway, engine_spans, gateway_spans):
-    request_id, completion = _complete(traced_gateway, {"traceparent": TRACEPARENT})
+    echoed, completion = _complete(traced_gateway, {"traceparent": TRACEPARENT, "x-request-id": "client-1"})
+    request_id = completion.id.removeprefix("cmpl-")  # the gateway's own id, the engine's request id
+    assert echoed == "client-1" and request_id != echoed
     wait_for(lambda: len(gateway_spans.spans()) == 1, "the gateway's span")
     (http,) = gateway_spans.spans()
     generate, children = _engine_trace(engine_spans)
@@ -163,6 +165,7 @@ def test_one_trace_from_the_client_through_gateway_and_engine(traced_gateway, en
         assert span.attributes[tracing.MODEL] == MODEL
         assert span.attributes[tracing.INPUT_TOKENS] == usage.prompt_tokens
         assert span.attributes[tracing.OUTPUT_TOKENS] == usage.completion_tokens
+    assert http.attributes[tracing.CLIENT_REQUEST_ID] == "client-1"
     assert http.attributes["http.response.status_code"] == 200
     assert http.attributes["http.route"] == "/v1/completions"
     assert generate.attributes[tracing.FINISH_REASONS] == ("length",)
@@ -180,6 +183,7 @@ def test_the_gateway_starts_a_trace_when_the_client_sends_none(traced_gateway, e
     assert generate.parent.span_id == http.context.span_id
     assert http.attributes[tracing.OUTPUT_TOKENS] == generate.attributes[tracing.OUTPUT_TOKENS] == 12
     assert generate.attributes[tracing.REQUEST_ID] == http.attributes[tracing.REQUEST_ID] == request_id
+    assert tracing.CLIENT_REQUEST_ID not in http.attributes  # the client sent no X-Request-Id
     assert len(children) == 3
 
 

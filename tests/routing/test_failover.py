@@ -5,6 +5,7 @@ process. With migration off (`--migration-limit 0`) those streams end with an er
 
 from __future__ import annotations
 
+import re
 import threading
 
 import httpx
@@ -19,6 +20,8 @@ pytestmark = pytest.mark.integration
 
 STREAMS = 12  # four per engine: two running, two waiting (the engines batch two sequences)
 TOKENS = 480  # near the 512-token context: the victim is still busy when killed, even under load
+# The gateway's line for a moved stream: its own request id, and the X-Request-Id the client sent.
+MOVED = re.compile(r"request (\S+): prompt 0 choices \[0\] moved from \S+ to \S+ .* client_request_id=(\S+)$")
 
 
 class StreamOutcome:
@@ -39,6 +42,7 @@ def _stream(client: openai.OpenAI, index: int, outcome: StreamOutcome, started: 
             stream=True,
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
+            extra_headers={"X-Request-Id": f"failover-{index}"},
         )
         for chunk in stream:
             if not outcome.started:
@@ -90,6 +94,11 @@ def test_sigkill_under_load_loses_no_request(fleet, gateway, victim):
         # The two streams running on the victim moved to the other engines and finished there.
         assert failed == []
         assert 'conduit_gateway_migrations_total{reason="unavailable"} 2.0' in metrics
+        # Its log names each moved stream by the gateway's own id and by the client's.
+        moved = [MOVED.search(line) for line in gateway.output_tail(10_000_000).splitlines()]
+        pairs = {match.groups() for match in moved if match}
+        assert len(pairs) == 2 and all(len(ours) == 32 and ours != theirs for ours, theirs in pairs)
+        assert {theirs for _, theirs in pairs} <= {f"failover-{i}" for i in range(STREAMS)}
     else:
         # Without migration they are lost after their first tokens, with an error event.
         assert len(failed) == 2

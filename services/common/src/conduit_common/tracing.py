@@ -20,6 +20,7 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 
 # Span attributes: OpenTelemetry's GenAI and HTTP conventions where one exists, conduit.* otherwise.
 REQUEST_ID = "conduit.request_id"
+CLIENT_REQUEST_ID = "conduit.client_request_id"  # the client's X-Request-Id, when it sent one
 MODEL = "gen_ai.request.model"
 INPUT_TOKENS = "gen_ai.usage.input_tokens"
 OUTPUT_TOKENS = "gen_ai.usage.output_tokens"

@@ -152,7 +152,9 @@ class AsyncEngine:
                             return
         finally:
             if not finished:
-                self.abort_nowait(req.request_id)
+                # Only this call's own request: a duplicate refused at admission (or still waiting for
+                # it) shares an id with a live request of another caller, which it must never end.
+                self._abort_stream(req.request_id, stream)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a live request; True if it was live."""
@@ -167,6 +169,25 @@ class AsyncEngine:
         if pull is not None:
             pull.cancel()  # the engine frees its blocks when the pull task reports the end
         self._submit(lambda: self._deliver(self.core.abort(request_id)))
+
+    def _owns(self, request_id: str, stream: _Stream) -> bool:
+        with self._lock:
+            return self._streams.get(request_id) is stream
+
+    def _abort_stream(self, request_id: str, stream: _Stream) -> None:
+        """Abort `request_id` if `stream` is the one it was admitted with (else: a refused duplicate, or
+        a request that already ended, and there is nothing of this caller's to stop)."""
+        if self._owns(request_id, stream):
+            pull = self._pulls.get(request_id)
+            if pull is not None:
+                pull.cancel()  # the engine frees its blocks when the pull task reports the end
+
+        def abort() -> None:
+            # Checked again on the loop thread: an admission still queued when the caller left runs first.
+            if self._owns(request_id, stream):
+                self._deliver(self.core.abort(request_id))
+
+        self._submit(abort)
 
     def _start_pull(self, pending: PendingPull) -> None:
         task = asyncio.ensure_future(self._pull(pending))

@@ -15,14 +15,14 @@ import uuid
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from conduit_common.logs import current_request_id
+from conduit_common.logs import current_client_request_id, current_request_id
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.http.metrics import GatewayMetrics
 from conduit_gateway.keys.store import ApiKeyStore
 
 log = logging.getLogger(__name__)
 
-# Client ids are echoed into headers, logs and the engine: keep them short and printable.
+# Client ids are echoed into headers and logs: keep them short and printable.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 
 
@@ -67,23 +67,33 @@ class HttpMiddleware:
 
 
 class RequestIdMiddleware(HttpMiddleware):
-    """Echo the client's X-Request-Id (or make one) in every response and in `request.state.request_id`;
-    every log line of the request (uvicorn's access line included) carries it."""
+    """Give every request the gateway's own id (`request.state.request_id`: unique, the engine's request
+    id, the base of response ids) and keep the client's X-Request-Id apart (`client_request_id`): a
+    client's id names nothing in the engine, so no tenant can collide with another's running request.
+
+    Responses carry X-Request-Id: the client's own id echoed, or the gateway's when it sent none (or one
+    that is not short and printable). Every log line of the request (uvicorn's access line included)
+    carries `request_id`, and `client_request_id` when the client gave one."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = Headers(scope=scope).get("x-request-id", "")
-        request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        client_id = given if _REQUEST_ID.fullmatch(given) else None
+        request_id = uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"], state["client_request_id"] = request_id, client_id
+        echoed = client_id or request_id
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                MutableHeaders(scope=message)["x-request-id"] = request_id
+                MutableHeaders(scope=message)["x-request-id"] = echoed
             await send(message)
 
         token = current_request_id.set(request_id)
+        client_token = current_client_request_id.set(client_id)
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            current_client_request_id.reset(client_token)
             current_request_id.reset(token)
 
 

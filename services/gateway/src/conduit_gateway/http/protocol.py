@@ -5,6 +5,11 @@ grow (httptools buffers a header until it ends), so a client trickling bytes (sl
 connection and its memory forever. Here each head must arrive within `header_timeout_s` of the
 connection or of its first byte (else 408) and fit `max_header_bytes` (else 431); bodies are bounded
 by BodyLimitMiddleware.
+
+The size is checked twice, so that where the packets split the head changes nothing: the bytes of a head
+still incomplete after a read (what httptools is buffering), and the parsed request line and headers as
+the parser hands them over (a whole head in one read, or the rest of one, is parsed within that read). A
+head over the limit never reaches the app: the connection answers 431 and closes.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     max_header_bytes = 16 * 1024
     header_timeout_s = 10.0
-    _head_bytes = 0
+    _head_bytes = 0  # raw bytes received while the current head is incomplete
+    _parsed_head = 0  # bytes of the current head's request line and headers, as parsed
+    _oversized = False  # a head went over the limit: nothing more of this connection reaches the app
     _reading_head = True
     _head_timer: asyncio.TimerHandle | None = None
 
@@ -33,24 +40,47 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self._oversized:
+            return
         if self._reading_head:
             self._head_bytes += len(data)
         super().data_received(data)
-        if self._reading_head and self._head_bytes > self.max_header_bytes:
+        if self._oversized or (self._reading_head and self._head_bytes > self.max_header_bytes):
+            self._oversized = True
             self._refuse(431, f"The request line and headers exceed {self.max_header_bytes} bytes.")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._parsed_head = len(b"GET  HTTP/1.1\r\n\r\n")  # the request line's and the head's fixed bytes
         if self._head_timer is None:
             self._arm_head_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))  # a URL split across reads comes in pieces
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + len(b": \r\n"))
+        super().on_header(name, value)
+
+    def _count_head(self, size: int) -> None:
+        self._parsed_head += size
+        if self._parsed_head > self.max_header_bytes:
+            self._oversized = True  # answered once this read is parsed (data_received)
 
     def on_headers_complete(self) -> None:
         self._reading_head = False
         self._cancel_head_timer()
-        super().on_headers_complete()
+        if not self._oversized:
+            super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._oversized:
+            super().on_body(body)
 
     def on_message_complete(self) -> None:
-        super().on_message_complete()
+        if not self._oversized:
+            super().on_message_complete()
         self._reading_head, self._head_bytes = True, 0
 
     def connection_lost(self, exc: Exception | None) -> None:

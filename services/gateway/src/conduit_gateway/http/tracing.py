@@ -49,15 +49,19 @@ class TracingMiddleware(HttpMiddleware):
     async def _traced(self, scope: Scope, receive: Receive, send: Send, incoming: dict[str, str]) -> None:
         assert self.tracer is not None
         method = scope["method"]
+        state = scope.get("state", {})
+        attributes = {
+            "http.request.method": method,
+            "url.path": scope["path"],
+            tracing.REQUEST_ID: state.get("request_id", ""),
+        }
+        if state.get("client_request_id"):
+            attributes[tracing.CLIENT_REQUEST_ID] = state["client_request_id"]
         span = self.tracer.start_span(
             method,  # renamed "METHOD /route" once the router has matched the route
             context=tracing.extract(incoming),
             kind=SpanKind.SERVER,
-            attributes={
-                "http.request.method": method,
-                "url.path": scope["path"],
-                tracing.REQUEST_ID: scope.get("state", {}).get("request_id", ""),
-            },
+            attributes=attributes,
         )
         inside = set_span_in_context(span)
         attached = otel_context.attach(inside)
