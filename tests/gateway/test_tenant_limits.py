@@ -161,9 +161,14 @@ def test_a_refused_request_counts_against_the_requests_per_minute(gateway):
     with pytest.raises(openai.BadRequestError) as too_long:  # the engine refuses it: past the context
         client.completions.create(model=MODEL, prompt=PROMPT * 200, max_tokens=4)
     assert too_long.value.status_code == 400
-    with pytest.raises(openai.BadRequestError) as invalid:  # the gateway's validation refuses it
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=-1)
-    assert invalid.value.body["param"] == "temperature"
+    # The gateway's validation refuses this one before any handler runs.
+    invalid = httpx.post(
+        f"{gateway.url}/v1/completions",
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": "many"},
+        headers={"Authorization": "Bearer sk-counted"},
+    )
+    assert invalid.status_code == 400
+    assert invalid.json()["error"]["param"] == "max_tokens"
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     with pytest.raises(openai.RateLimitError) as refused:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
