@@ -18,6 +18,7 @@ pytestmark = pytest.mark.integration
 KEYS = [
     {"name": "team", "key": "sk-team", "limits": {"requests_per_minute": 2, "tokens_per_minute": 60}},
     {"name": "batch", "key": "sk-batch"},
+    {"name": "ranked", "key": "sk-ranked", "priority": [-5, 5]},
 ]
 PROMPT = [1, 2, 3, 4]  # four prompt tokens, as the fake engine counts them
 
@@ -27,7 +28,8 @@ def limited(fake_engine_server, tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys.json"
     path.write_text(json.dumps(KEYS))
     clock = ManualClock(0.0)
-    with GatewayThread([fake_engine_server.address], clock=clock, api_keys_file=str(path)) as gateway:
+    settings = {"api_keys_file": str(path), "api_keys": ("sk-flag",)}
+    with GatewayThread([fake_engine_server.address], clock=clock, **settings) as gateway:
         yield gateway, clock
 
 
@@ -55,14 +57,14 @@ def test_requests_and_tokens_are_counted_exactly_and_the_third_request_gets_429(
     with client.completions.with_streaming_response.create(
         model=MODEL, prompt=PROMPT, max_tokens=6, stream=True
     ) as streamed:
-        # Headers leave with the first chunk: the prompt is counted, the output not yet.
+        # Headers leave with the first chunk: the prompt and the output's worst case (6) are held.
         assert limit_headers(streamed.headers) == {
             "x-ratelimit-limit-requests": "2",
             "x-ratelimit-remaining-requests": "0",
             "x-ratelimit-reset-requests": "1m0s",
             "x-ratelimit-limit-tokens": "60",
-            "x-ratelimit-remaining-tokens": "46",
-            "x-ratelimit-reset-tokens": "14s",
+            "x-ratelimit-remaining-tokens": "40",
+            "x-ratelimit-reset-tokens": "20s",
         }
         chunks = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
         assert len([c for c in chunks if c["choices"] and c["choices"][0]["text"]]) == 6
@@ -105,3 +107,30 @@ def test_a_key_without_limits_gets_no_rate_limit_headers_and_unknown_keys_get_40
         assert refused.value.body["message"] == "Incorrect API key provided."
     response = httpx.get(f"{gateway.url}/v1/models")
     assert response.status_code == 401
+
+
+def test_priority_is_honoured_only_inside_a_keys_range_and_ignored_for_other_keys(limited, fake, caplog):
+    gateway, _ = limited
+    ranked = sdk(gateway, "sk-ranked")
+    ranked.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"priority": -5})
+    assert fake.record.requests[-1].priority == -5
+    with pytest.raises(openai.BadRequestError) as outside:
+        ranked.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"priority": -6})
+    assert outside.value.body["param"] == "priority"
+    assert outside.value.body["message"] == "priority: must be between -5 and 5 for this API key, got -6"
+    # A keys-file entry without a range, and an --api-key flag key: the request runs at the default
+    # priority, and the key is named in the log once.
+    for key, name in (("sk-batch", "batch"), ("sk-flag", "key-1")):
+        for _ in range(2):
+            sdk(gateway, key).completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"priority": -100}
+            )
+            assert not fake.record.requests[-1].HasField("priority")
+        logged = [r.getMessage() for r in caplog.records if "set `priority`" in r.getMessage()]
+        assert (
+            logged.count(
+                f"API key {name!r} set `priority`, which its keys-file entry does not allow "
+                "(no `priority` range): ignored for this key from now on"
+            )
+            == 1
+        )

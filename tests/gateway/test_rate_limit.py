@@ -42,16 +42,24 @@ def key(name: str, rpm: int | None = None, tpm: int | None = None) -> ApiKey:
     return ApiKey(name, key_digest(f"sk-{name}"), KeyLimits(rpm, tpm))
 
 
+def admit(limiter: RateLimiter, api_key: ApiKey, worst: int = 0):
+    """A request as the gateway admits it: one request when it arrives, then its worst case in tokens."""
+    limiter.arrive(api_key)
+    reservation = limiter.reserve(api_key, worst)
+    limiter.leave(api_key)
+    return reservation
+
+
 def test_a_scripted_sequence_of_requests_and_tokens_gets_exact_headers_and_429s():
     clock = ManualClock(0.0)
     limiter = RateLimiter(clock)
     team = key("team-a", rpm=3, tpm=100)
     seen = []
-    for tokens in (15, 15, 15):
-        admission = limiter.admit(team)
-        admission.charge_total(5)  # the prompt, when the engine admits it
-        admission.charge_total(tokens)  # prompt + output so far
-        seen.append(admission.headers())
+    for _ in range(3):
+        reservation = admit(limiter, team, 10)  # max_tokens 10, the prompt not yet counted
+        reservation.hold(15)  # the engine counted a 5-token prompt
+        reservation.settle(8)  # 5 + 3 output tokens: 7 given back
+        seen.append(reservation.headers())
     assert seen == [
         {
             "x-ratelimit-limit-requests": "3",
@@ -62,13 +70,13 @@ def test_a_scripted_sequence_of_requests_and_tokens_gets_exact_headers_and_429s(
             "x-ratelimit-reset-tokens": reset_tokens,
         }
         for remaining, reset_requests, tokens_left, reset_tokens in (
-            (2, "20s", 85, "9s"),
-            (1, "40s", 70, "18s"),
-            (0, "1m0s", 55, "27s"),
+            (2, "20s", 92, "4.8s"),
+            (1, "40s", 84, "9.6s"),
+            (0, "1m0s", 76, "14.4s"),
         )
     ]
     with pytest.raises(RateLimited) as refused:
-        limiter.admit(team)
+        limiter.arrive(team)
     error = refused.value
     assert (error.status, error.type, error.code) == (429, "requests", "rate_limit_exceeded")
     assert error.message == (
@@ -81,74 +89,108 @@ def test_a_scripted_sequence_of_requests_and_tokens_gets_exact_headers_and_429s(
         "x-ratelimit-remaining-requests": "0",
         "x-ratelimit-reset-requests": "1m0s",
         "x-ratelimit-limit-tokens": "100",
-        "x-ratelimit-remaining-tokens": "55",
-        "x-ratelimit-reset-tokens": "27s",
+        "x-ratelimit-remaining-tokens": "76",
+        "x-ratelimit-reset-tokens": "14.4s",
     }
     clock.now = 19.999
     with pytest.raises(RateLimited) as still:
-        limiter.admit(team)
+        limiter.arrive(team)
     assert still.value.headers["Retry-After"] == "1"
     assert still.value.message.endswith("Please try again in 1ms.")
     clock.now = 20.0
-    headers = limiter.admit(team).headers()
-    # 20 s refilled one request and 20 * 100/60 tokens: 55 + 33.33 = 88.33, 88 whole ones.
+    headers = admit(limiter, team).headers()
+    # 20 s refilled one request and 20 * 100/60 tokens: 76 + 33.33, capped at 100.
     assert headers["x-ratelimit-remaining-requests"] == "0"
-    assert headers["x-ratelimit-remaining-tokens"] == "88"
-    assert headers["x-ratelimit-reset-tokens"] == "7s"
+    assert headers["x-ratelimit-remaining-tokens"] == "100"
 
 
-def test_output_tokens_can_overdraw_and_the_next_request_waits_for_the_refill():
+def test_a_worst_case_above_the_limit_is_too_large_and_one_above_what_is_left_waits():
     clock = ManualClock(0.0)
     limiter = RateLimiter(clock)
-    team = key("team-b", tpm=20)
-    admission = limiter.admit(team)
-    admission.charge_total(5)
-    assert admission.headers() == {
-        "x-ratelimit-limit-tokens": "20",
-        "x-ratelimit-remaining-tokens": "15",
-        "x-ratelimit-reset-tokens": "15s",
-    }
-    for total in range(6, 36):  # thirty output tokens stream in
-        admission.charge_total(total)
-    with pytest.raises(RateLimited) as refused:
-        limiter.admit(team)
-    assert refused.value.type == "tokens"
-    assert refused.value.message == (
-        "Rate limit reached for API key 'team-b' on tokens per min (TPM): Limit 20, Used 20. "
-        "Please try again in 48s."
+    team = key("team-b", tpm=200)
+    with pytest.raises(RateLimited) as too_large:
+        limiter.reserve(team, 40_002)
+    assert (too_large.value.status, too_large.value.type, too_large.value.code) == (
+        429,
+        "tokens",
+        "rate_limit_exceeded",
     )
-    assert refused.value.headers == {
-        "Retry-After": "48",
-        "x-ratelimit-limit-tokens": "20",
-        "x-ratelimit-remaining-tokens": "0",
-        "x-ratelimit-reset-tokens": "1m45s",
-    }
-    clock.now = 48.0
-    assert limiter.admit(team).headers()["x-ratelimit-remaining-tokens"] == "1"
+    assert too_large.value.message == (
+        "Request too large for API key 'team-b' on tokens per min (TPM): Limit 200, Requested 40002: the "
+        "prompt plus every choice's max_tokens (without max_tokens, the rest of the model's context). The "
+        "input or output tokens must be reduced in order to run successfully."
+    )
+    assert "Retry-After" not in too_large.value.headers  # waiting does not help
+    held = limiter.reserve(team, 150)
+    with pytest.raises(RateLimited) as refused:
+        limiter.reserve(team, 60)
+    assert refused.value.message == (
+        "Rate limit reached for API key 'team-b' on tokens per min (TPM): Limit 200, Used 150, "
+        "Requested 60. Please try again in 3s."
+    )
+    assert refused.value.headers["Retry-After"] == "3"
+    held.settle(20)  # it used 20: 130 come back
+    assert limiter.reserve(team, 60).headers()["x-ratelimit-remaining-tokens"] == "120"
+    held.settle(200)  # settled once: later calls change nothing
+    assert limiter.headers(team)["x-ratelimit-remaining-tokens"] == "120"
+
+
+def test_settling_above_the_reservation_overdraws_and_the_next_request_waits():
+    clock = ManualClock(0.0)
+    limiter = RateLimiter(clock)
+    team = key("team-c", tpm=20)
+    reservation = admit(limiter, team, 10)
+    reservation.hold(30)  # a prompt of 20 tokens, counted by the engine
+    reservation.settle(30)
+    with pytest.raises(RateLimited) as refused:
+        limiter.reserve(team, 1)
+    assert refused.value.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert refused.value.headers["Retry-After"] == "33"  # -10 back to 1: 11 tokens at 1 per 3 s
+    clock.now = 33.0
+    assert limiter.reserve(team, 1).headers()["x-ratelimit-remaining-tokens"] == "0"
 
 
 def test_a_refusal_takes_nothing_and_keys_do_not_share_buckets():
     clock = ManualClock(0.0)
     limiter = RateLimiter(clock)
     spent, other = key("spent", rpm=1, tpm=10), key("other", rpm=1)
-    admission = limiter.admit(spent)
-    admission.charge_total(50)
+    admit(limiter, spent, 10)
     for _ in range(3):
         with pytest.raises(RateLimited):
-            limiter.admit(spent)
-    assert limiter.admit(other).headers()["x-ratelimit-remaining-requests"] == "0"
-    assert limiter.admit(key("free")).headers() == {}  # no limits: no headers, never refused
+            limiter.arrive(spent)
+    assert admit(limiter, other, 10).headers()["x-ratelimit-remaining-requests"] == "0"
+    assert admit(limiter, key("free"), 10**9).headers() == {}  # no limits: no headers, never refused
+
+
+def test_concurrent_requests_of_a_key_are_bounded_and_a_slot_comes_back_when_one_leaves():
+    limiter = RateLimiter(ManualClock(0.0))
+    team = ApiKey("team", key_digest("sk-team"), KeyLimits(max_concurrent_requests=2))
+    limiter.arrive(team)
+    limiter.arrive(team)
+    with pytest.raises(RateLimited) as refused:
+        limiter.arrive(team)
+    assert (refused.value.status, refused.value.type, refused.value.code) == (
+        429,
+        "requests",
+        "rate_limit_exceeded",
+    )
+    assert refused.value.message == (
+        "Too many concurrent requests for API key 'team': Limit 2, In progress 2. Wait for one to finish."
+    )
+    limiter.leave(team)
+    limiter.arrive(team)
+    assert limiter.in_progress(team) == 2
 
 
 def test_a_reloaded_limit_keeps_what_was_used():
     clock = ManualClock(0.0)
     limiter = RateLimiter(clock)
-    limiter.admit(key("team", rpm=10))
-    limiter.admit(key("team", rpm=10))
-    headers = limiter.admit(key("team", rpm=4)).headers()  # the file now says 4 per minute
+    admit(limiter, key("team", rpm=10))
+    admit(limiter, key("team", rpm=10))
+    headers = admit(limiter, key("team", rpm=4)).headers()  # the file now says 4 per minute
     assert headers["x-ratelimit-remaining-requests"] == "1"
     limiter.forget_others(set())
-    assert limiter.admit(key("team", rpm=4)).headers()["x-ratelimit-remaining-requests"] == "3"
+    assert admit(limiter, key("team", rpm=4)).headers()["x-ratelimit-remaining-requests"] == "3"
 
 
 def write(tmp_path, document, name="keys.yaml") -> str:
@@ -198,6 +240,10 @@ keys:
         ([{"name": "a", "key": "k", "owner": "x"}], "keys[0]: unknown field 'owner'"),
         ([{"name": "a", "key": "k"}, {"name": "a", "key": "j"}], "keys[1].name: 'a' is used twice"),
         ([{"name": "a", "key": "k"}, {"name": "b", "key": "k"}], "keys[1]: the same key as 'a'"),
+        ([{"name": "a", "key": "k", "limits": {"max_concurrent_requests": 0}}], "limits.max_concurrent_"),
+        ([{"name": "a", "key": "k", "priority": 5}], "keys[0].priority: must be a range [low, high]"),
+        ([{"name": "a", "key": "k", "priority": [0, 2**31]}], "keys[0].priority: must be a range"),
+        ([{"name": "a", "key": "k", "priority": [3, -3]}], "keys[0].priority: the low end 3 is above"),
     ],
 )
 def test_a_wrong_keys_file_names_the_entry_and_never_the_key(tmp_path, document, message):
@@ -207,6 +253,38 @@ def test_a_wrong_keys_file_names_the_entry_and_never_the_key(tmp_path, document,
     assert str(failed.value).startswith(f"--api-keys-file: {path}")
     assert message in str(failed.value)
     assert "'k'" not in str(failed.value) and "two words" not in str(failed.value)
+
+
+def test_keys_file_limits_concurrency_and_a_priority_range(tmp_path):
+    path = write(
+        tmp_path,
+        """
+- name: batch
+  key: sk-batch
+  limits: {max_concurrent_requests: 2}
+  priority: [-10, 10]
+- name: plain
+  key: sk-plain
+""",
+    )
+    assert load_keys_file(path) == [
+        ApiKey("batch", key_digest("sk-batch"), KeyLimits(max_concurrent_requests=2), priority=(-10, 10)),
+        ApiKey("plain", key_digest("sk-plain"), KeyLimits()),
+    ]
+
+
+def test_a_non_ascii_key_is_refused_at_load_with_its_line_and_never_shown(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text(
+        "keys:\n  - name: ok\n    key: sk-ok\n  - name: accented\n    key: sk-caf\u00e9-key\n",
+        encoding="utf-8",
+    )
+    with pytest.raises(KeysFileError) as failed:
+        load_keys_file(str(path))
+    assert str(failed.value) == (
+        f"--api-keys-file: {path}: keys[1].key at line 5: must be ASCII (HTTP headers cannot carry other "
+        "characters, so this key could never match)"
+    )
 
 
 def test_a_reload_that_fails_keeps_the_keys_in_force(tmp_path):

@@ -35,6 +35,8 @@ class GatewayContext:
     admin_keys: ApiKeyStore
     rate_limiter: RateLimiter
     reload_hooks: list[Callable[[], None]] = field(default_factory=list)
+    # Names of the keys whose `priority` was ignored (each is logged once).
+    priority_ignored: set[str] = field(default_factory=set)
 
     @classmethod
     def create(

@@ -30,9 +30,11 @@ from conduit_gateway.handlers.choices import (
 from conduit_gateway.handlers.disaggregated import continuation_opener, stream_opener
 from conduit_gateway.handlers.migration import Migration, Migrations, migrating
 from conduit_gateway.handlers.streams import EngineStream, OpenOne, close_all, open_streams, read_messages
+from conduit_gateway.handlers.usage_bound import TokenBound
 from conduit_gateway.http.sse import DONE_EVENT, ChunkEncoder, EventStreamResponse, error_event
 from conduit_gateway.keys.keys_file import ApiKey
-from conduit_gateway.keys.rate_limit import Admission
+from conduit_gateway.keys.priority import allowed_priority
+from conduit_gateway.keys.rate_limit import TokenReservation
 from conduit_gateway.schemas.common import SamplingRequest, Usage
 from conduit_gateway.structured.constraints import Constraint
 
@@ -58,9 +60,13 @@ class GenerationHandler(ABC):
         self, ctx: GatewayContext, body: SamplingRequest, request_id: str, api_key: ApiKey | None = None
     ) -> None:
         self.ctx = ctx
-        # The caller's key (None: no keys configured) and, once admitted, its share of the key's limits.
+        # The caller's key (None: no keys configured) and, once admitted, the tokens it holds of the key's.
         self.api_key = api_key
-        self.admission: Admission | None = None
+        self.reservation: TokenReservation | None = None
+        # What the request may use, per prompt (handlers/usage_bound.py), and what it has used.
+        self.bound = TokenBound(body.n or 1)
+        self.usage: UsageTotals | None = None
+        self.holds_key_slot = False  # a background run holds a concurrent slot of its key
         self.body = body
         self.request_id = request_id
         self.response_id = f"{self.id_prefix}-{request_id}"
@@ -101,19 +107,29 @@ class GenerationHandler(ABC):
             )
             request.model = self.body.model
             request.sampling.CopyFrom(sampling)
-            if self.body.priority is not None:
-                request.priority = fields.int32("priority", self.body.priority)
+            priority = self._priority()
+            if priority is not None:
+                request.priority = priority
         return requests
 
-    def admit(self, prompts: int) -> None:
-        """Log the request and take its share of the key's limits and of the gateway's concurrency
-        (429 when either is spent); `_release` gives the concurrency back."""
-        self._log_start(prompts)
+    def _priority(self) -> int | None:
+        """The request's `priority`, when its key may set one (keys/priority.py)."""
+        if self.body.priority is None:
+            return None
+        value = fields.int32("priority", self.body.priority)
+        return allowed_priority(self.api_key, value, self.ctx.priority_ignored)
+
+    def admit(self, requests: list[engine_pb2.GenerateRequest]) -> None:
+        """Log the request and reserve its worst case of the key's tokens and a slot of the gateway's
+        concurrency (429 when either is short); `_release` gives back the slot and what was not used."""
+        self._log_start(len(requests))
+        self.bound.plan(requests, self._context_length())
         if self.api_key is not None:
-            self.admission = self.ctx.rate_limiter.admit(self.api_key)  # 429 when the key is spent
+            self.reservation = self.ctx.rate_limiter.reserve(self.api_key, self.bound.worst())
         limiter = self.ctx.limiter
         if not limiter.try_acquire():
             self.ctx.metrics.rejected.inc()
+            self._settle()
             raise too_many_requests(
                 f"The gateway is serving its limit of {limiter.limit} concurrent requests; retry shortly.",
                 self.ctx.config.retry_after_s,
@@ -129,8 +145,6 @@ class GenerationHandler(ABC):
         )
         for stream in streams:
             stream.token_gaps = metrics.inter_token_seconds.labels(self.body.model)
-        # The engine admitted the prompts: they count against the key's tokens now.
-        self._charge(sum(stream.first.usage.prompt_tokens for stream in streams))
 
     def _log_start(self, prompts: int) -> None:
         """The request's log line (its prompt text only with --log-prompts) and its span's model."""
@@ -149,21 +163,47 @@ class GenerationHandler(ABC):
         )
         trace.get_current_span().set_attribute(tracing.MODEL, self.body.model)
 
+    def _context_length(self) -> int | None:
+        """The model's context length (max_model_len), from a node that serves it; None if none is known."""
+        node = self.ctx.pool.served_models().get(self.body.model)
+        info = node.model_info if node is not None else None
+        return info.max_model_len if info is not None and info.max_model_len else None
+
+    def _new_usage(self, prompts: int) -> UsageTotals:
+        self.usage = UsageTotals(prompts)
+        return self.usage
+
     def _charge(self, tokens: int) -> None:
-        """The request has used `tokens` (prompt + output) so far: the key's limits count them."""
-        if self.admission is not None:
-            self.admission.charge_total(tokens)
+        """The request has used `tokens` (prompt + output) so far: hold at least that of the key's."""
+        if self.reservation is not None:
+            self.reservation.hold(max(tokens, self.bound.worst()))
+
+    def _stream_opened(self, stream: EngineStream) -> None:
+        """A prompt's first message arrived: the engine counted its prompt; the reservation grows by it."""
+        self.bound.opened(stream.prompt_index, stream.first.usage.prompt_tokens)
+        self._charge(0)
+
+    def _settle(self) -> None:
+        """The request has ended: the key is charged what it used (every prompt's stream that did not end
+        its worst case: the engine may have generated tokens the gateway never read) and gets the rest
+        of its reservation back."""
+        if self.reservation is not None:
+            self.reservation.settle(self.bound.used(self.usage))
 
     def _with_limit_headers(self, response: Response) -> Response:
         """OpenAI's x-ratelimit-* headers of the key, as they stand when the response starts."""
-        if self.admission is not None:
-            response.headers.update(self.admission.headers())
+        if self.reservation is not None:
+            response.headers.update(self.reservation.headers())
         return response
 
     def _release(self, streams: list[EngineStream]) -> None:
         # Also here, not only where the events end: a response closed before its first event never runs
         # the event generator's cleanup, and the streams must still give back their nodes' slots.
         close_all(streams)
+        self._settle()
+        if self.holds_key_slot and self.api_key is not None:
+            self.holds_key_slot = False
+            self.ctx.rate_limiter.leave(self.api_key)
         self.ctx.limiter.release()
         self.ctx.metrics.generations_in_flight.dec()
 
@@ -186,8 +226,18 @@ class GenerationHandler(ABC):
             if config.migration_limit > 0:
                 reopen = continuation_opener(pool, model, config.request_timeout_s, on_retry)
                 opener = migrating(opener, Migrations(config.migration_limit, reopen, self._migrated))
-            self._stream_opener = opener
+            self._stream_opener = self._observed(opener)
         return self._stream_opener
+
+    def _observed(self, open_one: OpenOne) -> OpenOne:
+        """`open_one`, telling `_stream_opened` of each stream as soon as it opens (not when all have)."""
+
+        async def open_observed(prompt_index: int, request: engine_pb2.GenerateRequest) -> EngineStream:
+            stream = await open_one(prompt_index, request)
+            self._stream_opened(stream)
+            return stream
+
+        return open_observed
 
     def _migrated(self, migration: Migration) -> None:
         """A stream of this request moved to another engine: log it, count it, mark it on the trace."""
@@ -242,6 +292,7 @@ class GenerationHandler(ABC):
         if error is not None:
             raise error
         choice.finish_reason = FINISH_REASONS.get(message.finish_reason, "stop")
+        self.bound.finished(choice.index // self.n)
 
     def _finished(self, usage: UsageTotals, choices: ChoiceSet) -> None:
         """The request's output is complete: count its tokens, add them to its span, log its text."""
@@ -297,14 +348,14 @@ class ChunkedHandler(GenerationHandler):
         """Validate and open the streams (errors here become the HTTP status), then respond."""
         self._check_stream_options()
         requests = self.prepared_requests()
-        self.admit(len(requests))
+        self.admit(requests)
         streaming = False
         streams: list[EngineStream] = []
         try:
             streams = await self._open(requests)
             self.opened(streams)
             choices = ChoiceSet(self.n, self.new_choice)
-            usage = UsageTotals(len(requests))
+            usage = self._new_usage(len(requests))
             if self.body.stream:
                 streaming = True
                 events = self._events(streams, choices, usage)

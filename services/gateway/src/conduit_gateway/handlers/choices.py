@@ -139,6 +139,11 @@ class UsageTotals:
     def completion_tokens(self) -> int:
         return sum(usage.completion_tokens for usage in self._latest)
 
+    def total_of(self, prompt_index: int) -> int:
+        """Prompt + completion tokens of one prompt's stream, as last reported."""
+        usage = self._latest[prompt_index]
+        return usage.prompt_tokens + usage.completion_tokens
+
     @property
     def prompt_tokens(self) -> int:
         return sum(usage.prompt_tokens for usage in self._latest)

@@ -125,7 +125,7 @@ class ResponsesHandler(GenerationHandler):
         writer = ResponseWriter(self._initial_response())
         if self.background:
             return await self._start_background(requests, writer)
-        self.admit(len(requests))
+        self.admit(requests)
         streams: list[EngineStream] = []
         streaming = False
         try:
@@ -430,7 +430,7 @@ class ResponsesHandler(GenerationHandler):
         `persist` (background) each batch is appended to the store as it comes, and the final record
         and events are stored before the terminal batch is handed out."""
         choices = ChoiceSet(1, self.new_choice)
-        usage = UsageTotals(len(streams))
+        usage = self._new_usage(len(streams))
         appender = EventAppender(self.service, self.response_id) if persist else None
         batch = writer.opening()
         status, reason = "completed", None
@@ -518,7 +518,11 @@ class ResponsesHandler(GenerationHandler):
     async def _start_background(
         self, requests: list[engine_pb2.GenerateRequest], writer: ResponseWriter
     ) -> Response:
-        self.admit(len(requests))  # counts against the key and the gateway until the run ends
+        self.admit(requests)  # counts against the key and the gateway until the run ends
+        if self.api_key is not None:
+            # The key's concurrent slot of the HTTP request ends with it; the run holds its own.
+            self.ctx.rate_limiter.occupy(self.api_key)
+            self.holds_key_slot = True
         try:
             await self.service.append_events(self.response_id, writer.queued(), self._record(writer))
         except StoreUnavailable as exc:

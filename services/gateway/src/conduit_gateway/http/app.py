@@ -28,6 +28,7 @@ from conduit_gateway.http.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     InternalErrorMiddleware,
+    KeyLimitsMiddleware,
     MetricsMiddleware,
     RequestIdMiddleware,
 )
@@ -93,6 +94,7 @@ def create_app(
     _add_error_handlers(app)
     # add_middleware wraps: the last one added runs first.
     app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    app.add_middleware(KeyLimitsMiddleware, limiter=ctx.rate_limiter)  # inside ApiKeyMiddleware: the key
     app.add_middleware(ApiKeyMiddleware, keys=ctx.api_keys)
     app.add_middleware(ApiKeyMiddleware, keys=ctx.admin_keys, prefix="/admin")
     if config.admin_port is not None:

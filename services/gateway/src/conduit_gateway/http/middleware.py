@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from conduit_common.logs import current_client_request_id, current_request_id
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.http.metrics import GatewayMetrics
+from conduit_gateway.keys.rate_limit import RateLimited, RateLimiter
 from conduit_gateway.keys.store import ApiKeyStore
 
 log = logging.getLogger(__name__)
@@ -166,6 +167,37 @@ class ApiKeyMiddleware(HttpMiddleware):
             return
         scope.setdefault("state", {})["api_key"] = key
         await self.app(scope, receive, send)
+
+
+# The generation endpoints: what a key's requests per minute and concurrent requests count.
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"})
+
+
+class KeyLimitsMiddleware(HttpMiddleware):
+    """Count every generation request of a key (after ApiKeyMiddleware has matched it) against its
+    requests per minute and its max_concurrent_requests when it arrives, before its body is read or
+    checked: a request refused later (400, 404, 413, an engine's refusal) has counted all the same. Its
+    concurrent slot is held until the response has ended, however it ends (the client leaving
+    mid-stream included)."""
+
+    def __init__(self, app: ASGIApp, limiter: RateLimiter) -> None:
+        super().__init__(app)
+        self._limiter = limiter
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = scope.get("state", {}).get("api_key")
+        if key is None or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        try:
+            self._limiter.arrive(key)
+        except RateLimited as refused:
+            await send_error(send, refused)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._limiter.leave(key)
 
 
 def _unauthorized(message: str) -> OpenAIError:

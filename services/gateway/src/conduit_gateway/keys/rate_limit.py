@@ -1,10 +1,15 @@
 """Per-key limits: requests per minute and tokens per minute, each a token bucket, reported with the
-headers OpenAI sends (x-ratelimit-limit-*, -remaining-*, -reset-*) and 429 + Retry-After when spent.
+headers OpenAI sends (x-ratelimit-limit-*, -remaining-*, -reset-*) and 429 + Retry-After when spent, and
+the key's requests in progress (max_concurrent_requests).
 
-Each bucket holds up to its per-minute limit and refills continuously at limit / 60 per second. A
-request needs one whole request and at least one token left. Tokens are charged as they are known:
-the prompt's when the engine admits the request (its first message), the output's as they stream, so
-a long answer can overdraw the bucket; the next requests wait until it has refilled.
+Each bucket holds up to its per-minute limit and refills continuously at limit / 60 per second.
+
+- Every request of a key takes one request when it arrives, whatever becomes of it (a request refused
+  by validation or by the engine counts too).
+- Before a generation runs, its worst case in tokens is reserved: 429 when the key has not that much
+  left, and a 429 that says the request is too large when the worst case is above the key's limit. The
+  reservation grows by each prompt's tokens when the engine has counted them; when the request ends, it
+  is settled to what the request used and the rest is given back (`TokenReservation.settle`).
 
 The clock is injected (seconds, monotonic), so tests drive the buckets exactly.
 """
@@ -80,19 +85,28 @@ class RateLimited(OpenAIError):
     """429 for a key over its limit, as OpenAI words it, with Retry-After and the x-ratelimit headers."""
 
 
-class Admission:
-    """One admitted request of a key: charges its tokens and reports the key's headers."""
+class TokenReservation:
+    """The tokens one request holds of its key's bucket: `hold` takes more as the worst case grows,
+    `settle` gives back what the request did not use (once)."""
 
-    def __init__(self, limiter: RateLimiter, key: ApiKey) -> None:
+    def __init__(self, limiter: RateLimiter, key: ApiKey, taken: int) -> None:
         self._limiter = limiter
         self._key = key
-        self._charged = 0
+        self.taken = taken
+        self.settled = False
 
-    def charge_total(self, tokens: int) -> None:
-        """The request has used `tokens` in all (prompt + output) so far: charge what is new."""
-        if tokens > self._charged:
-            self._limiter.charge(self._key, tokens - self._charged)
-            self._charged = tokens
+    def hold(self, tokens: int) -> None:
+        """The request may use `tokens` in all: take what is beyond what it holds."""
+        if not self.settled and tokens > self.taken:
+            self._limiter.charge(self._key, tokens - self.taken)
+            self.taken = tokens
+
+    def settle(self, used: int) -> None:
+        """The request has ended having used `used` tokens: give back the rest (or take what is missing)."""
+        if not self.settled:
+            self.settled = True
+            self._limiter.charge(self._key, used - self.taken)
+            self.taken = used
 
     def headers(self) -> dict[str, str]:
         return self._limiter.headers(self._key)
@@ -104,21 +118,62 @@ class RateLimiter:
     def __init__(self, clock: Clock = time.monotonic) -> None:
         self._clock = clock
         self._buckets: dict[str, _KeyBuckets] = {}
+        self._active: dict[str, int] = {}  # key name → its requests in progress
 
-    def admit(self, key: ApiKey) -> Admission:
-        """Take one request of `key`'s budget, or raise RateLimited (nothing taken)."""
+    def arrive(self, key: ApiKey) -> None:
+        """A request of `key` arrived: take one request and one of its concurrent slots, or raise
+        RateLimited (nothing taken). `leave` gives the slot back, however the request ends."""
         buckets = self._refilled(key)
-        for kind, bucket in (("requests", buckets.requests), ("tokens", buckets.tokens)):
-            if bucket is not None and bucket.level < 1:
-                raise self._refusal(key, kind, bucket)
+        if buckets.requests is not None and buckets.requests.level < 1:
+            raise self._refusal(key, "requests", buckets.requests, 1)
+        active = self._active.get(key.name, 0)
+        limit = key.limits.max_concurrent_requests
+        if limit is not None and active >= limit:
+            raise RateLimited(
+                429,
+                f"Too many concurrent requests for API key {key.name!r}: Limit {limit}, In progress "
+                f"{active}. Wait for one to finish.",
+                type="requests",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1", **self.headers(key)},
+            )
         if buckets.requests is not None:
             buckets.requests.level -= 1
-        return Admission(self, key)
+        self._active[key.name] = active + 1
+
+    def occupy(self, key: ApiKey) -> None:
+        """Hold one more concurrent slot of `key`, unchecked (a background run outliving its request)."""
+        self._active[key.name] = self._active.get(key.name, 0) + 1
+
+    def leave(self, key: ApiKey) -> None:
+        active = self._active.get(key.name, 0) - 1
+        if active > 0:
+            self._active[key.name] = active
+        else:
+            self._active.pop(key.name, None)
+
+    def in_progress(self, key: ApiKey) -> int:
+        return self._active.get(key.name, 0)
+
+    def reserve(self, key: ApiKey, tokens: int) -> TokenReservation:
+        """Take `tokens` (a request's worst case) of `key`'s tokens, or raise RateLimited (nothing taken):
+        too large when they are above the key's limit, else when the bucket holds fewer now."""
+        buckets = self._refilled(key)
+        bucket = buckets.tokens
+        if bucket is not None:
+            if tokens > bucket.capacity:
+                raise self._too_large(key, bucket, tokens)
+            if bucket.level < max(1, tokens):
+                raise self._refusal(key, "tokens", bucket, tokens)
+            bucket.level -= tokens
+        return TokenReservation(self, key, tokens)
 
     def charge(self, key: ApiKey, tokens: int) -> None:
+        """Take `tokens` of the key's bucket (negative: give them back, up to its capacity)."""
         buckets = self._refilled(key)
         if buckets.tokens is not None:
-            buckets.tokens.level -= tokens
+            bucket = buckets.tokens
+            bucket.level = min(float(bucket.capacity), bucket.level - tokens)
 
     def headers(self, key: ApiKey) -> dict[str, str]:
         buckets = self._refilled(key)
@@ -147,16 +202,27 @@ class RateLimiter:
                 bucket.refill(now)
         return buckets
 
-    def _refusal(self, key: ApiKey, kind: str, bucket: TokenBucket) -> RateLimited:
-        wait = bucket.seconds_until(1)
-        unit = "requests per min (RPM)" if kind == "requests" else "tokens per min (TPM)"
-        requested = ", Requested 1" if kind == "requests" else ""
+    def _refusal(self, key: ApiKey, kind: str, bucket: TokenBucket, requested: int) -> RateLimited:
+        wait = bucket.seconds_until(max(1, requested))
         message = (
-            f"Rate limit reached for API key {key.name!r} on {unit}: Limit {bucket.capacity}, "
-            f"Used {bucket.used()}{requested}. Please try again in {go_duration(wait)}."
+            f"Rate limit reached for API key {key.name!r} on {_UNITS[kind]}: Limit {bucket.capacity}, "
+            f"Used {bucket.used()}, Requested {requested}. Please try again in {go_duration(wait)}."
         )
         headers = {"Retry-After": str(max(1, math.ceil(round(wait, 6)))), **self.headers(key)}
         return RateLimited(429, message, type=kind, code="rate_limit_exceeded", headers=headers)
+
+    def _too_large(self, key: ApiKey, bucket: TokenBucket, requested: int) -> RateLimited:
+        # No Retry-After: waiting does not help, only a smaller request does.
+        message = (
+            f"Request too large for API key {key.name!r} on {_UNITS['tokens']}: Limit {bucket.capacity}, "
+            f"Requested {requested}: the prompt plus every choice's max_tokens (without max_tokens, the "
+            "rest of the model's context). The input or output tokens must be reduced in order to run "
+            "successfully."
+        )
+        return RateLimited(429, message, type="tokens", code="rate_limit_exceeded", headers=self.headers(key))
+
+
+_UNITS = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
 
 
 def _new_buckets(limits: KeyLimits, now: float) -> _KeyBuckets:
