@@ -157,6 +157,22 @@ def test_engine_token_goes_to_static_engines_only_over_plain_grpc(token_file):
         assert _authorizations(added) == {None}
 
 
+def test_no_plain_grpc_prefill_engine_from_the_admin_api_when_engines_use_a_token(token_file):
+    # Its KV handles name the address decode engines pull from, with their own token: refused unseen.
+    with (
+        FakeEngine() as static,
+        FakeEngine() as prefill,
+        GatewayThread([static.address], admin_keys=(ADMIN_KEY,), engine_auth_token_file=token_file) as gw,
+        admin(gw.url) as client,
+    ):
+        refused = client.post("/nodes", json={"address": prefill.address, "role": "prefill"})
+        error = refused.json()["error"]
+        assert (refused.status_code, error["param"], error["code"]) == (409, "role", "node_refused")
+        assert "--engine-tls-ca" in error["message"]
+        assert sorted(nodes(gw.url)) == [static.address]
+    assert prefill.record.calls == []
+
+
 def test_admin_limits_are_checked_at_start():
     with pytest.raises(ValueError, match="admin_node_allow: 'bad/range' is neither"):
         GatewayThread(["127.0.0.1:1"], admin_keys=(ADMIN_KEY,), admin_node_allow=("bad/range",))

@@ -82,8 +82,18 @@ async def add_node(body: AddNodeRequest, request: Request) -> JSONResponse:
     """
     pool = _pool(request)
     _check_admin_address(pool, body.address)
+    role = NodeRole(body.role)
+    if role is NodeRole.PREFILL and pool.dialer.token is not None and not pool.dialer.secure:
+        # Decode engines pull a prefill's KV from the address it hands them, with their own token.
+        raise OpenAIError(
+            409,
+            f"The prefill engine {body.address} was not added: over plain gRPC, decode engines would send "
+            "their engine token to it; add it with engine TLS (--engine-tls-ca) or as --prefill-engine.",
+            param="role",
+            code="node_refused",
+        )
     try:
-        node = pool.add(body.address, NodeSource.ADMIN, NodeRole(body.role))
+        node = pool.add(body.address, NodeSource.ADMIN, role)
     except ConfigError as exc:
         raise invalid_param("address", str(exc).removeprefix("address: ")) from None
     except DuplicateNodeError:
