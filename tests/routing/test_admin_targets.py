@@ -176,5 +176,7 @@ def test_no_plain_grpc_prefill_engine_from_the_admin_api_when_engines_use_a_toke
 def test_admin_limits_are_checked_at_start():
     with pytest.raises(ValueError, match="admin_node_allow: 'bad/range' is neither"):
         GatewayThread(["127.0.0.1:1"], admin_keys=(ADMIN_KEY,), admin_node_allow=("bad/range",))
+    with pytest.raises(ValueError, match="admin_node_allow: needs admin_key"):
+        GatewayThread(["127.0.0.1:1"], admin_node_allow=("10.0.0.0/8",))
     with pytest.raises(ValueError, match="admin_max_nodes: must be >= 0"):
         GatewayThread(["127.0.0.1:1"], admin_keys=(ADMIN_KEY,), admin_max_nodes=-1)

@@ -285,6 +285,8 @@ class GatewayConfig:
                 )
             if not self.admin_keys:
                 raise ConfigError("admin_port: needs admin_key (without admin keys there is no admin API)")
+        if self.admin_node_allow and not self.admin_keys:
+            raise ConfigError("admin_node_allow: needs admin_key (without admin keys there is no admin API)")
         try:
             parse_allow_list(tuple(self.admin_node_allow))
         except ValueError as exc:
