@@ -29,6 +29,11 @@ NODE = {
         {"anyOf": [{"$ref": "#"}, False]},
         {"enum": []},
         False,
+        {"type": "object", "required": ["x"], "additionalProperties": False},
+        {"type": "object", "required": ["x"], "additionalProperties": {"$ref": "#"}},
+        {"type": "string", "const": 1},
+        {"type": "integer", "enum": ["a", None, 1.5]},
+        {"type": ["string", "null"], "enum": [1, 2]},
     ],
 )
 def test_schemas_without_finite_instance(schema):
@@ -48,6 +53,16 @@ def test_schemas_without_finite_instance(schema):
         {"type": "object", "properties": {"a/b": {"type": "string"}}, "required": ["a/b"]},
         {"$ref": "#/$defs/missing"},  # a dangling ref is the compiler's (or the gateway's) to report
         {"enum": [1], "properties": {"x": False}, "required": ["x"]},  # not an object schema: 1 is valid
+        {"type": "object", "required": ["x"]},  # x may be anything
+        {
+            "type": "object",
+            "required": ["x1"],
+            "additionalProperties": False,
+            "patternProperties": {"^x": {}},
+        },
+        {"type": "integer", "enum": ["a", 2.0]},
+        {"type": ["string", "null"], "const": None},
+        {"type": "number", "const": 1},
     ],
 )
 def test_schemas_with_a_finite_instance(schema):

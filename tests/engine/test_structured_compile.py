@@ -104,6 +104,9 @@ def test_compile_errors_name_the_field_and_the_backend_reason(compiler, spec, fi
                         '"#/$defs/a"}'), "sampling.json_schema", "has no finite instance"),
         (StructuredSpec(StructuredKind.JSON_SCHEMA, text='{"type": "object", "properties": {"n": {"$ref": '
                         '"#"}}, "required": ["n"]}'), "sampling.json_schema", "has no finite instance"),
+        (StructuredSpec(StructuredKind.JSON_SCHEMA, text='{"type": "object", "properties": {"s": {"type": '
+                        '"string", "pattern": "^[^\\\\s\\\\S]$"}}, "required": ["s"]}'),
+         "sampling.json_schema", "pattern '^[^\\\\s\\\\S]$' (at $.properties.s) matches no string"),
     ],
 )  # fmt: skip
 def test_specs_that_admit_no_output_name_the_field(compiler, spec, field, words):

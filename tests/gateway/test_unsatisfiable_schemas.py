@@ -31,6 +31,10 @@ NO_INSTANCE = {
     "not_anything": {"not": {}},
     "required_self": {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
     "nonempty_self_array": {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+    "required_not_allowed": {"type": "object", "required": ["x"], "additionalProperties": False},
+    "const_of_another_type": {"type": "string", "const": 1},
+    # Found by the engine (the gateway does not read patterns): the output would stop at the quote.
+    "pattern_matching_nothing": {"type": "string", "pattern": "^[^\\s\\S]$"},
 }
 LINKED_LIST = {
     "$defs": {

@@ -4,9 +4,11 @@ but every document it allows nests forever, so a request with it can only run in
 
 A schema is productive when some finite document satisfies it: a `$ref` when its target is, an `anyOf` /
 `oneOf` when one branch is, an `allOf` when all are, an object when every required property it defines
-is, an array when the items its `minItems` demands are. `false` and an empty `enum` are not. Anything
-else counts as productive (other contradictions are the grammar compiler's to find). The least fixpoint
-is computed with a worklist, so a long `$ref` chain costs linear time.
+is (for one it does not define: `additionalProperties`, which `false` makes impossible), an array when
+the items its `minItems` demands are. `false`, an empty `enum`, and an `enum` or `const` none of whose
+values has the schema's `type` are not (the grammar backend would emit the value whatever `type` says).
+Anything else counts as productive (other contradictions are the grammar compiler's to find). The least
+fixpoint is computed with a worklist, so a long `$ref` chain costs linear time.
 
 The gateway checks every request schema with it (a 400 naming the field); the engine checks again before
 it compiles, for callers of its gRPC API.
@@ -62,21 +64,66 @@ def _needs(pointer: str, node: Any, nodes: dict[str, Any]) -> list[Need]:
     ref = node.get("$ref")
     if isinstance(ref, str) and ref.startswith("#") and ref.rstrip("/") in nodes:
         needs.append(("all", (ref.rstrip("/"),)))
-    if isinstance(node.get("enum"), list) and not node["enum"]:
+    if not _some_value_has_the_type(node):
         needs.append(("any", ()))
     for key, mode in (("anyOf", "any"), ("oneOf", "any"), ("allOf", "all")):
         branches = node.get(key)
         if isinstance(branches, list) and branches:
             needs.append((mode, tuple(f"{pointer}/{key}/{i}" for i in range(len(branches)))))
     if node.get("type") == "object":
-        properties = node.get("properties")
-        required = node.get("required")
-        if isinstance(properties, dict) and isinstance(required, list):
-            names = [name for name in required if isinstance(name, str) and name in properties]
-            needs.append(("all", tuple(f"{pointer}/properties/{_escape(name)}" for name in names)))
+        needs.extend(_required_properties(pointer, node))
     if node.get("type") == "array":
         needs.append(("all", _required_items(pointer, node)))
     return needs
+
+
+def _required_properties(pointer: str, node: dict[str, Any]) -> list[Need]:
+    """Each required property needs its schema: its `properties` entry, else `additionalProperties`
+    (`false`: nothing can hold it), unless a `patternProperties` entry may match the name."""
+    required = node.get("required")
+    if not isinstance(required, list):
+        return []
+    properties = node.get("properties")
+    properties = properties if isinstance(properties, dict) else {}
+    needs: list[Need] = []
+    for name in required:
+        if not isinstance(name, str):
+            continue
+        if name in properties:
+            needs.append(("all", (f"{pointer}/properties/{_escape(name)}",)))
+        elif "additionalProperties" in node and not node.get("patternProperties"):
+            needs.append(("all", (f"{pointer}/additionalProperties",)))
+    return needs
+
+
+# JSON Schema type name → whether a JSON value (as Python reads it) has it.
+_TYPES = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: (
+        (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+    ),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+
+
+def _some_value_has_the_type(node: dict[str, Any]) -> bool:
+    """False when `enum` is empty, or when neither an `enum` value nor the `const` has the node's `type`
+    (the grammar backend emits the listed values whatever `type` says)."""
+    if "const" in node:
+        values = [node["const"]]
+    elif isinstance(node.get("enum"), list):
+        values = node["enum"]
+    else:
+        return True
+    kinds = node.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    if not isinstance(kinds, list) or not all(kind in _TYPES for kind in kinds):
+        return bool(values)
+    return any(_TYPES[kind](value) for value in values for kind in kinds)
 
 
 def _required_items(pointer: str, node: dict[str, Any]) -> tuple[str, ...]:

@@ -31,7 +31,7 @@ from conduit_common.schema_instances import infinite_instance_problem
 from conduit_engine.errors import InvalidRequestError
 from conduit_engine.structured.backend import reason
 from conduit_engine.structured.backend import xgrammar as xgr
-from conduit_engine.structured.schema_support import unenforced_keyword
+from conduit_engine.structured.schema_support import string_patterns, unenforced_keyword
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
 from conduit_engine.structured.state import GrammarState
 from conduit_engine.structured.vocabulary import GrammarVocab
@@ -104,8 +104,8 @@ class StructuredCompiler:
                     del self._cache[key]
 
     def _compile(self, spec: StructuredSpec) -> CompiledStructure:
-        if spec.kind is StructuredKind.JSON_SCHEMA:
-            schema = json.loads(spec.text)
+        schema = json.loads(spec.text) if spec.kind is StructuredKind.JSON_SCHEMA else None
+        if schema is not None:
             try:
                 problem = unenforced_keyword(schema) or infinite_instance_problem(schema)
             except RecursionError:
@@ -119,7 +119,20 @@ class StructuredCompiler:
         if not _can_start(grammar, self.vocab):
             hint = " (a $ref cycle that never reaches a value has no instance)" if spec.kind.is_json else ""
             raise InvalidRequestError(spec.field, f"admits no output: no token can begin it{hint}")
+        if schema is not None:
+            self._check_patterns(spec, schema)
         return CompiledStructure(grammar=grammar, vocab=self.vocab)
+
+    def _check_patterns(self, spec: StructuredSpec, schema: object) -> None:
+        """A string `pattern` no string can begin (`[^\\s\\S]`) would stop the output at its opening
+        quote, mid-document: refused like a grammar no token can begin."""
+        for path, pattern in string_patterns(schema):
+            try:
+                grammar = self._backend.compile_regex(pattern)
+            except (RuntimeError, ValueError):
+                continue  # the schema compiled, so the backend read the pattern its own way
+            if not _can_start(grammar, self.vocab):
+                raise InvalidRequestError(spec.field, f"pattern {pattern!r} (at {path}) matches no string")
 
     def _compile_grammar(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
         kind = spec.kind
