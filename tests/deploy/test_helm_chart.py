@@ -364,6 +364,31 @@ def test_engine_metrics_port_and_observability_flags_reach_both_clis(release):
     assert not engine.log_prompts and not gateway.log_prompts
 
 
+def test_admin_node_limits_reach_the_gateway_cli(release):
+    name, _, _, objects = release
+    container = _container(component(objects, "Deployment", "gateway"))
+    env = {e["name"]: e.get("value", f"from-secret-{e['name']}") for e in container.get("env", [])}
+    gateway = gateway_cli.config_from_args(container["args"], env)
+    if name == "secure":  # admin keys, an allow list and a bound
+        assert gateway.admin_keys and gateway.admin_port == 8001
+        assert gateway.admin_node_allow == ("10.0.0.0/8", "*.svc.cluster.local")
+        assert gateway.admin_max_nodes == 16
+    else:  # no admin API: neither flag is rendered
+        assert not gateway.admin_keys
+        assert "--admin-max-nodes" not in container["args"]
+        assert (gateway.admin_node_allow, gateway.admin_max_nodes) == ((), 64)
+
+
+def test_admin_node_defaults_render_a_bound_and_no_allow_list():
+    admin = {"gateway": {"adminKeys": {"existingSecret": "admin", "secretKey": "k"}}}
+    objects = chart_render.manifests(chart_render.render(admin))
+    args = _container(component(objects, "Deployment", "gateway"))["args"]
+    assert args[args.index("--admin-max-nodes") + 1] == "64"
+    assert "--admin-node-allow" not in args
+    for obj in objects:
+        assert chart_render.validation_problem(obj, KUBERNETES_VERSIONS[-1]) is None
+
+
 def test_notes_tell_how_to_call_it(release):
     name, _, rendered, _ = release
     notes = rendered["conduit/templates/NOTES.txt"]
@@ -398,6 +423,9 @@ def test_shipped_values_files_satisfy_the_schema():
         ({"engine": {"metrics": {"port": 0}}}, "/engine/metrics/port"),
         ({"logging": {"format": "xml"}}, "/logging/format"),
         ({"tracing": {"otlpEndpoint": "collector:4317"}}, "/tracing/otlpEndpoint"),
+        ({"gateway": {"adminMaxNodes": -1}}, "/gateway/adminMaxNodes"),
+        ({"gateway": {"adminNodeAllow": "10.0.0.0/8"}}, "/gateway/adminNodeAllow"),
+        ({"gateway": {"adminNodeAllow": ["unix:/x y"]}}, "/gateway/adminNodeAllow"),
     ],
 )
 def test_schema_rejects_bad_values(overrides, message):

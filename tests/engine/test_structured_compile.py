@@ -92,6 +92,32 @@ def test_compile_errors_name_the_field_and_the_backend_reason(compiler, spec, fi
     assert not compiler.cached(spec)  # failures are not kept
 
 
+@pytest.mark.parametrize(
+    "spec, field, words",
+    [
+        # Compiles to `root ::= root`: no token can begin the output.
+        (StructuredSpec(StructuredKind.GRAMMAR, text="root ::= root"), "sampling.grammar",
+         "admits no output: no token can begin it"),
+        (StructuredSpec(StructuredKind.JSON_SCHEMA, text='{"$ref": "#"}'), "sampling.json_schema",
+         "has no finite instance"),
+        (StructuredSpec(StructuredKind.JSON_SCHEMA, text='{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": '
+                        '"#/$defs/a"}'), "sampling.json_schema", "has no finite instance"),
+        (StructuredSpec(StructuredKind.JSON_SCHEMA, text='{"type": "object", "properties": {"n": {"$ref": '
+                        '"#"}}, "required": ["n"]}'), "sampling.json_schema", "has no finite instance"),
+        (StructuredSpec(StructuredKind.JSON_SCHEMA, text='{"type": "object", "properties": {"s": {"type": '
+                        '"string", "pattern": "^[^\\\\s\\\\S]$"}}, "required": ["s"]}'),
+         "sampling.json_schema", "pattern '^[^\\\\s\\\\S]$' (at $.properties.s) matches no string"),
+    ],
+)  # fmt: skip
+def test_specs_that_admit_no_output_name_the_field(compiler, spec, field, words):
+    future = compiler.submit(spec)
+    with pytest.raises(InvalidRequestError) as err:
+        future.result(timeout=60)
+    assert err.value.field == field
+    assert str(err.value).startswith(f"{field}: {words}")
+    assert not compiler.cached(spec)
+
+
 def test_json_whitespace_is_limited_by_default(compiler):
     strict = compiler.submit(StructuredSpec(StructuredKind.JSON_SCHEMA, text=SCHEMA)).result(timeout=60)
     loose = compiler.submit(

@@ -16,6 +16,7 @@ import pytest
 
 from tests.support.certs import make_pki
 from tests.support.gateway_thread import GatewayThread
+from tests.support.polling import wait_for
 from tests.support.processes import start_engine
 from tests.support.stories import MODEL, PROMPT
 
@@ -123,3 +124,22 @@ def test_a_gateway_that_cannot_authenticate_never_routes_to_the_engine(
     assert TOKEN not in caplog.text
     # The engine did not mind: the authenticated gateway is served as before.
     assert complete(good_gateway).usage.completion_tokens == 5
+
+
+def test_an_admin_added_engine_over_verified_tls_receives_the_token(engine, pki, token_files):
+    # The engine requires mTLS and the token: it serves requests only if the gateway sent both.
+    admin_key = "admin-secret"
+    with GatewayThread([], admin_keys=(admin_key,), **tls_options(pki, token_files)) as gateway:
+        headers = {"Authorization": f"Bearer {admin_key}"}
+        added = httpx.post(
+            f"{gateway.url}/admin/nodes", json={"address": engine.address}, headers=headers, timeout=30
+        )
+        assert (added.status_code, added.json()["source"]) == (201, "admin")
+        wait_for(
+            lambda: (
+                httpx.get(f"{gateway.url}/admin/nodes/{engine.address}", headers=headers).json()["state"]
+                == "serving"
+            ),
+            "the admin-added engine to serve",
+        )
+        assert complete(gateway).usage.completion_tokens == 5

@@ -380,8 +380,15 @@ def test_bad_tools_are_400_naming_the_parameter(http, fake, extra, param, words)
             "structured_outputs.grammar",
             "sampling.grammar: does not compile: Rule x is not defined",
         ),
+        # One forced tool: the engine's complaint is about its parameters (the wrapper is the gateway's).
         (
             {"tools": [WEATHER], "tool_choice": "required"},
+            "tools[0].function.parameters",
+            "sampling.json_schema: does not compile: unsupported",
+        ),
+        # Several tools under `required`: the complaint may be about any of them.
+        (
+            {"tools": [WEATHER, TIME], "tool_choice": "required"},
             "tool_choice",
             "sampling.json_schema: does not compile: unsupported",
         ),

@@ -48,8 +48,22 @@ class Record:
 
     requests: list[engine_pb2.GenerateRequest] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
+    # Every call of any service (health included): (method, its invocation metadata).
+    calls: list[tuple[str, dict[str, str]]] = field(default_factory=list)
     cancelled: int = 0
     completed: int = 0
+
+
+class _CallRecorder(grpc.aio.ServerInterceptor):
+    """Records the method and metadata of every call before it is handled."""
+
+    def __init__(self, fake: FakeEngine) -> None:
+        self.fake = fake
+
+    async def intercept_service(self, continuation, handler_call_details):
+        metadata = {key: value for key, value in handler_call_details.invocation_metadata or ()}
+        self.fake.record.calls.append((handler_call_details.method, metadata))
+        return await continuation(handler_call_details)
 
 
 class _Servicer(engine_pb2_grpc.EngineServicer):
@@ -174,8 +188,10 @@ def _logprobs(word: str, token_id: int, logprob: float, top: int) -> engine_pb2.
 class FakeEngine:
     """Start with `start()` (or as a context manager); `address` is HOST:PORT on 127.0.0.1."""
 
-    def __init__(self, model: str = "fake-model", port: int = 0) -> None:
-        """`port` 0 picks a free one."""
+    def __init__(self, model: str = "fake-model", port: int = 0, extra_listeners: Sequence[str] = ()) -> None:
+        """`port` 0 picks a free one; `extra_listeners`: more gRPC targets to serve on as well (e.g.
+        `unix:PATH`, `unix-abstract:NAME`)."""
+        self.extra_listeners = tuple(extra_listeners)
         self.model = model
         # What GetModelInfo answers instead of the fake's own (e.g. a real engine's, with its role and KV
         # layout, so the fake can stand in a disaggregated pool).
@@ -233,11 +249,13 @@ class FakeEngine:
 
     async def _start(self) -> None:
         self._released = asyncio.Event()
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(interceptors=[_CallRecorder(self)])
         engine_pb2_grpc.add_EngineServicer_to_server(_Servicer(self), self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = self._server.add_insecure_port(f"127.0.0.1:{self.port}")
+        for target in self.extra_listeners:
+            self._server.add_insecure_port(target)
         await self._server.start()
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
 

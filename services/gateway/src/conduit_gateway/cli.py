@@ -121,6 +121,20 @@ FLAGS: tuple[Flag, ...] = (
         "key of the /admin API (Authorization: Bearer KEY); repeat or comma-separate; none = no API",
         kind=LIST,
     ),
+    Flag(
+        "--admin-node-allow",
+        "admin_node_allow",
+        "CIDR or host pattern (*.svc.cluster.local) the admin API may add nodes in; repeat or "
+        "comma-separate; none = any HOST:PORT",
+        kind=LIST,
+    ),
+    Flag(
+        "--admin-max-nodes",
+        "admin_max_nodes",
+        "most nodes the admin API may have added at once (more get 409; default 64)",
+        int,
+        64,
+    ),
     Flag("--load-interval", "load_interval_s", "seconds between GetLoad polls per engine", float, 1.0),
     Flag(
         "--retries",

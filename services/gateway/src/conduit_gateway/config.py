@@ -12,6 +12,7 @@ from conduit_common.logs import LOG_FORMATS
 from conduit_common.tracing import check_otlp_endpoint
 from conduit_gateway.parsers.reasoning import reasoning_parser_names
 from conduit_gateway.parsers.tool_calls import tool_call_parser_names
+from conduit_gateway.routing.admin_nodes import parse_allow_list
 from conduit_gateway.routing.selection import strategy_names
 
 ROUTING_STRATEGIES = strategy_names()
@@ -61,6 +62,10 @@ class GatewayConfig:
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
     # Serve /admin on this port only (not on `port`); None: /admin is on `port`.
     admin_port: int | None = None
+    # What the admin API may add: hosts inside these CIDRs or matching these patterns (empty: any
+    # HOST:PORT), and at most admin_max_nodes nodes of its own (routing/admin_nodes.py).
+    admin_node_allow: tuple[str, ...] = ()
+    admin_max_nodes: int = 64
     # How often each SERVING engine is asked for its load (GetLoad).
     load_interval_s: float = 1.0
     # Extra attempts on other engines for a request refused (UNAVAILABLE, RESOURCE_EXHAUSTED) before output.
@@ -280,6 +285,14 @@ class GatewayConfig:
                 )
             if not self.admin_keys:
                 raise ConfigError("admin_port: needs admin_key (without admin keys there is no admin API)")
+        if self.admin_node_allow and not self.admin_keys:
+            raise ConfigError("admin_node_allow: needs admin_key (without admin keys there is no admin API)")
+        try:
+            parse_allow_list(tuple(self.admin_node_allow))
+        except ValueError as exc:
+            raise ConfigError(f"admin_node_allow: {exc}") from None
+        if self.admin_max_nodes < 0:
+            raise ConfigError(f"admin_max_nodes: must be >= 0, got {self.admin_max_nodes}")
         _positive("max_header_bytes", self.max_header_bytes)
         _positive("header_timeout", self.header_timeout_s)
         _positive("body_timeout", self.body_timeout_s)

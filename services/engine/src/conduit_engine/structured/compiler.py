@@ -6,7 +6,9 @@ running). Futures are cached by `spec.cache_key` in a bounded LRU, so concurrent
 share one compile and later ones get the same `CompiledStructure` object; a failed compile is not kept.
 A spec that does not compile fails its future with `InvalidRequestError` naming the request field and
 the backend's reason (→ INVALID_ARGUMENT); so does a JSON schema using a keyword the backend would
-silently ignore (`schema_support`).
+silently ignore (`schema_support`), one with no finite instance (`schema_instances`: a required `$ref`
+cycle), and any spec whose compiled grammar lets no token begin the output (`{"$ref": "#"}`,
+`root ::= root`): those compile, but every request with them would fail at its first token.
 
 JSON whitespace: `any_whitespace=False` (the default) compiles with the backend's
 `any_whitespace=False`, as vLLM's `disable_any_whitespace`: exactly one space after `,` and `:`, no
@@ -23,10 +25,13 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
+from conduit_common.schema_instances import infinite_instance_problem
 from conduit_engine.errors import InvalidRequestError
 from conduit_engine.structured.backend import reason
 from conduit_engine.structured.backend import xgrammar as xgr
-from conduit_engine.structured.schema_support import unenforced_keyword
+from conduit_engine.structured.schema_support import string_patterns, unenforced_keyword
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
 from conduit_engine.structured.state import GrammarState
 from conduit_engine.structured.vocabulary import GrammarVocab
@@ -99,15 +104,35 @@ class StructuredCompiler:
                     del self._cache[key]
 
     def _compile(self, spec: StructuredSpec) -> CompiledStructure:
-        if spec.kind is StructuredKind.JSON_SCHEMA:
-            unenforced = unenforced_keyword(json.loads(spec.text))
-            if unenforced is not None:
-                raise InvalidRequestError(spec.field, unenforced)
+        schema = json.loads(spec.text) if spec.kind is StructuredKind.JSON_SCHEMA else None
+        if schema is not None:
+            try:
+                problem = unenforced_keyword(schema) or infinite_instance_problem(schema)
+            except RecursionError:
+                problem = "is nested too deeply"
+            if problem is not None:
+                raise InvalidRequestError(spec.field, problem)
         try:
             grammar = self._compile_grammar(spec)
         except (RuntimeError, ValueError) as exc:  # what xgrammar raises for a bad spec
             raise InvalidRequestError(spec.field, f"does not compile: {reason(exc)}") from None
+        if not _can_start(grammar, self.vocab):
+            hint = " (a $ref cycle that never reaches a value has no instance)" if spec.kind.is_json else ""
+            raise InvalidRequestError(spec.field, f"admits no output: no token can begin it{hint}")
+        if schema is not None:
+            self._check_patterns(spec, schema)
         return CompiledStructure(grammar=grammar, vocab=self.vocab)
+
+    def _check_patterns(self, spec: StructuredSpec, schema: object) -> None:
+        """A string `pattern` no string can begin (`[^\\s\\S]`) would stop the output at its opening
+        quote, mid-document: refused like a grammar no token can begin."""
+        for path, pattern in string_patterns(schema):
+            try:
+                grammar = self._backend.compile_regex(pattern)
+            except (RuntimeError, ValueError):
+                continue  # the schema compiled, so the backend read the pattern its own way
+            if not _can_start(grammar, self.vocab):
+                raise InvalidRequestError(spec.field, f"pattern {pattern!r} (at {path}) matches no string")
 
     def _compile_grammar(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
         kind = spec.kind
@@ -119,6 +144,16 @@ class StructuredCompiler:
         if kind is StructuredKind.CHOICE:
             return self._backend.compile_grammar(choice_grammar(spec.choices))
         return self._backend.compile_grammar(spec.text)
+
+
+def _can_start(grammar: xgr.CompiledGrammar, vocab: GrammarVocab) -> bool:
+    """Whether some token (EOS included, where the grammar takes the empty output) may come first. A
+    grammar whose start allows none (`root ::= root`, a JSON schema `{"$ref": "#"}`) compiles, but every
+    request with it would fail at its first token."""
+    matcher = xgr.GrammarMatcher(grammar)
+    row = torch.zeros((1, vocab.words), dtype=torch.int32)
+    matcher.fill_next_token_bitmask(row)
+    return matcher.is_completed() or bool(row.any())
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:

@@ -66,6 +66,13 @@ def unenforced_keyword(schema: Any) -> str | None:
     return None
 
 
+def string_patterns(schema: Any) -> Iterator[tuple[str, str]]:
+    """(location, pattern) of every string `pattern` in `schema`."""
+    for path, node in _subschemas(schema, "$"):
+        if isinstance(node.get("pattern"), str):
+            yield path, node["pattern"]
+
+
 def _ignored(node: dict[str, Any]) -> tuple[str, str] | None:
     ignored = ", which the grammar backend does not enforce"
     for keyword in _UNENFORCED:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -561,9 +562,13 @@ def _tool_plan(body: MessageInputs, tool_call_parser: str | None) -> ToolPlan:
             raise invalid_param("tool_choice.name", "is only allowed when tool_choice.type is 'tool'")
         openai_choice = _TOOL_CHOICES[choice.type]
     try:
-        return plan_tools(definitions or None, openai_choice, parallel, tool_call_parser)
+        plan = plan_tools(definitions or None, openai_choice, parallel, tool_call_parser)
     except OpenAIError as exc:
         raise _renamed(exc) from None
+    if plan.constraint is not None:  # the engine's errors about it name Anthropic's field too
+        param = plan.constraint.param.replace(".function.parameters", ".input_schema")
+        plan = dataclasses.replace(plan, constraint=dataclasses.replace(plan.constraint, param=param))
+    return plan
 
 
 def _tool_definition(position: int, tool: ToolParam) -> ToolDefinition:

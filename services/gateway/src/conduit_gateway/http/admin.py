@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from conduit_gateway.config import ConfigError
 from conduit_gateway.errors import OpenAIError, invalid_param
+from conduit_gateway.routing.admin_nodes import NodeAddressError, parse_allow_list, parse_node_address
 from conduit_gateway.routing.node import EngineNode, NodeSource
 from conduit_gateway.routing.pool import DuplicateNodeError, EnginePool, UnknownNodeError
 from conduit_gateway.routing.roles import NodeRole
@@ -64,17 +65,35 @@ async def list_nodes(request: Request) -> NodeList:
     return NodeList(nodes=[node_view(node) for node in _pool(request).engines])
 
 
-@router.post("/nodes", status_code=201, response_model=NodeView, responses=error_responses(400, 401, 409))
+@router.post(
+    "/nodes", status_code=201, response_model=NodeView, responses=error_responses(400, 401, 403, 409)
+)
 async def add_node(body: AddNodeRequest, request: Request) -> JSONResponse:
     """Add an engine; it receives requests once its health says SERVING.
+
+    The address is HOST:PORT only (a DNS name, IPv4 or [IPv6] host; no gRPC schemes, 400), inside
+    --admin-node-allow when that is set (403 `node_not_allowed`), and the API holds at most
+    --admin-max-nodes nodes (409 `too_many_nodes`). Over plain gRPC the node is dialled without the
+    engine token; only over verified TLS (--engine-tls-ca) does it receive it.
 
     A prefill or decode engine that answers now is checked at once: one whose engine role does not cover
     the pool, or whose KV layout differs from the other disaggregated engines' of its model, is not added
     (409 `node_refused`). One that does not answer yet is checked when it starts serving.
     """
     pool = _pool(request)
+    _check_admin_address(pool, body.address)
+    role = NodeRole(body.role)
+    if role is NodeRole.PREFILL and pool.dialer.token is not None and not pool.dialer.secure:
+        # Decode engines pull a prefill's KV from the address it hands them, with their own token.
+        raise OpenAIError(
+            409,
+            f"The prefill engine {body.address} was not added: over plain gRPC, decode engines would send "
+            "their engine token to it; add it with engine TLS (--engine-tls-ca) or as --prefill-engine.",
+            param="role",
+            code="node_refused",
+        )
     try:
-        node = pool.add(body.address, NodeSource.ADMIN, NodeRole(body.role))
+        node = pool.add(body.address, NodeSource.ADMIN, role)
     except ConfigError as exc:
         raise invalid_param("address", str(exc).removeprefix("address: ")) from None
     except DuplicateNodeError:
@@ -95,6 +114,33 @@ async def add_node(body: AddNodeRequest, request: Request) -> JSONResponse:
                 code="node_refused",
             )
     return JSONResponse(node_view(node).model_dump(), status_code=201)
+
+
+def _check_admin_address(pool: EnginePool, address: str) -> None:
+    """400 unless HOST:PORT, 403 outside the allow list, 409 when the admin nodes are at their bound;
+    all before anything dials the address."""
+    try:
+        parsed = parse_node_address(address)
+    except NodeAddressError as exc:
+        shown = address if len(address) <= 80 else f"{address[:80]}..."
+        raise invalid_param("address", f"expected HOST:PORT: {exc}, got {shown!r}") from None
+    config = pool.config
+    if not parse_allow_list(tuple(config.admin_node_allow)).allows(parsed):
+        raise OpenAIError(
+            403,
+            f"address: {address} is outside --admin-node-allow.",
+            param="address",
+            code="node_not_allowed",
+        )
+    if address not in {node.address for node in pool.engines}:
+        if pool.count(NodeSource.ADMIN) >= config.admin_max_nodes:
+            raise OpenAIError(
+                409,
+                f"address: the admin API already holds {config.admin_max_nodes} node(s) "
+                "(--admin-max-nodes); remove one first.",
+                param="address",
+                code="too_many_nodes",
+            )
 
 
 @router.get("/nodes/{address}", response_model=NodeView, responses=_NODE_ERRORS)

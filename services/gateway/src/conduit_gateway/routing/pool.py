@@ -49,6 +49,9 @@ class EnginePool:
     ) -> None:
         self.config = config
         self.dialer = dialer  # TLS and token towards the engines
+        # Nodes the admin API added are not the operator's: the token goes to them only over TLS that
+        # verifies them against the engines' CA; over plain gRPC they are dialled without it.
+        self.admin_dialer = dialer if dialer.secure else PLAINTEXT
         self._nodes: dict[str, EngineNode] = {}
         # kv_aware: one index of every engine's cached blocks, fed by their SubscribeKvEvents streams.
         self.kv_index = KvIndex(config.kv_index_max_blocks) if config.routing == "kv_aware" else None
@@ -130,7 +133,12 @@ class EnginePool:
         address = parse_engine_address(address, field="address")
         if address in self._nodes:
             raise DuplicateNodeError(address)
-        node = EngineNode(address, source, self.config, self.dialer, role, self._admission, self.kv_index)
+        dialer = self.admin_dialer if source is NodeSource.ADMIN else self.dialer
+        if dialer is not self.dialer and self.dialer.token is not None:
+            log.warning(
+                "engine %s is dialled without the engine token (an admin node over plain gRPC)", address
+            )
+        node = EngineNode(address, source, self.config, dialer, role, self._admission, self.kv_index)
         self._nodes[address] = node
         node.start()
         log.info("engine %s joined the %s pool (%s)", address, role, source)
@@ -139,6 +147,10 @@ class EnginePool:
     def _admission(self, node: EngineNode, info: engine_pb2.GetModelInfoResponse) -> str | None:
         peers = [peer for peer in self._nodes.values() if peer is not node and peer.serving]
         return admission_problem(node.role, info, peers)
+
+    def count(self, source: NodeSource) -> int:
+        """Nodes from one source (in the pool; removed ones still finishing are not counted)."""
+        return sum(node.source is source for node in self._nodes.values())
 
     def members(self, role: NodeRole) -> list[EngineNode]:
         """The nodes of one pool, routable or not."""

@@ -68,13 +68,17 @@ def plan_tools(
                 "tool_choice",
                 f"function {choice.function.name!r} is not one of the tools ({', '.join(names)})",
             )
-        chosen = [tools[names.index(choice.function.name)]]
-        schema = calls_schema(chosen, parallel=False)
+        position = names.index(choice.function.name)
+        schema = calls_schema([tools[position]], parallel=False)
     else:  # required
+        position = 0 if len(tools) == 1 else None
         schema = calls_schema(tools, parallel=parallel)
     text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
     validation.check_size("tools", text, "the tool-call schema built from the tools")
-    return ToolPlan("forced", tools_json, Constraint("tool_choice", "json_schema", text), parallel)
+    # What the engine finds wrong with the forced schema is in a tool's parameters (the wrapper is ours):
+    # with one tool in it, its errors name that tool's parameters.
+    param = "tool_choice" if position is None else f"tools[{position}].function.parameters"
+    return ToolPlan("forced", tools_json, Constraint(param, "json_schema", text), parallel)
 
 
 def _check_tools(tools: list[ToolDefinition]) -> list[str]:

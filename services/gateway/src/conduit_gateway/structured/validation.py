@@ -2,6 +2,7 @@
 
 The engine has the final word (its grammar compiler); these catch what the gateway can see without one:
 JSON schemas against their meta-schema (the `jsonschema` package), local `$ref`s that point nowhere,
+schemas with no finite instance (`$ref` cycles: conduit_common.schema_instances),
 regexes Python's `re` cannot compile, and specs over the size limit shared with the engine.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 
 from jsonschema import exceptions, validators
 
+from conduit_common.schema_instances import infinite_instance_problem
 from conduit_common.structured import MAX_STRUCTURED_SPEC_BYTES
 from conduit_gateway.errors import invalid_param
 from conduit_gateway.handlers import fields
@@ -58,6 +60,12 @@ def check_json_schema(param: str, schema: object) -> None:
     except RecursionError:
         raise invalid_param(param, "is nested too deeply") from None
     _check_refs(param, schema, schema)
+    try:
+        problem = infinite_instance_problem(schema)
+    except RecursionError:
+        problem = "is nested too deeply"
+    if problem is not None:
+        raise invalid_param(param, problem)
 
 
 def _check_refs(param: str, root: object, node: object, depth: int = 0) -> None:
