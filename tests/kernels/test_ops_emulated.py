@@ -6,6 +6,7 @@ random (fixed seeds) and include odd lengths, block-table edges, GQA ratios 1/4/
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -148,6 +149,34 @@ def _check_write_kv(ops: Ops, dtype) -> tuple[torch.Tensor, torch.Tensor, list[t
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_write_kv_skips_negative_slots_and_reads_strided_views(launcher, dtype):
     _check_write_kv(_ops(launcher), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 8), (4, 1, 64), (8, 8, 128)])
+def test_fused_rotary_and_kv_write_matches_the_two_reference_ops(launcher, dtype, heads, kv_heads, head_dim):
+    """One launch: q rotated in place, rotated k and v into the caches at the step's slots (-1 skipped),
+    on views of a fused qkv row, exactly as TorchOps' rotary_embedding then write_kv."""
+    gen = torch.Generator().manual_seed(heads + head_dim)
+    tokens, num_blocks, block_size = 7, 6, 4
+    qkv = _rand(gen, tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    positions = torch.randint(0, 300, (tokens,), generator=gen)
+    slots = torch.tensor([0, 5, -1, 23, 12, -1, 3])
+    meta = dataclasses.replace(_meta_for_tokens(tokens), slot_mapping=slots)
+    caches = [_rand(gen, num_blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2)]
+    results = []
+    for backend in (_ops(launcher), REF):
+        buf, k_cache, v_cache = qkv.clone(), caches[0].clone(), caches[1].clone()
+        q = buf[:, : heads * head_dim].view(tokens, heads, head_dim)
+        k = buf[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+        v = buf[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+        step_ = backend.begin_step(positions, meta, _cos_sin_cache(300, head_dim))
+        backend.rotary_and_write_kv(q, k, v, k_cache, v_cache, step_)
+        results.append((q.clone(), k_cache, v_cache))
+    (q, k_cache, v_cache), (ref_q, ref_k, ref_v) = results
+    torch.testing.assert_close(q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(k_cache, ref_k, **TOL[dtype])
+    assert torch.equal(v_cache, ref_v)
+    assert [k.name.split("<")[0] for k in launcher.launches] == ["rotary_write_kv_kernel"]
 
 
 # ---- attention -----------------------------------------------------------------------------------------

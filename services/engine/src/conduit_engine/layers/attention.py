@@ -56,9 +56,8 @@ class PagedAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-        self.ops.rotary_embedding(q, k, step)
         k_cache, v_cache = kv_cache
-        self.ops.write_kv(k, v, k_cache, v_cache, step.meta.slot_mapping)
+        self.ops.rotary_and_write_kv(q, k, v, k_cache, v_cache, step)
         out = self.ops.attention(
             q,
             k_cache,

@@ -178,6 +178,21 @@ class Ops(ABC):
     ) -> None:
         """Store k, v [T, Hk, D] into the paged caches at slot_mapping [T]; slot -1 is skipped."""
 
+    def rotary_and_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        step: StepContext,
+    ) -> None:
+        """What an attention layer does before attending: RoPE on q (in place) and on k, then the rotated
+        k and v into the paged caches at step.meta.slot_mapping (-1 skipped). Backends may fuse the two;
+        then k itself may be left unrotated (q and the caches are the contract)."""
+        self.rotary_embedding(q, k, step)
+        self.write_kv(k, v, k_cache, v_cache, step.meta.slot_mapping)
+
     @abstractmethod
     def attention(
         self,

@@ -361,6 +361,47 @@ class CudaOps(Ops):
             ],
         )
 
+    def rotary_and_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        step: StepContext,
+    ) -> None:
+        positions, cos_sin_cache, slot_mapping = step.positions, step.cos_sin_cache, step.meta.slot_mapping
+        if self.check_calls:
+            checks.check_rotary(q, k, positions)
+            checks.check_cos_sin(cos_sin_cache, q.shape[2])
+            checks.check_cache(k_cache, v_cache)
+            checks.check_kv_rows(k, v, k_cache, slot_mapping)
+        num_tokens, num_q_heads, head_dim = q.shape
+        if num_tokens == 0:
+            return
+        pairs = (num_q_heads + k.shape[1]) * head_dim // 2
+        self._launch(
+            kl.rotary_write_kv_kernel(q.dtype),
+            (num_tokens, 1, 1),
+            (_threads_for(pairs), 1, 1),
+            [
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                positions,
+                cos_sin_cache,
+                slot_mapping,
+                np.int32(num_q_heads),
+                np.int32(k.shape[1]),
+                np.int32(head_dim),
+                np.int64(q.stride(0)),
+                np.int64(k.stride(0)),
+                np.int64(v.stride(0)),
+            ],
+        )
+
     def write_kv(
         self,
         k: torch.Tensor,

@@ -105,6 +105,10 @@ def rotary_kernel(dtype: torch.dtype) -> KernelRef:
     return KernelRef("rotary.cu", f"rotary_embedding_kernel<{ctype(dtype)}>")
 
 
+def rotary_write_kv_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("rotary.cu", f"rotary_write_kv_kernel<{ctype(dtype)}>")
+
+
 def silu_and_mul_kernel(dtype: torch.dtype) -> KernelRef:
     return KernelRef("activation.cu", f"silu_and_mul_kernel<{ctype(dtype)}>")
 
@@ -163,6 +167,7 @@ def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int])
             rms_norm_kernel(dtype),
             add_rms_norm_kernel(dtype),
             rotary_kernel(dtype),
+            rotary_write_kv_kernel(dtype),
             silu_and_mul_kernel(dtype),
             gelu_tanh_and_mul_kernel(dtype),
             write_kv_kernel(dtype),
