@@ -13,7 +13,9 @@
 #   2. paged decode attention bandwidth as a fraction of device-to-device copy bandwidth, prefill and
 #      sampling timings (bench/gpu_kernels_bench.py);
 #   3. the engine with --device cuda vs cpu: greedy parity on stories260K and a random ~1B Llama, and
-#      decode tokens/s at batch 1 and 64 with and without CUDA graphs (bench/gpu_engine_check.py).
+#      decode tokens/s at batch 1 and 64 with and without CUDA graphs (bench/gpu_engine_check.py; pass
+#      GPU_CHECK_8B=1 to add the 8B shape, minutes more);
+#   4. one table of every figure against its goal (also $OUT/goals.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -35,7 +37,13 @@ echo "== 2. kernel bandwidth"
 timeout 90 $PY bench/gpu_kernels_bench.py 2>&1 | tee "$OUT/kernel_bench.log" || status=1
 
 echo "== 3. engine parity and decode speed"
-timeout 210 $PY bench/gpu_engine_check.py --out "$OUT/engine.json" 2>&1 | tee "$OUT/engine.log" || status=1
+ENGINE_TIMEOUT=$([ -n "${GPU_CHECK_8B:-}" ] && echo 420 || echo 210)
+timeout $ENGINE_TIMEOUT $PY bench/gpu_engine_check.py --out "$OUT/engine.json" ${GPU_CHECK_8B:+--with-8b} 2>&1 | tee "$OUT/engine.log" || status=1
+
+echo "== every figure against its goal"
+echo "| figure | value | goal | met |"
+echo "|---|---|---|---|"
+grep -h '^| ' "$OUT/kernel_bench.log" "$OUT/engine.log" | grep -v '^| figure ' | tee "$OUT/goals.md"
 
 echo "== done (status $status); logs in $OUT"
 exit $status

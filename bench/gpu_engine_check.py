@@ -39,17 +39,24 @@ def find_stories(explicit: str | None) -> Path:
     raise SystemExit("stories260K not found: pass --stories or carry it as build/gpu_carry/stories260K")
 
 
-def make_random_llama_1b(stories: Path, folder: Path) -> Path:
-    """A random Llama of ~1B parameters with stories260K's 512-token tokenizer (so every id decodes)."""
+# (hidden, intermediate, layers, heads, kv_heads): Llama-3.2-1B-like (22 layers as TinyLlama) and Llama-3-8B.
+SHAPES = {"1B": (2048, 5632, 22, 32, 4), "8B": (4096, 14336, 32, 32, 8)}
+BATCH64_BEFORE = 18685.0  # tokens/s of the 1B shape at batch 64 with graphs, the first H200 run
+
+
+def make_random_llama(stories: Path, folder: Path, shape: str = "1B") -> tuple[Path, int]:
+    """A random Llama of the given shape with stories260K's 512-token tokenizer (so every id decodes);
+    returns its folder and its parameter count."""
     import transformers
 
+    hidden, intermediate, layers, heads, kv_heads = SHAPES[shape]
     config = transformers.LlamaConfig(
         vocab_size=512,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
         bos_token_id=1,
         eos_token_id=2,
@@ -65,8 +72,21 @@ def make_random_llama_1b(stories: Path, folder: Path) -> Path:
     params = sum(p.numel() for p in model.parameters())
     del model
     torch.cuda.empty_cache()
-    print(f"random Llama: {params / 1e9:.2f} B parameters in {folder}")
-    return folder
+    print(f"random Llama {shape}: {params / 1e9:.2f} B parameters in {folder}")
+    return folder, params
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (the weight-streaming ceiling)."""
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (time.perf_counter() - start)
 
 
 def engine(
@@ -122,7 +142,7 @@ def parity(name: str, folder: Path, max_tokens: int) -> dict:
     return result
 
 
-def throughput(folder: Path) -> dict:
+def throughput(folder: Path, label: str = "1B") -> dict:
     figures = {}
     for batch, max_tokens in ((1, 128), (64, 64)):
         prompts = [[1, 5 + i, 17, 300, 42, 7, 99, 250] for i in range(batch)]
@@ -133,7 +153,7 @@ def throughput(folder: Path) -> dict:
             rate = sum(len(t) for t in out) / seconds
             key = f"batch {batch}, {'eager' if eager else 'CUDA graphs'}"
             figures[key] = round(rate, 1)
-            print(f"decode, 1B random Llama bf16, {key}: {rate:,.0f} tokens/s ({seconds:.2f} s)")
+            print(f"decode, {label} random Llama bf16, {key}: {rate:,.0f} tokens/s ({seconds:.2f} s)")
     return figures
 
 
@@ -185,14 +205,39 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stories")
     parser.add_argument("--out", help="write the figures as JSON here")
+    parser.add_argument(
+        "--with-8b", action="store_true", help="also decode an 8B-shape model (~16 GB, minutes)"
+    )
     args = parser.parse_args()
     stories = find_stories(args.stories)
     report = {"parity": [parity("stories260K", stories, 62)], "structured": structured_parity(stories)}
     report["workers"] = workers_parity(stories, 62)
+    ceiling = copy_bandwidth()
+    print(f"device-to-device copy: {ceiling / 1e12:.2f} TB/s")
+    goals = []
     with tempfile.TemporaryDirectory() as tmp:
-        big = make_random_llama_1b(stories, Path(tmp))
+        big, params = make_random_llama(stories, Path(tmp))
         report["parity"].append(parity("random-llama-1B", big, 12))
-        report["decode_tokens_per_s"] = throughput(big)
+        report["decode_tokens_per_s"] = figures = throughput(big)
+    one = figures["batch 1, CUDA graphs"] * 2 * params / ceiling  # weight bytes streamed per token
+    goals.append(("1B batch 1, graphs", f"{one:.2f} of copy in weight bytes/s", ">= 0.50", one >= 0.5))
+    many = figures["batch 64, CUDA graphs"] / BATCH64_BEFORE
+    goals.append(
+        ("1B batch 64, graphs", f"{many:.2f}x the first run's {BATCH64_BEFORE:,.0f}", ">= 1.50x", many >= 1.5)
+    )
+    if args.with_8b:
+        with tempfile.TemporaryDirectory() as tmp:
+            big, params = make_random_llama(stories, Path(tmp), "8B")
+            report["decode_tokens_per_s_8b"] = figures = throughput(big, "8B")
+        one = figures["batch 1, CUDA graphs"] * 2 * params / ceiling
+        goals.append(("8B batch 1, graphs", f"{one:.2f} of copy in weight bytes/s", "reported", True))
+    parity_ok = all(r.get(k) == "equal" for r in report["parity"] for k in ("eager", "graphs"))
+    goals.append(
+        ("greedy parity cpu vs cuda (eager, graphs)", "equal" if parity_ok else "DIFFER", "equal", parity_ok)
+    )
+    print("\n| figure | value | goal | met |\n|---|---|---|---|")
+    for figure, value, goal, met in goals:
+        print(f"| {figure} | {value} | {goal} | {'yes' if met else 'NO'} |")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
 

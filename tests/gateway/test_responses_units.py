@@ -209,3 +209,14 @@ def test_store_flags_and_their_environment_variables():
     ):
         with pytest.raises(ConfigError, match=message):
             config_from_args(["--engine", "e:1", *argv], {})
+
+
+def test_reasoning_tokens_of_a_message_that_also_starts_the_answer_are_its_reasoning_share():
+    from conduit_gateway.handlers.responses import reasoning_share
+    from conduit_gateway.parsers.chat_output import OutputDelta
+
+    assert reasoning_share(OutputDelta(reasoning="abc"), 3) == 3
+    assert reasoning_share(OutputDelta(content="abc"), 3) == 0
+    # Several tokens in one message, the reasoning's end and the answer's start: a share by characters.
+    assert reasoning_share(OutputDelta(reasoning="Hello", content=" Tom went"), 6) == 2
+    assert reasoning_share(OutputDelta(reasoning="a", content="b" * 100), 4) == 1

@@ -30,7 +30,7 @@ from conduit_gateway.handlers.sampling import sampling_params
 from conduit_gateway.handlers.streams import EngineStream, close_all, read_messages
 from conduit_gateway.http.sse import EventStreamResponse
 from conduit_gateway.keys.keys_file import ApiKey
-from conduit_gateway.parsers.chat_output import ChatOutputParser
+from conduit_gateway.parsers.chat_output import ChatOutputParser, OutputDelta
 from conduit_gateway.parsers.reasoning import reasoning_parser_class
 from conduit_gateway.parsers.tool_calls import ToolCallParser, tool_call_parser_class
 from conduit_gateway.parsers.tool_calls.forced import ForcedToolCallParser
@@ -448,8 +448,7 @@ class ResponsesHandler(GenerationHandler):
                     if message.text:
                         choice.texts.append(message.text)
                         delta = choice.output.feed(message.text)
-                        if delta.reasoning and not delta.content and not delta.tool_calls:
-                            self.reasoning_tokens += len(message.token_ids)
+                        self.reasoning_tokens += reasoning_share(delta, len(message.token_ids))
                         logprobs = _logprob_entries(message.logprobs) if self._wants_logprobs else []
                         batch = writer.feed(delta, logprobs)
                     if message.finished:
@@ -637,3 +636,18 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
             raise invalid_param("metadata", f"keys are at most 64 characters, got {len(key)}")
         if len(value) > 512:
             raise invalid_param("metadata", f"values are at most 512 characters (key {key!r})")
+
+
+def reasoning_share(delta: OutputDelta, tokens: int) -> int:
+    """Reasoning tokens of one engine message: all of them when its text is reasoning only; when one
+    message carries the end of the reasoning and the answer's start (the engine sends several tokens at
+    once when the reader lags), the reasoning's share by characters, at least one token."""
+    if not delta.reasoning or tokens == 0:
+        return 0
+    rest = len(delta.content) + sum(
+        len(call.arguments or "") + len(call.name or "") for call in delta.tool_calls
+    )
+    if rest == 0:
+        return tokens
+    share = round(tokens * len(delta.reasoning) / (len(delta.reasoning) + rest))
+    return min(tokens, max(1, share))
