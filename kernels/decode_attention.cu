@@ -1,5 +1,5 @@
 // Paged decode attention: one query token per sequence over its paged KV cache, grouped-query
-// attention, split-K over the context with a separate reduction kernel. Softmax is online, in float32.
+// attention, split-K over the context, combined by the last partition to finish. Softmax is online, in float32.
 //
 // Layout: q [num_seqs, num_heads, head_dim] (unit stride inside a token, `q_token_stride` between tokens);
 // k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim] contiguous; block_tables
@@ -22,9 +22,10 @@
 // and each keeps an online softmax and output accumulator for its own dimensions, in registers. At the
 // end the 32 / L rows of a warp merge by shuffles and the warps through shared memory. With num_partitions
 // == 1 the block writes `out` directly; otherwise it writes the normalised partial output, its running max
-// and its sum to the float32 partial_* buffers ([num_seqs, num_heads, num_partitions(, head_dim)]) and
-// paged_decode_reduce_kernel (grid (num_seqs, num_heads), any block size) combines them. Partitions past a
-// sequence's end exit at once, so the grid may be sized for the longest possible context (what CUDA graph
+// and its sum to the float32 partial_* buffers ([num_seqs, num_heads, num_partitions(, head_dim)]), counts
+// itself in split_counters[seq, kv_head] (int32, zero between launches), and the last of the sequence's
+// partitions to finish combines them into `out` and resets the counter. Partitions past a sequence's end
+// exit at once (uncounted), so the grid may be sized for the longest possible context (what CUDA graph
 // capture needs).
 // Dynamic shared memory: decode_shared_bytes() in services/engine/src/conduit_engine/ops/cuda_ops.py.
 // Limits: block_size a power of two (passed as log2), head_dim a multiple of 16 / sizeof(T) and at most
@@ -46,7 +47,8 @@ __device__ __forceinline__ void merge_scale(float m1, float m2, float& a1, float
 template <typename T, int CHUNKS, int GROUP>
 __global__ void paged_decode_attention_kernel(T* __restrict__ out, long long out_token_stride,
                                               float* __restrict__ partial_out, float* __restrict__ partial_max,
-                                              float* __restrict__ partial_sum, const T* __restrict__ q,
+                                              float* __restrict__ partial_sum, int* __restrict__ split_counters,
+                                              const T* __restrict__ q,
                                               long long q_token_stride, const T* __restrict__ k_cache,
                                               const T* __restrict__ v_cache, const int* __restrict__ block_tables,
                                               int block_table_stride, const int* __restrict__ seq_lens,
@@ -69,17 +71,7 @@ __global__ void paged_decode_attention_kernel(T* __restrict__ out, long long out
   const int seq_len = seq_lens[seq];
   const int first = visible_start(seq_len, sliding_window);
   const int start = first + part * partition_size;
-  if (start >= seq_len) {
-    // Nothing to attend to: leave an empty partial (weight 0) for the reduction. Uniform per block.
-    if (num_parts > 1) {
-      for (int g = tid; g < G; g += blockDim.x) {
-        const long long idx = (static_cast<long long>(seq) * num_heads + kv_head * G + g) * num_parts + part;
-        partial_max[idx] = neg_inf();
-        partial_sum[idx] = 0.0f;
-      }
-    }
-    return;
-  }
+  if (start >= seq_len) return;  // past the sequence's end: nothing to attend to, not counted
   const int end = min(start + partition_size, seq_len);
   const int row_chunks = D / V;
   int lanes = 1;  // L: lanes per row
@@ -241,35 +233,34 @@ __global__ void paged_decode_attention_kernel(T* __restrict__ out, long long out
     }
     __syncthreads();  // before the next head chunk reuses the buffers
   }
-}
+  if (num_parts == 1) return;
 
-// Combine split-K partials: out = sum_p w_p * o_p / sum_p w_p with w_p = sum_p * exp(max_p - max).
-// Grid: (num_seqs, num_heads). Block: any size; threads stride over head_dim.
-template <typename T>
-__global__ void paged_decode_reduce_kernel(T* __restrict__ out, long long out_token_stride,
-                                           const float* __restrict__ partial_out,
-                                           const float* __restrict__ partial_max,
-                                           const float* __restrict__ partial_sum, const int* __restrict__ seq_lens,
-                                           int head_dim, int num_partitions, int partition_size,
-                                           int sliding_window) {
-  using namespace conduit;
-  const int seq = blockIdx.x;
-  const int head = blockIdx.y;
-  const int num_heads = gridDim.y;
-  const int visible = seq_lens[seq] - visible_start(seq_lens[seq], sliding_window);
-  const int used = min(num_partitions, (visible + partition_size - 1) / partition_size);
-  const long long base = (static_cast<long long>(seq) * num_heads + head) * num_partitions;
-  float global_max = neg_inf();
-  for (int p = 0; p < used; ++p) global_max = fmaxf(global_max, partial_max[base + p]);
-  float total = 0.0f;
-  for (int p = 0; p < used; ++p) total += partial_sum[base + p] * expf(partial_max[base + p] - global_max);
-  const float inv_total = 1.0f / total;
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+  // Split-K: the last partition of (seq, kv_head) to finish combines them all, so no second launch.
+  __shared__ int s_last;
+  __threadfence();  // this block's partials are visible to the block that combines them
+  __syncthreads();
+  const int used = min(num_parts, (seq_len - first + partition_size - 1) / partition_size);
+  if (tid == 0) {
+    int* counter = split_counters + static_cast<long long>(seq) * num_kv_heads + kv_head;
+    s_last = atomicAdd(counter, 1) == used - 1;
+    if (s_last) *counter = 0;  // ready for the next launch (CUDA graph replays)
+  }
+  __syncthreads();
+  if (!s_last) return;  // uniform per block
+  __threadfence();
+  for (int e = tid; e < G * D; e += blockDim.x) {
+    const int g = e / D;
+    const int d = e - g * D;
+    const long long base = (static_cast<long long>(seq) * num_heads + kv_head * G + g) * num_parts;
+    float best = neg_inf();
+    for (int p = 0; p < used; ++p) best = fmaxf(best, partial_max[base + p]);
+    float total = 0.0f;
     float o = 0.0f;
     for (int p = 0; p < used; ++p) {
-      const float w = partial_sum[base + p] * expf(partial_max[base + p] - global_max);
-      o += w * partial_out[(base + p) * head_dim + d];
+      const float w = partial_sum[base + p] * __expf(partial_max[base + p] - best);
+      total += w;
+      o += w * partial_out[(base + p) * D + d];
     }
-    out[seq * out_token_stride + head * head_dim + d] = from_float<T>(o * inv_total);
+    out[seq * out_token_stride + (kv_head * G + g) * D + d] = from_float<T>(o / total);
   }
 }

@@ -109,8 +109,9 @@ def test_padded_decode_attention_matches_unpadded_rows(launcher):
     q_padded = torch.cat([q, torch.randn(5, 8, 64, generator=gen).half()])
     got = ops.attention(q_padded, batch.k_cache, batch.v_cache, step(ops, inputs.metadata(8)), 0.125)
     assert torch.equal(got[:3], want)
-    # the captured grid covers 160 tokens: 5 partitions of 32, the reduction kernel included
+    # the captured grid covers 160 tokens: 5 partitions of 32, combined in the same launch
     assert [k.name.split("<")[0] for k in launcher.launches][-2:] == [
         "paged_decode_attention_kernel",
-        "paged_decode_reduce_kernel",
+        "paged_decode_attention_kernel",
     ]
+    assert launcher.grids[-1] == (8, batch.k_cache.shape[2], 5)

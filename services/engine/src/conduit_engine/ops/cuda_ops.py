@@ -169,7 +169,8 @@ class CudaOps(Ops):
     """`Ops` on the kernels in kernels/; `launcher` defaults to CuPy on the current CUDA device.
 
     decode_partition_size: context tokens per split-K partition of decode attention (a multiple of
-    decode_threads); contexts longer than one partition are split across thread blocks and reduced.
+    decode_threads); contexts longer than one partition are split across thread blocks, which the last
+    of them to finish combines.
     None (the default) chooses it per call from sequences x KV heads against the SM count
     (auto_decode_partition); under CUDA graph capture that is once per captured batch size.
     check_calls: check every call's arguments (see cuda_checks); step inputs and caches are checked
@@ -216,6 +217,9 @@ class CudaOps(Ops):
         )
         # (cache addresses, device table of them) of the last KV transfer: one engine has one cache.
         self._kv_pointers: tuple[tuple[object, ...], torch.Tensor] | None = None
+        # Split-K decode's arrival counters (zero between launches: the combining block resets its own).
+        self._counters: torch.Tensor | None = None
+        self._retired: list[torch.Tensor] = []
 
     def _launch(
         self,
@@ -507,6 +511,7 @@ class CudaOps(Ops):
                 partial_out,
                 partial_max,
                 partial_sum,
+                self._split_counters(num_seqs * num_kv_heads, q.device) if partitions > 1 else None,
                 q,
                 np.int64(q.stride(0)),
                 k_cache,
@@ -526,41 +531,15 @@ class CudaOps(Ops):
             ],
             decode_shared_bytes(group, head_dim, threads, q.element_size()),
         )
-        if partitions > 1:
-            self._decode_reduce(
-                out, partial_out, partial_max, partial_sum, meta.seq_lens, partitions, partition_size, window
-            )
 
-    def _decode_reduce(
-        self,
-        out: torch.Tensor,
-        partial_out: torch.Tensor,
-        partial_max: torch.Tensor,
-        partial_sum: torch.Tensor,
-        seq_lens: torch.Tensor,
-        partitions: int,
-        partition_size: int,
-        window: int,
-    ) -> None:
-        """Combine the split-K partitions of decode attention into `out`."""
-        num_seqs, num_heads, _, head_dim = partial_out.shape
-        self._launch(
-            kl.decode_reduce_kernel(out.dtype),
-            (num_seqs, num_heads, 1),
-            (_threads_for(head_dim), 1, 1),
-            [
-                out,
-                np.int64(out.stride(0)),
-                partial_out,
-                partial_max,
-                partial_sum,
-                seq_lens,
-                np.int32(head_dim),
-                np.int32(partitions),
-                np.int32(partition_size),
-                np.int32(window),
-            ],
-        )
+    def _split_counters(self, needed: int, device: torch.device) -> torch.Tensor:
+        """At least `needed` int32 zeros that outlive the launch (and any CUDA graph that records it):
+        allocated once, with room to spare, and grown only when a larger batch needs more."""
+        if self._counters is None or self._counters.numel() < needed or self._counters.device != device:
+            if self._counters is not None:
+                self._retired.append(self._counters)  # a captured graph may still point at it
+            self._counters = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
+        return self._counters
 
     def _prefill_attention(self, a: _PagedAttention) -> None:
         out, q, k_cache, v_cache, meta, scale, num_kv_heads, group, log2_block, window, softcap = a

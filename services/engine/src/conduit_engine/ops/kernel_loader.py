@@ -133,10 +133,6 @@ def decode_attention_kernel(dtype: torch.dtype, chunks: int = 1, group: int = 8)
     return KernelRef("decode_attention.cu", name)
 
 
-def decode_reduce_kernel(dtype: torch.dtype) -> KernelRef:
-    return KernelRef("decode_attention.cu", f"paged_decode_reduce_kernel<{ctype(dtype)}>")
-
-
 def prefill_attention_kernel(dtype: torch.dtype, head_dim: int) -> KernelRef:
     return KernelRef("prefill_attention.cu", f"paged_prefill_attention_kernel<{ctype(dtype)}, {head_dim}>")
 
@@ -172,7 +168,6 @@ def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int])
             gelu_tanh_and_mul_kernel(dtype),
             write_kv_kernel(dtype),
             *(decode_attention_kernel(dtype, chunks, group) for chunks, group in DECODE_VARIANTS),
-            decode_reduce_kernel(dtype),
             gather_kv_blocks_kernel(dtype),
             scatter_kv_blocks_kernel(dtype),
         ]
