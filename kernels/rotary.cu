@@ -11,6 +11,17 @@
 // Limits: head_dim even; positions must be < max_positions (checked by the wrapper on the host).
 #include "common.cuh"
 
+namespace conduit {
+// One rotate-half pair of a head: reads src[i], src[i + half], writes the rotated values to dst (may be src).
+template <typename T>
+__device__ __forceinline__ void rotate_pair(const T* src, T* dst, int i, int half, float c, float s) {
+  const float x1 = to_float(src[i]);
+  const float x2 = to_float(src[i + half]);
+  dst[i] = from_float<T>(x1 * c - x2 * s);
+  dst[i + half] = from_float<T>(x2 * c + x1 * s);
+}
+}  // namespace conduit
+
 template <typename T>
 __global__ void rotary_embedding_kernel(T* q, T* k, const long long* __restrict__ positions,
                                         const float* __restrict__ cos_sin_cache, int num_q_heads,
@@ -36,12 +47,7 @@ __global__ void rotary_embedding_kernel(T* q, T* k, const long long* __restrict_
     const int head = pair / half;
     const int i = pair - head * half;
     T* x = base + head * head_dim;
-    const float c = cos_row[i];
-    const float s = sin_row[i];
-    const float x1 = to_float(x[i]);
-    const float x2 = to_float(x[i + half]);
-    x[i] = from_float<T>(x1 * c - x2 * s);
-    x[i + half] = from_float<T>(x2 * c + x1 * s);
+    rotate_pair(x, x, i, half, cos_row[i], sin_row[i]);
   }
 }
 
@@ -74,12 +80,7 @@ __global__ void rotary_write_kv_kernel(T* q, const T* __restrict__ k, const T* _
     const int i = pair - head * half;
     const T* src = (is_q ? q + token * q_token_stride : k + token * k_token_stride) + head * head_dim;
     T* dst = is_q ? q + token * q_token_stride + head * head_dim : k_cache + slot * row_elems + head * head_dim;
-    const float c = cos_row[i];
-    const float s = sin_row[i];
-    const float x1 = to_float(src[i]);
-    const float x2 = to_float(src[i + half]);
-    dst[i] = from_float<T>(x1 * c - x2 * s);
-    dst[i + half] = from_float<T>(x2 * c + x1 * s);
+    rotate_pair(src, dst, i, half, cos_row[i], sin_row[i]);
   }
   if (slot < 0) return;
   const T* v_src = v + token * v_token_stride;

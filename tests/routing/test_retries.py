@@ -77,14 +77,18 @@ def test_no_retry_when_retries_is_zero(fakes, make_gateway):
     assert _requests(fakes) == [1, 0, 0]
 
 
-def test_failure_after_the_first_token_is_never_retried(fakes, make_gateway):
-    # Migration off: the stream is not retried from the start, it ends with an error event.
-    gateway = make_gateway([fake.address for fake in fakes], migration_limit=0)
+def _stream_broken_after_one_token(fakes, gateway):
     fakes[0].script.error_after = 1
     fakes[0].script.error_code = grpc.StatusCode.UNAVAILABLE
     fakes[0].script.error_message = "engine went away"
     with httpx.Client(base_url=gateway.url, timeout=30) as http:
-        response, events = post_stream(http, "/v1/completions", {**BODY, "max_tokens": 4, "stream": True})
+        return post_stream(http, "/v1/completions", {**BODY, "max_tokens": 4, "stream": True})
+
+
+def test_failure_after_the_first_token_is_never_retried(fakes, make_gateway):
+    # Migration off: the stream is not retried from the start, it ends with an error event.
+    gateway = make_gateway([fake.address for fake in fakes], migration_limit=0)
+    response, events = _stream_broken_after_one_token(fakes, gateway)
     assert response.status_code == 200
     assert [event["choices"][0]["text"] for event in events[:-2]] == ["Once"]
     assert events[-2]["error"]["code"] == "engine_unavailable" and events[-1] == "[DONE]"
@@ -95,11 +99,7 @@ def test_failure_after_the_first_token_is_never_retried(fakes, make_gateway):
 
 def test_with_migration_a_broken_stream_continues_on_another_engine_where_it_stopped(fakes, make_gateway):
     gateway = make_gateway([fake.address for fake in fakes], routing="round_robin")
-    fakes[0].script.error_after = 1
-    fakes[0].script.error_code = grpc.StatusCode.UNAVAILABLE
-    fakes[0].script.error_message = "engine went away"
-    with httpx.Client(base_url=gateway.url, timeout=30) as http:
-        response, events = post_stream(http, "/v1/completions", {**BODY, "max_tokens": 4, "stream": True})
+    response, events = _stream_broken_after_one_token(fakes, gateway)
     assert response.status_code == 200
     # Nothing repeated, nothing lost: the other engine was asked to continue after the one token sent.
     texts = [event["choices"][0]["text"] for event in events[:-1]]
