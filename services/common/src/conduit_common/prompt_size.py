@@ -1,0 +1,49 @@
+"""The cheap size test both sides make before a prompt is tokenized.
+
+An engine whose tokenizer allows it publishes a byte bound (GetModelInfo.max_prompt_bytes): no token
+covers more than L bytes of the normalized text, so a text whose counted bytes exceed context × L can
+never fit the context. `uncounted` are the characters the tokenizer's normalizer may remove (e.g. runs of
+spaces it collapses): they are not counted, so the test never refuses a text that could fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def counted_bytes(text: str, uncounted: str = "") -> int:
+    """UTF-8 bytes of `text` minus those of the `uncounted` characters in it (linear, no copy per char)."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    for char in uncounted:
+        size -= text.count(char) * len(char.encode("utf-8", "surrogatepass"))
+    return size
+
+
+def over_bound(texts: Iterable[str], max_bytes: int, uncounted: str = "") -> int | None:
+    """The counted bytes of `texts` together when they exceed `max_bytes` (0: no bound), else None."""
+    if max_bytes <= 0:
+        return None
+    total = sum(counted_bytes(text, uncounted) for text in texts)
+    return total if total > max_bytes else None
+
+
+def too_long_message(size: int, max_bytes: int, max_model_len: int) -> str:
+    """The reason both sides give (after the field name) for a prompt over the bound."""
+    return (
+        f"prompt is {size} bytes of text, more than the {max_bytes} bytes the model's context of "
+        f"{max_model_len} tokens can hold"
+    )
+
+
+def context_message(prompt_len: int, max_model_len: int) -> str:
+    """The reason both sides give for a prompt of too many tokens."""
+    return (
+        f"prompt has {prompt_len} tokens; the model's context is {max_model_len} "
+        "tokens and at least one must remain for the completion"
+    )
+
+
+def is_too_long(details: str) -> bool:
+    """Whether an engine's INVALID_ARGUMENT message (after "field: ") says the prompt cannot fit."""
+    reason = details.partition(": ")[2]
+    return reason.startswith("prompt is ") and "bytes the model's context" in reason
