@@ -1,9 +1,8 @@
 """The cheap size test both sides make before a prompt is tokenized.
 
 An engine whose tokenizer allows it publishes a byte bound (GetModelInfo.max_prompt_bytes): no token
-covers more than L bytes of the normalized text, so a text whose counted bytes exceed context × L can
-never fit the context. `uncounted` are the characters the tokenizer's normalizer may remove (e.g. runs of
-spaces it collapses): they are not counted, so the test never refuses a text that could fit.
+covers more than L bytes of text, so a text of more than context × L UTF-8 bytes can never fit the
+context, and is refused without being tokenized.
 """
 
 from __future__ import annotations
@@ -11,19 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-def counted_bytes(text: str, uncounted: str = "") -> int:
-    """UTF-8 bytes of `text` minus those of the `uncounted` characters in it (linear, no copy per char)."""
-    size = len(text.encode("utf-8", "surrogatepass"))
-    for char in uncounted:
-        size -= text.count(char) * len(char.encode("utf-8", "surrogatepass"))
-    return size
-
-
-def over_bound(texts: Iterable[str], max_bytes: int, uncounted: str = "") -> int | None:
-    """The counted bytes of `texts` together when they exceed `max_bytes` (0: no bound), else None."""
+def over_bound(texts: Iterable[str], max_bytes: int) -> int | None:
+    """The UTF-8 bytes of `texts` together when they exceed `max_bytes` (0: no bound), else None."""
     if max_bytes <= 0:
         return None
-    total = sum(counted_bytes(text, uncounted) for text in texts)
+    total = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
     return total if total > max_bytes else None
 
 

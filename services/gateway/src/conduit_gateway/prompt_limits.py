@@ -1,7 +1,7 @@
 """Prompts that cannot fit the context, refused before any engine tokenizes them, and the body limit.
 
 Engines publish a byte bound (GetModelInfo.max_prompt_bytes: text over it needs more tokens than the
-context holds) and the characters it does not count. For a model, the loosest of its engines decides, so
+context holds). For a model, the loosest of its engines decides, so
 nothing is refused here that one of them could serve; an engine without a bound (0) turns the check off.
 Chat messages count their contents (what every chat template renders); the engine then checks the
 rendered text. Token arrays are checked against max_model_len, as the engine does.
@@ -48,11 +48,10 @@ class PromptLimit:
     """The loosest bound among the engines of a model."""
 
     max_bytes: int
-    uncounted: str
     max_model_len: int
 
     def check_texts(self, param: str, texts: Iterable[str]) -> None:
-        size = over_bound(texts, self.max_bytes, self.uncounted)
+        size = over_bound(texts, self.max_bytes)
         if size is not None:
             raise invalid_param(param, too_long_message(size, self.max_bytes, self.max_model_len))
 
@@ -81,7 +80,6 @@ def prompt_limit(pool: EnginePool, model: str) -> PromptLimit | None:
         return None
     return PromptLimit(
         max_bytes=max(info.max_prompt_bytes for info in infos),
-        uncounted="".join(sorted({char for info in infos for char in info.prompt_uncounted_chars})),
         max_model_len=max(info.max_model_len for info in infos),
     )
 

@@ -295,7 +295,6 @@ class EngineServicer(pb_grpc.EngineServicer):
             kv_layout=layout_to_pb(core.kv_layout),
             advertise_address=self.advertise_address,
             max_prompt_bytes=core.prompt_bound.max_bytes,
-            prompt_uncounted_chars=core.prompt_bound.uncounted,
         )
 
     async def GetLoad(

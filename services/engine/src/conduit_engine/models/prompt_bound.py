@@ -4,8 +4,11 @@ refused before it is tokenized (tokenizing megabytes costs seconds and gigabytes
 No token covers more than L bytes of the normalized text, L being the longest vocabulary entry in UTF-8
 (a byte-fallback token covers one byte, a byte-level token's text is longer than its bytes, an unknown
 character is at most 4 bytes). The normalizer may only add text (Prepend, Replace by something as long)
-or remove the characters listed in `uncounted` (a Replace of a run of spaces): so a text whose bytes,
-those characters left out, exceed max_model_len × L needs more than max_model_len tokens.
+or collapse runs of a few literal characters (`collapsed`, e.g. Llama's runs of spaces): so a text of
+more than max_model_len × L bytes needs more than max_model_len tokens, except for what the normalizer
+collapses. That text counts in full all the same: stories260K's normalizer (a regex for trailing spaces) is
+quadratic in the length of a run of spaces (37 KB of them take 24 s), so text padded with megabytes of
+collapsible spaces cannot be tokenized in bounded time either.
 
 The bound is only claimed for tokenizers whose pipeline is known to behave so (Llama's SentencePiece
 BPE, GPT-2's byte-level BPE and their kin); for any other (NFC/NFKC, whitespace-splitting pre-tokenizers,
@@ -41,12 +44,12 @@ class PromptBound:
     max_token_bytes: int
     max_model_len: int
     max_bytes: int
-    uncounted: str = ""
+    collapsed: str = ""  # characters whose runs the normalizer collapses (counted all the same)
     reason: str = ""  # why there is no bound
 
     def check(self, field: str, *texts: str) -> None:
         """Raise InvalidRequestError(field) when `texts` together cannot fit the context."""
-        size = over_bound(texts, self.max_bytes, self.uncounted)
+        size = over_bound(texts, self.max_bytes)
         if size is not None:
             raise InvalidRequestError(field, too_long_message(size, self.max_bytes, self.max_model_len))
 
@@ -60,7 +63,7 @@ class PromptBound:
     def describe(self) -> str:
         if not self.max_bytes:
             return f"no prompt byte bound ({self.reason})"
-        spaces = f", {self.uncounted!r} not counted" if self.uncounted else ""
+        spaces = f"; runs of {self.collapsed!r} count in full" if self.collapsed else ""
         return (
             f"prompts over {self.max_bytes} bytes refused before tokenizing "
             f"({self.max_model_len} tokens × {self.max_token_bytes} bytes{spaces})"
@@ -74,14 +77,14 @@ def prompt_bound(hf: Tokenizer, max_model_len: int) -> PromptBound:
     for added in spec.get("added_tokens") or ():
         longest = max(longest, len(str(added.get("content", "")).encode()))
     try:
-        uncounted = _normalizer_removes(spec.get("normalizer"))
+        collapsed = _normalizer_removes(spec.get("normalizer"))
         _check_pipeline(spec)
     except _NoBound as exc:
         return PromptBound(longest, max_model_len, 0, reason=str(exc))
     model = spec.get("model") or {}
     if model.get("unk_token") is not None and not model.get("byte_fallback"):
         longest = max(longest, 4)  # an unknown character becomes one token
-    chars = "".join(sorted(uncounted))
+    chars = "".join(sorted(collapsed))
     return PromptBound(longest, max_model_len, max_model_len * longest, chars)
 
 
