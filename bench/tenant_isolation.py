@@ -43,7 +43,7 @@ VICTIM_KEY, ATTACKER_KEY = "sk-victim-0001", "sk-attacker-0002"
 VICTIM_BODY = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
 VICTIM_TIMEOUT_S = 120.0
 VICTIM_INTERVAL_S = 0.1
-ATTACK_LIMIT_S = 240.0  # the attack phase ends by then even if an attacker is still unanswered
+ATTACK_LIMIT_S = 90.0  # no victim request is scheduled after this, even if an attacker is still unanswered
 
 
 def rss_bytes(pid: int) -> int:
@@ -78,7 +78,7 @@ def victim_latencies(
     set, none scheduled after `deadline` (a perf_counter time). Each counts from its scheduled time; one
     over VICTIM_TIMEOUT_S counts as that."""
     headers = {"Authorization": f"Bearer {VICTIM_KEY}"}
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
 
     def one(client: httpx.Client, due: float) -> float:
         try:
@@ -89,7 +89,8 @@ def victim_latencies(
 
     with (
         httpx.Client(base_url=url, headers=headers, timeout=VICTIM_TIMEOUT_S, limits=limits) as client,
-        concurrent.futures.ThreadPoolExecutor(64) as pool,
+        # A thread per request due (at most ATTACK_LIMIT_S / VICTIM_INTERVAL_S): none waits for a free one.
+        concurrent.futures.ThreadPoolExecutor(int(ATTACK_LIMIT_S / VICTIM_INTERVAL_S) + 8) as pool,
     ):
         calls: list[concurrent.futures.Future[float]] = []
         start = time.perf_counter()
