@@ -11,8 +11,9 @@ attacker has been answered at least once). A prompt that size cannot fit the con
 refusing it costs.
 
 Prints the victim's latency mean / p50 / p90 / max at idle and under attack and their ratios (goal:
-within 2×), how the attacker's prompts were answered (status, seconds), and the engine's resident memory
-before the attack, its peak during it (sampled every 10 ms) and after it (goal: growth under 100 MB).
+within 2×) and its requests not answered 200 (a timeout counts as 120 s), how the attacker's prompts
+were answered (status, seconds), and the engine's resident memory before the attack, its peak during it
+(sampled every 10 ms) and after it (goal: growth under 100 MB).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ VICTIM_KEY, ATTACKER_KEY = "sk-victim-0001", "sk-attacker-0002"
 VICTIM_BODY = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
 VICTIM_TIMEOUT_S = 120.0
 VICTIM_INTERVAL_S = 0.1
+FAILURES: Counter[str] = Counter()  # the victim's answers other than 200, by status
 ATTACK_LIMIT_S = 90.0  # no victim request is scheduled after this, even if an attacker is still unanswered
 
 
@@ -82,9 +84,11 @@ def victim_latencies(
 
     def one(client: httpx.Client, due: float) -> float:
         try:
-            client.post("/v1/completions", json={"model": model, **VICTIM_BODY}).raise_for_status()
+            status = client.post("/v1/completions", json={"model": model, **VICTIM_BODY}).status_code
         except httpx.TimeoutException:
-            print(f"a victim request timed out after {VICTIM_TIMEOUT_S:.0f} s", flush=True)
+            status = "timeout"
+        if status != 200:
+            FAILURES[str(status)] += 1
         return time.perf_counter() - due
 
     with (
@@ -155,6 +159,7 @@ def main() -> None:
         model = model["data"][0]["id"]
         victim_latencies(gateway.url, model, 5)  # warm the path
         idle = victim_latencies(gateway.url, model, args.requests)
+        FAILURES.clear()
 
         pid = engine.process.pid
         before = rss_bytes(pid)
@@ -201,6 +206,7 @@ def main() -> None:
             gateway.stop()
         engine.stop()
 
+    failed = dict(FAILURES)
     ratio = statistics.median(attacked) / statistics.median(idle)
     tail = p90(attacked) / p90(idle)
     mean = statistics.mean(attacked) / statistics.mean(idle)
@@ -208,7 +214,7 @@ def main() -> None:
     outcomes = Counter(status for status, _ in log)
     refuse = [seconds for _, seconds in log] or [float("nan")]
     print(f"victim at idle:        {describe(idle)}")
-    print(f"victim under attack:   {describe(attacked)}")
+    print(f"victim under attack:   {describe(attacked)}; not answered 200: {failed or 'none'}")
     print(f"ratio under attack:    mean {mean:.2f}x, p50 {ratio:.2f}x, p90 {tail:.2f}x (goal: within 2x)")
     print(
         f"attacker:              {len(log)} prompts of {args.prompt_bytes} bytes ({args.attackers} at once, "
