@@ -11,7 +11,7 @@ attacker has been answered at least once). A prompt that size cannot fit the con
 refusing it costs.
 
 Prints the victim's latency mean / p50 / p90 / max at idle and under attack and their ratios (goal:
-within 2×) and its requests not answered 200 (a timeout counts as 120 s), how the attacker's prompts
+within 2×) and its requests not answered 200 (each gives up after 120 s), how the attacker's prompts
 were answered (status, seconds), and the engine's resident memory before the attack, its peak during it
 (sampled every 10 ms) and after it (goal: growth under 100 MB).
 """
