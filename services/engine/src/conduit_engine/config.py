@@ -98,9 +98,14 @@ class SchedulerConfig:
     # and how long they may take together.
     max_decode_steps: int = 8
     decode_burst_ms: float = 5.0
+    # Threads that tokenize prompts and render chat templates, off the step loop.
+    tokenizer_threads: int = 2
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.tokenizer_threads >= 1, f"--tokenizer-threads must be >= 1, got {self.tokenizer_threads}"
+        )
         _require(self.max_decode_steps >= 1, f"--max-decode-steps must be >= 1, got {self.max_decode_steps}")
         _require(self.decode_burst_ms > 0, f"--decode-burst-ms must be > 0, got {self.decode_burst_ms}")
         _require(

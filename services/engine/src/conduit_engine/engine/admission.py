@@ -1,5 +1,9 @@
 """Admission: every check a request must pass before it is queued, each made once, when it arrives.
 
+Prompt text is measured before it is tokenized (models/prompt_bound.py): a text that cannot fit the
+context is refused at once, whatever its size. `prompt_token_ids` (the tokenization) is thread-safe:
+AsyncEngine runs it in its tokenizer pool, off the step loop, and hands the ids to `admit`.
+
 After admission nothing a request carries can fail a step: the prompt and every token id the request
 names lie inside the model's vocabulary, max_tokens has its resolved value, and prompt + max_tokens fit
 the context and the cache. Each failure raises an EngineError subclass whose message names the field.
@@ -15,11 +19,13 @@ import dataclasses
 from collections.abc import Container
 from dataclasses import dataclass
 
+from conduit_common.prompt_size import context_message
 from conduit_engine.config import SchedulerConfig
 from conduit_engine.core.scheduler import Scheduler
 from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.errors import DuplicateRequestError, InvalidRequestError, QueueFullError
 from conduit_engine.models.generation_defaults import GenerationDefaults
+from conduit_engine.models.prompt_bound import PromptBound
 from conduit_engine.models.tokenizer import ModelTokenizer
 from conduit_engine.sampling_params import SamplingParams
 
@@ -55,8 +61,10 @@ class Admission:
         scheduler: Scheduler,
         config: SchedulerConfig,
         defaults: GenerationDefaults | None = None,
+        bound: PromptBound | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.bound = bound or PromptBound(1, limits.max_model_len, 0, reason="none given")
         self.defaults = defaults or GenerationDefaults()
         self.limits = limits
         self.scheduler = scheduler
@@ -76,12 +84,17 @@ class Admission:
             return limits.max_model_len
         return min(limits.max_model_len, limits.num_blocks * limits.block_size)
 
-    def admit(self, req: GenerationRequest, live_request_ids: Container[str]) -> AdmittedRequest:
-        """Validate `req`; raises InvalidRequestError, DuplicateRequestError or QueueFullError."""
+    def admit(
+        self, req: GenerationRequest, live_request_ids: Container[str], prompt: list[int] | None = None
+    ) -> AdmittedRequest:
+        """Validate `req`; raises InvalidRequestError, DuplicateRequestError or QueueFullError.
+
+        `prompt`: the ids `prompt_token_ids(req)` gave, when the caller tokenized off the step loop."""
         if req.request_id in live_request_ids:
             raise DuplicateRequestError("request_id", f"request {req.request_id!r} is already running")
         req.params.validate(vocab_size=self.limits.vocab_size)
-        prompt = self.prompt_token_ids(req)
+        if prompt is None:
+            prompt = self.prompt_token_ids(req)
         params = req.params.with_defaults(self.defaults.sampling)
         max_tokens = params.max_tokens
         if max_tokens is None:
@@ -100,21 +113,28 @@ class Admission:
         return left if is_chat else DEFAULT_MAX_TOKENS
 
     def prompt_token_ids(self, req: GenerationRequest) -> list[int]:
-        """Tokenize the one input of `req` and check every id against the model's vocabulary."""
+        """Tokenize the one input of `req` (text over the byte bound is refused first, untokenized) and
+        check every id against the model's vocabulary."""
         given = [name for name in ("text", "token_ids", "messages") if getattr(req, name) is not None]
         if len(given) != 1:
             raise InvalidRequestError("input", "exactly one of text, token_ids or messages is required")
         if req.text is not None:
             field = "text"
+            self.bound.check("prompt", req.text)
             ids = self.tokenizer.encode(req.text) if req.text else []
         elif req.messages is not None:
             field = "messages"
-            ids = self.tokenizer.encode_chat(
+            text = self.tokenizer.render_chat(
                 req.messages, req.add_generation_prompt, req.tools, req.documents
             )
+            self.bound.check("prompt", text)
+            # As transformers' apply_chat_template: the template places special tokens itself.
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
             field = "token_ids"
             ids = list(req.token_ids or [])
+            if len(ids) >= self.limits.max_model_len:
+                self._check_fits(len(ids), 0)  # the context error, before any id is looked at
         if not ids:
             raise InvalidRequestError(field, "prompt must not be empty")
         vocab = self.limits.vocab_size
@@ -127,11 +147,7 @@ class Admission:
     def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
         limits = self.limits
         if prompt_len >= limits.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"prompt has {prompt_len} tokens; the model's context is {limits.max_model_len} "
-                "tokens and at least one must remain for the completion",
-            )
+            raise InvalidRequestError("prompt", context_message(prompt_len, limits.max_model_len))
         total = prompt_len + max_tokens
         if total > limits.max_model_len:
             raise InvalidRequestError(

@@ -5,6 +5,10 @@ synchronous engine is only ever touched by one thread. Outputs cross back in one
 reader that falls behind gets the outputs waiting for it merged into one per choice (as vLLM's output
 collector does), so a slow consumer costs one message per read, not one per token.
 
+Prompts are tokenized (and chat templates rendered) in a small thread pool, never on the loop thread:
+a long prompt delays neither another request's admission nor the running streams. The byte bound of
+admission refuses a text too long for the context before it reaches the pool.
+
 The decode side of a disaggregated request pulls its prompt's KV on the event loop (a task per pull,
 through `KvPuller`) between its admission and its first step; the engine thread is told when the pull
 ended. Aborting such a request cancels its pull; the engine frees the pull's blocks only once the pull
@@ -24,7 +28,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from conduit_common.engine_dialer import PLAINTEXT, EngineDialer
 from conduit_engine.engine.llm_engine import EngineStats, LLMEngine
@@ -37,6 +41,7 @@ from conduit_engine.kv_transfer.transport import KvPullResult
 from conduit_engine.telemetry.tracing import end_kv_transfer, kv_transfer_span, span_metadata
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -71,6 +76,9 @@ class AsyncEngine:
         # Outputs delivered to each event loop and not yet flushed into its streams' queues.
         self._pending: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         self._stopping = False
+        self._tokenizers = concurrent.futures.ThreadPoolExecutor(
+            core.config.scheduler.tokenizer_threads, thread_name_prefix="conduit-tokenize"
+        )
         self._thread = threading.Thread(target=self._run, name="conduit-engine-loop", daemon=True)
         self._draining = False
         core.on_executor_failure(self._wakeup.set)  # a worker dying while idle wakes the loop
@@ -122,7 +130,7 @@ class AsyncEngine:
                 if self.failure is not None:
                     raise EngineUnavailableError(f"the engine has stopped: {self.failure}")
                 with self._lock:
-                    self.core.add_request(req, structure)
+                    self.core.add_request(req, structure, prompt)
                     self._streams[req.request_id] = stream
                 pull = self.core.pending_pull(req.request_id)
                 if pull is not None:
@@ -132,6 +140,7 @@ class AsyncEngine:
             except BaseException as exc:
                 loop.call_soon_threadsafe(_set_exception, admitted, exc)
 
+        prompt = await self.off_loop(self.core.admission.prompt_token_ids, req)
         # A constrained request waits for its grammar here, off the step loop, holding no blocks.
         structure = None
         if req.params.structured is not None:
@@ -155,6 +164,10 @@ class AsyncEngine:
                 # Only this call's own request: a duplicate refused at admission (or still waiting for
                 # it) shares an id with a live request of another caller, which it must never end.
                 self._abort_stream(req.request_id, stream)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the tokenizer pool (tokenizing, rendering a chat template, detokenizing)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizers, fn, *args)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a live request; True if it was live."""
@@ -264,6 +277,7 @@ class AsyncEngine:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
         self.core.kv_events.close()
         self.core.shutdown()
 

@@ -42,6 +42,7 @@ from conduit_engine.kv_transfer.registry import KvTransferRegistry
 from conduit_engine.kv_transfer.service import KvTransferService, RunOnEngine
 from conduit_engine.kv_transfer.transport import KvPullResult
 from conduit_engine.models.facts import ModelFacts, describe
+from conduit_engine.models.prompt_bound import prompt_bound
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.structured.requests import StructuredOutputs
 
@@ -100,8 +101,15 @@ class LLMEngine:
         )
         self.stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
         limits = Limits(self.arch.vocab_size, self.max_model_len, self.num_blocks, self.block_size)
+        self.prompt_bound = prompt_bound(self.tokenizer.hf, self.max_model_len)
+        log.info("%s", self.prompt_bound.describe())
         self.admission = Admission(
-            self.tokenizer, limits, self.scheduler, config.scheduler, facts.generation_defaults
+            self.tokenizer,
+            limits,
+            self.scheduler,
+            config.scheduler,
+            facts.generation_defaults,
+            self.prompt_bound,
         )
         self.structured = StructuredOutputs(self.tokenizer.hf, self.arch.vocab_size, self.eos_token_ids)
         self._init_kv_transfer()
@@ -139,14 +147,22 @@ class LLMEngine:
         self.kv_limits = KvTransferLimits(config, self.kv_layout, self.arch.vocab_size, window)
 
     # ----- requests --------------------------------------------------------------------------------
-    def add_request(self, req: GenerationRequest, structure: CompiledStructure | None = None) -> list[int]:
+    def add_request(
+        self,
+        req: GenerationRequest,
+        structure: CompiledStructure | None = None,
+        prompt: list[int] | None = None,
+    ) -> list[int]:
         """Admit and queue a request; returns its prompt token ids. Raises EngineError subclasses.
+
+        `prompt`: its ids from `admission.prompt_token_ids(req)`, when the caller tokenized it off the
+        step loop (AsyncEngine does); otherwise it is tokenized here.
 
         `structure`: the request's compiled output structure, when the caller compiled it off the step
         loop (AsyncEngine does); otherwise it is compiled here, synchronously. A consume request is not
         queued yet: its pull is pending (`kv_consumer.pending`) until `finish_pull`.
         """
-        admitted = self.admission.admit(req, self._requests)
+        admitted = self.admission.admit(req, self._requests, prompt)
         params, prompt = admitted.params, admitted.prompt_token_ids
         check_transfer_request(req.kv_produce, req.kv_consume, params.n, len(prompt), self.kv_limits)
         spec = params.structured

@@ -60,6 +60,12 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--max-num-seqs", int, 64, "most sequences in one batch"),
     ("--max-num-batched-tokens", int, 2048, "token budget of one step (chunked prefill)"),
     ("--max-queued-requests", int, 1024, "waiting-queue bound; beyond it Generate fails RESOURCE_EXHAUSTED"),
+    (
+        "--tokenizer-threads",
+        int,
+        2,
+        "threads that tokenize prompts and render chat templates (off the step loop)",
+    ),
     ("--block-size", int, 16, "KV cache block size in tokens (power of two)"),
     ("--kv-cache-blocks", int, None, "number of KV cache blocks (default: from the memory fraction)"),
     ("--kv-cache-memory-fraction", float, 0.1, "share of memory for the KV cache when blocks are not given"),
@@ -196,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_chunked_prefill=args.enable_chunked_prefill,
             max_decode_steps=args.max_decode_steps,
             decode_burst_ms=args.decode_burst_ms,
+            tokenizer_threads=args.tokenizer_threads,
         ),
         server=ServerConfig(
             host=args.host,

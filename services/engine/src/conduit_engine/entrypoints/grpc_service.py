@@ -239,17 +239,24 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        tok = self.core.tokenizer
+        # In the tokenizer pool: a long text never stalls this event loop's other calls and streams.
+        return await self.async_engine.off_loop(self._tokenize, request)
+
+    def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        tok, bound = self.core.tokenizer, self.core.prompt_bound
         kind = request.WhichOneof("input")
         if kind == "text":
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            bound.check("text", request.text)
             ids = tok.encode(request.text, add_special_tokens=add_special)
         elif kind == "chat":
             add_prompt = (
                 request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
             )
             tools, documents = template_extras_from_pb(request.chat)
-            ids = tok.encode_chat(messages_from_pb(request.chat), add_prompt, tools, documents)
+            text = tok.render_chat(messages_from_pb(request.chat), add_prompt, tools, documents)
+            bound.check("chat", text)
+            ids = tok.encode(text, add_special_tokens=False)
         else:
             raise InvalidRequestError("input", "one of text or chat is required")
         if request.ids_only:
@@ -265,7 +272,8 @@ class EngineServicer(pb_grpc.EngineServicer):
         if bad is not None:
             raise InvalidRequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return pb.DetokenizeResponse(text=self.core.tokenizer.decode(ids, skip_special_tokens=skip))
+        text = await self.async_engine.off_loop(self.core.tokenizer.decode, ids, skip)
+        return pb.DetokenizeResponse(text=text)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -286,6 +294,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             role=_ROLES[core.config.disaggregation.role],
             kv_layout=layout_to_pb(core.kv_layout),
             advertise_address=self.advertise_address,
+            max_prompt_bytes=core.prompt_bound.max_bytes,
         )
 
     async def GetLoad(

@@ -25,6 +25,7 @@ from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.entrypoints.grpc_service import SERVICE_NAME, EngineServicer, ErrorMappingInterceptor
 from conduit_engine.entrypoints.security import ServerSecurity, engine_dialer
 from conduit_engine.errors import EngineError, WorkerFailedError
+from conduit_engine.models.facts import request_bytes_limit
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.telemetry import EngineTelemetry
 
@@ -43,6 +44,17 @@ async def warm_up(async_engine: AsyncEngine) -> None:
     async for out in async_engine.generate(req):
         if out.error is not None:
             raise EngineError(f"warm-up generation failed: {out.error}")
+
+
+def receive_limit(config: EngineConfig) -> int:
+    """The largest message the engine's server accepts: what the longest prompt that fits the context
+    needs (Generate and Tokenize are the only large requests; KV travels in PullKv's answers, bounded by
+    --grpc-max-message-bytes), and never more than --grpc-max-message-bytes."""
+    configured = config.server.max_message_bytes
+    needed = request_bytes_limit(config)
+    limit = configured if needed is None else min(configured, needed)
+    log.info("gRPC requests up to %d bytes (--grpc-max-message-bytes %d)", limit, configured)
+    return limit
 
 
 # After a worker failure: how long the failed streams get to send their error before gRPC stops.
@@ -75,7 +87,7 @@ class EngineServer:
         server = config.server
         options = [
             ("grpc.max_send_message_length", server.max_message_bytes),
-            ("grpc.max_receive_message_length", server.max_message_bytes),
+            ("grpc.max_receive_message_length", receive_limit(config)),
             ("grpc.keepalive_time_ms", int(server.keepalive_seconds * 1000)),
             ("grpc.http2.min_ping_interval_without_data_ms", int(server.min_ping_interval_seconds * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),

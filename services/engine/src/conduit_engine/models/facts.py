@@ -14,6 +14,7 @@ from conduit_engine.models import source as model_source
 from conduit_engine.models.architectures import read_arch_config
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.models.generation_defaults import GenerationDefaults, read_generation_defaults
+from conduit_engine.models.prompt_bound import prompt_bound
 from conduit_engine.models.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -89,3 +90,19 @@ def max_model_len(config: EngineConfig, arch: ArchConfig) -> int:
     if requested > limit:
         raise ModelLoadError(f"--max-model-len {requested} exceeds the model's limit of {limit}")
     return requested
+
+
+def request_bytes_limit(config: EngineConfig) -> int | None:
+    """The largest legitimate Generate or Tokenize message for a model in a local folder (read before the
+    gRPC server starts, so that its receive limit can be this rather than --grpc-max-message-bytes);
+    None for a Hub id (not fetched yet), a tokenizer without a byte bound, or a folder that will fail to
+    load (the load reports why)."""
+    folder = Path(config.model.path).expanduser()
+    if not folder.is_dir():
+        return None
+    try:
+        tokenizer = ModelTokenizer(folder)
+        context = max_model_len(config, read_arch_config(folder))
+    except (ModelLoadError, OSError, ValueError):
+        return None
+    return prompt_bound(tokenizer.hf, context).max_request_bytes

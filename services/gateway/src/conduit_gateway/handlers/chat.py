@@ -121,6 +121,7 @@ class ChatHandler(ChunkedHandler):
         return {
             "chat": "messages",
             "input": "messages",
+            "prompt": "messages",
             "tools_json": "tools",
             "chat.tools_json": "tools",
             "max_tokens": self._max_tokens()[0],

@@ -17,6 +17,7 @@ from conduit_gateway.handlers.choices import (
     token_offsets,
 )
 from conduit_gateway.handlers.sampling import sampling_params
+from conduit_gateway.prompt_limits import MAX_PROMPTS
 from conduit_gateway.schemas.completions import (
     Completion,
     CompletionChoice,
@@ -24,9 +25,6 @@ from conduit_gateway.schemas.completions import (
     CompletionRequest,
 )
 from conduit_gateway.structured.constraints import request_constraint
-
-# OpenAI's own bound on prompts in one request; each becomes its own engine stream.
-MAX_PROMPTS = 2048
 
 
 class CompletionsHandler(ChunkedHandler):

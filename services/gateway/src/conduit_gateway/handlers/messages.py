@@ -41,6 +41,7 @@ from conduit_gateway.parsers.chat_output import ChatOutputParser
 from conduit_gateway.parsers.reasoning import reasoning_parser_class
 from conduit_gateway.parsers.tool_calls import ToolCallParser, tool_call_parser_class
 from conduit_gateway.parsers.tool_calls.forced import ForcedToolCallParser
+from conduit_gateway.prompt_limits import prompt_limit
 from conduit_gateway.schemas.messages import (
     ContentBlockParam,
     Message,
@@ -204,6 +205,7 @@ class MessagesHandler(ChunkedHandler):
         return {
             "chat": "messages",
             "input": "messages",
+            "prompt": "messages",
             "tools_json": "tools",
             "chat.tools_json": "tools",
             "stop": "stop_sequences",
@@ -610,6 +612,9 @@ async def count_tokens(ctx: GatewayContext, body: MessageInputs) -> MessageToken
     report for the same request."""
     # Counting needs no parser: a placeholder keeps tool_choice auto from asking for one.
     chat, _ = prompt_input(body, ctx.config.tool_call_parser or "counting")
+    limit = prompt_limit(ctx.pool, body.model)
+    if limit is not None:
+        limit.check_chat("messages", chat)
     reply = await _tokenize(ctx, body.model, engine_pb2.TokenizeRequest(chat=chat))
     return MessageTokensCount(input_tokens=len(reply.token_ids))
 

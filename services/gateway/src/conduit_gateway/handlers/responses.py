@@ -19,6 +19,7 @@ import grpc
 from starlette.responses import JSONResponse, Response
 
 from conduit.engine.v1 import engine_pb2
+from conduit_common.prompt_size import is_too_long
 from conduit_gateway.context import GatewayContext
 from conduit_gateway.errors import OpenAIError, invalid_param
 from conduit_gateway.handlers.base import GenerationHandler
@@ -34,6 +35,7 @@ from conduit_gateway.parsers.chat_output import ChatOutputParser, OutputDelta
 from conduit_gateway.parsers.reasoning import reasoning_parser_class
 from conduit_gateway.parsers.tool_calls import ToolCallParser, tool_call_parser_class
 from conduit_gateway.parsers.tool_calls.forced import ForcedToolCallParser
+from conduit_gateway.prompt_limits import PromptLimit, prompt_limit
 from conduit_gateway.responses.service import ResponsesService
 from conduit_gateway.responses.store import StoredResponse, StoreUnavailable, unavailable_error
 from conduit_gateway.routing.node import EngineNode
@@ -107,7 +109,11 @@ class ResponsesHandler(GenerationHandler):
         """POST /v1/responses/input_tokens: the prompt this request would have, counted by the engine."""
         await self._conversation()
         node = await self.ctx.pool.acquire(RouteRequest(model=self.body.model))
-        count = len(await self._tokenize(node, self._chat_input()))
+        chat = self._chat_input()
+        limit = prompt_limit(self.ctx.pool, self.body.model)
+        if limit is not None:
+            limit.check_chat("input", chat)
+        count = len(await self._tokenize(node, chat))
         return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
     async def _tokenize(self, node: EngineNode, chat: engine_pb2.ChatInput) -> list[int]:
@@ -243,6 +249,21 @@ class ResponsesHandler(GenerationHandler):
                 exc.param = flat
             raise
 
+    async def _token_count(self, node: EngineNode, limit: PromptLimit | None) -> int | None:
+        """The prompt's tokens; None when it cannot fit the context (too long to be tokenized)."""
+        chat = self._chat_input()
+        if limit is not None:
+            try:
+                limit.check_chat("input", chat)
+            except OpenAIError:
+                return None
+        try:
+            return len(await self._tokenize(node, chat))
+        except OpenAIError as exc:
+            if exc.status == 400 and is_too_long(exc.message):
+                return None  # the rendered template is over the engine's bound
+            raise
+
     async def _truncate(self) -> None:
         """truncation auto: drop the oldest items until the prompt and max_output_tokens (at least one
         token) fit the model's context; instructions always stay."""
@@ -250,10 +271,12 @@ class ResponsesHandler(GenerationHandler):
         info = node.model_info
         if info is None or not info.max_model_len:
             return
+        limit = prompt_limit(self.ctx.pool, self.body.model)
         while True:
-            tokens = await self._tokenize(node, self._chat_input())
+            # Items too long for the context by their size alone go without being tokenized.
+            fits = await self._token_count(node, limit)
             room = info.max_model_len - (self.body.max_output_tokens or 1)
-            if len(tokens) <= room or len(self.turn) <= 1:
+            if (fits is not None and fits <= room) or len(self.turn) <= 1:
                 return
             del self.turn[0]
             # A tool result whose call was dropped would answer nothing: drop it too.

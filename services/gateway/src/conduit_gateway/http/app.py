@@ -38,6 +38,7 @@ from conduit_gateway.http.tokenize_routes import router as tokenize_router
 from conduit_gateway.http.tracing import TracingMiddleware
 from conduit_gateway.http.validation import validation_error
 from conduit_gateway.keys.rate_limit import Clock
+from conduit_gateway.prompt_limits import body_limit
 from conduit_gateway.responses.service import ResponsesService, store_from_config
 from conduit_gateway.routing.discovery import Resolver
 
@@ -93,7 +94,12 @@ def create_app(
         app.include_router(admin.router)
     _add_error_handlers(app)
     # add_middleware wraps: the last one added runs first.
-    app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    # --max-body-bytes, or less on the prompt routes once the engines' prompt bounds are known.
+    app.add_middleware(
+        BodyLimitMiddleware,
+        limit=lambda path: body_limit(path, config.max_body_bytes, ctx.pool),
+        timeout_s=config.body_timeout_s,
+    )
     app.add_middleware(KeyLimitsMiddleware, limiter=ctx.rate_limiter)  # inside ApiKeyMiddleware: the key
     app.add_middleware(ApiKeyMiddleware, keys=ctx.api_keys)
     app.add_middleware(ApiKeyMiddleware, keys=ctx.admin_keys, prefix="/admin")

@@ -11,6 +11,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -205,30 +206,33 @@ def _unauthorized(message: str) -> OpenAIError:
 
 
 class BodyLimitMiddleware(HttpMiddleware):
-    """Refuse request bodies over `limit` bytes with 413, and bodies that take longer than `timeout_s` to
-    arrive with 408 (a client trickling its body must not hold a connection), before the app parses them."""
+    """Refuse request bodies over the limit with 413, and bodies that take longer than `timeout_s` to
+    arrive with 408 (a client trickling its body must not hold a connection), before the app parses them.
 
-    def __init__(self, app: ASGIApp, limit: int, timeout_s: float = 30.0) -> None:
+    `limit`: bytes, or a function of the request path giving them (prompt_limits.body_limit)."""
+
+    def __init__(self, app: ASGIApp, limit: int | Callable[[str], int], timeout_s: float = 30.0) -> None:
         super().__init__(app)
-        self.limit = limit
+        self.limit_for: Callable[[str], int] = limit if callable(limit) else (lambda _path: limit)
         self.timeout_s = timeout_s
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
+        limit = self.limit_for(scope["path"])
         declared = Headers(scope=scope).get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await send_error(send, self._too_large())
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await send_error(send, self._too_large(limit))
             return
         try:
             async with asyncio.timeout(self.timeout_s):
-                body = await self._read_body(receive)
+                body = await self._read_body(receive, limit)
         except TimeoutError:
             await send_error(send, self._too_slow())
             return
         except _BodyTooLarge:
-            await send_error(send, self._too_large())
+            await send_error(send, self._too_large(limit))
             return
         if body is None:
             return  # the client left
@@ -244,7 +248,7 @@ class BodyLimitMiddleware(HttpMiddleware):
 
         await self.app(scope, replay, send)
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
+    async def _read_body(self, receive: Receive, limit: int) -> bytes | None:
         # Read the body here (bounded), then replay it: chunked uploads have no length to check up front.
         chunks: list[bytes] = []
         size = 0
@@ -254,7 +258,7 @@ class BodyLimitMiddleware(HttpMiddleware):
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.limit:
+            if size > limit:
                 raise _BodyTooLarge
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -268,10 +272,10 @@ class BodyLimitMiddleware(HttpMiddleware):
             headers={"Connection": "close"},
         )
 
-    def _too_large(self) -> OpenAIError:
+    def _too_large(self, limit: int) -> OpenAIError:
         return OpenAIError(
             413,
-            f"Request body is larger than the limit of {self.limit} bytes.",
+            f"Request body is larger than the limit of {limit} bytes.",
             code="request_too_large",
         )
 

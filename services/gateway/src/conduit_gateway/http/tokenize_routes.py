@@ -16,6 +16,7 @@ from conduit_gateway.errors import OpenAIError, from_rpc_error, invalid_param
 from conduit_gateway.handlers import fields
 from conduit_gateway.handlers.chat import _message
 from conduit_gateway.http.routes import _ctx
+from conduit_gateway.prompt_limits import prompt_limit
 from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.pool import require_serving
 from conduit_gateway.routing.selection.base import RouteRequest
@@ -62,9 +63,12 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise invalid_param("prompt", "give exactly one of prompt or messages")
     ctx, node = await _node(request, body.model)
+    limit = prompt_limit(ctx.pool, node.model) if node.model is not None else None
     call = engine_pb2.TokenizeRequest()
     if body.prompt is not None:
         call.text = fields.text("prompt", body.prompt)
+        if limit is not None:
+            limit.check_texts("prompt", (call.text,))
         if body.add_special_tokens is not None:
             call.add_special_tokens = body.add_special_tokens
     else:
@@ -74,6 +78,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
             call.chat.add_generation_prompt = body.add_generation_prompt
         if body.tools:
             call.chat.tools_json = json.dumps([tool.model_dump(exclude_none=True) for tool in body.tools])
+        if limit is not None:
+            limit.check_chat("messages", call.chat)
     try:
         reply = await node.client.tokenize(call, ctx.config.model_info_timeout_s)
     except grpc.aio.AioRpcError as exc:

@@ -1,0 +1,101 @@
+"""Prompts that cannot fit the context, refused before any engine tokenizes them, and the body limit.
+
+Engines publish a byte bound (GetModelInfo.max_prompt_bytes: text over it needs more tokens than the
+context holds). For a model, the loosest of its engines decides, so
+nothing is refused here that one of them could serve; an engine without a bound (0) turns the check off.
+Chat messages count their contents (what every chat template renders); the engine then checks the
+rendered text. Token arrays are checked against max_model_len, as the engine does.
+
+The body limit follows: a JSON string takes at most 6 bytes per byte of text (a \\u escape), so a route
+that carries one context's worth of text needs no more than 6 × the bound plus room for its other fields;
+completions carry up to MAX_PROMPTS prompts. --max-body-bytes stays the ceiling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from conduit.engine.v1 import engine_pb2
+from conduit_common.prompt_size import context_message, over_bound, too_long_message
+from conduit_gateway.errors import invalid_param
+
+if TYPE_CHECKING:
+    from conduit_gateway.routing.pool import EnginePool
+
+# OpenAI's own bound on prompts in one completions request; each becomes its own engine stream.
+MAX_PROMPTS = 2048
+
+# What a body may carry besides its prompt text: sampling parameters, tool definitions, schemas.
+BODY_HEADROOM_BYTES = 1024 * 1024
+# Worst case of JSON's escaping: one byte of text as \u00XX; a token id as up to 7 digits and a comma.
+_JSON_BYTES_PER_BYTE = 6
+_JSON_BYTES_PER_TOKEN = 8
+# Routes whose body carries at most one context's worth of prompt text.
+_ONE_CONTEXT_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
+    "/v1/responses/input_tokens",
+    "/tokenize",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLimit:
+    """The loosest bound among the engines of a model."""
+
+    max_bytes: int
+    max_model_len: int
+
+    def check_texts(self, param: str, texts: Iterable[str]) -> None:
+        size = over_bound(texts, self.max_bytes)
+        if size is not None:
+            raise invalid_param(param, too_long_message(size, self.max_bytes, self.max_model_len))
+
+    def check_tokens(self, param: str, count: int) -> None:
+        if count >= self.max_model_len:
+            raise invalid_param(param, context_message(count, self.max_model_len))
+
+    def check_generate(self, param: str, request: engine_pb2.GenerateRequest) -> None:
+        """Refuse `request`'s prompt (400 naming `param`) when it cannot fit the context."""
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            self.check_texts(param, (request.text,))
+        elif kind == "token_ids":
+            self.check_tokens(param, len(request.token_ids.ids))
+        elif kind == "chat":
+            self.check_chat(param, request.chat)
+
+    def check_chat(self, param: str, chat: engine_pb2.ChatInput) -> None:
+        self.check_texts(param, (message.content for message in chat.messages))
+
+
+def prompt_limit(pool: EnginePool, model: str) -> PromptLimit | None:
+    """The bound for `model` (None: unknown, or one of its engines has none)."""
+    infos = [node.model_info for node in pool.engines if node.model == model and node.model_info]
+    if not infos or any(info.max_prompt_bytes == 0 for info in infos):
+        return None
+    return PromptLimit(
+        max_bytes=max(info.max_prompt_bytes for info in infos),
+        max_model_len=max(info.max_model_len for info in infos),
+    )
+
+
+def body_limit(path: str, configured: int, pool: EnginePool) -> int:
+    """The largest body `path` accepts: --max-body-bytes, or less when every engine has a bound."""
+    if path == "/v1/completions":
+        prompts = MAX_PROMPTS
+    elif path in _ONE_CONTEXT_ROUTES:
+        prompts = 1
+    else:
+        return configured
+    infos = [node.model_info for node in pool.engines if node.model_info is not None]
+    if not infos or any(info.max_prompt_bytes == 0 for info in infos):
+        return configured
+    text = max(info.max_prompt_bytes for info in infos)
+    tokens = max(info.max_model_len for info in infos)
+    prompt = max(_JSON_BYTES_PER_BYTE * text, _JSON_BYTES_PER_TOKEN * tokens)
+    return min(configured, prompts * prompt + BODY_HEADROOM_BYTES)
