@@ -61,6 +61,19 @@ class TokenBound:
         """One choice of the prompt finished (an output's ending, not an engine failure)."""
         self._prompts[prompt_index].finished_choices += 1
 
+    def done(self, prompt_index: int) -> bool:
+        """Whether every choice of the prompt has finished."""
+        return self._prompts[prompt_index].finished_choices >= self.n
+
+    def ended(self, prompt_index: int) -> None:
+        """The prompt's stream was read to its end after an Abort (handlers/drain.py): its usage is the
+        engine's final count, so it is charged that."""
+        self._prompts[prompt_index].finished_choices = self.n
+
+    @property
+    def prompts(self) -> int:
+        return len(self._prompts)
+
     def used(self, usage: UsageTotals | None) -> int:
         """What the request is charged at its end (see the module docstring)."""
         total = 0
