@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
 import pytest
 
+from tests.gateway.conftest import MODEL as FAKE_MODEL
 from tests.support.clock import ManualClock
 from tests.support.gateway_thread import GatewayThread
 from tests.support.polling import wait_for
@@ -127,3 +129,69 @@ def test_two_prompts_left_mid_stream_are_charged_every_token_of_both(gateway):
     assert used == 2 * PROMPT_TOKENS + made
     assert used < 2 * (PROMPT_TOKENS + MAX_TOKENS)
     assert engine_metric("conduit_engine_kv_blocks_used") == 0
+
+
+# -- faults (the scriptable fake engine) ------------------------------------------------------------
+
+FAKE_PROMPT = "a b c"
+FAKE_PROMPT_TOKENS = 4  # what the fake counts for it
+FAKE_MAX_TOKENS = 40
+
+
+@pytest.fixture
+def fake_gateway(fake, tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps([{"name": "team", "key": "sk-team", "limits": {"tokens_per_minute": LIMIT}}]))
+    gateway = GatewayThread([fake.address], clock=ManualClock(0.0), api_keys_file=str(path)).start()
+    try:
+        yield gateway
+    finally:
+        gateway.stop()
+
+
+def leave_held_stream(gateway, fake) -> None:
+    """Stream a completion the fake holds after 3 tokens, and leave once 2 have arrived."""
+    body = {"model": FAKE_MODEL, "prompt": FAKE_PROMPT, "max_tokens": FAKE_MAX_TOKENS, "stream": True}
+    seen = 0
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        with client.stream(
+            "POST", "/v1/completions", json=body, headers={"Authorization": "Bearer sk-team"}
+        ) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    seen += 1
+                    if seen == 2:
+                        break
+    wait_for(lambda: len(fake.record.aborted) == 1, "the gateway to abort the left request")
+
+
+def test_an_engine_that_fails_the_abort_leaves_the_worst_case_charged(fake, fake_gateway):
+    fake.script.hold_after = 3
+    fake.script.abort_error = grpc.StatusCode.UNAVAILABLE
+    leave_held_stream(fake_gateway, fake)
+    wait_for(lambda: settled(fake_gateway), "the gateway to give up the drain and settle")
+    # What the engine generated past the gateway's last read is unknown: the prompt's worst case stays.
+    assert charged(fake_gateway) == FAKE_PROMPT_TOKENS + FAKE_MAX_TOKENS
+    assert fake.record.aborted == [fake.record.requests[0].request_id]
+    wait_for(lambda: fake.record.cancelled == 1, "the call to be cancelled")
+
+
+def test_a_gateway_stopping_mid_drain_charges_the_worst_case_and_leaks_nothing(fake, fake_gateway):
+    fake.script.hold_after = 3
+    fake.script.abort_held = True  # the drain waits on the Abort when the gateway stops
+    leave_held_stream(fake_gateway, fake)
+    assert len(fake_gateway.ctx.drains) == 1
+    fake_gateway.stop()
+    assert not fake_gateway.ctx.drains
+    assert charged(fake_gateway) == FAKE_PROMPT_TOKENS + FAKE_MAX_TOKENS
+    assert fake_gateway.ctx.limiter.active == 0
+    assert all(node.in_flight == 0 for node in fake_gateway.ctx.pool.engines)
+
+
+def test_a_stream_that_does_not_end_after_the_abort_is_given_up_with_the_worst_case(fake, fake_gateway):
+    fake.script.hold_after = 3  # the fake's Abort answers but the held stream goes on holding
+    leave_held_stream(fake_gateway, fake)
+    wait_for(lambda: settled(fake_gateway), "the drain to time out and settle")
+    assert charged(fake_gateway) == FAKE_PROMPT_TOKENS + FAKE_MAX_TOKENS
+    wait_for(lambda: fake.record.cancelled == 1, "the call to be cancelled")
