@@ -114,6 +114,25 @@ def test_a_chat_completion_left_mid_stream_is_charged_what_the_engine_generated(
     assert engine_metric("conduit_engine_kv_blocks_used") == 0
 
 
+def test_an_anthropic_message_stream_left_mid_way_is_charged_what_the_engine_generated(gateway):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": CHAT_MAX_TOKENS}
+    spent = charged(gateway)
+    with httpx.Client(base_url=gateway.url, timeout=60) as client:
+        done = client.post(
+            "/v1/messages", json={**body, "max_tokens": 1}, headers={"x-api-key": "sk-team"}
+        ).json()
+    # Anthropic's input_tokens leaves out the prompt's cached tokens (cache_read_input_tokens).
+    prompt_tokens = done["usage"]["input_tokens"] + done["usage"].get("cache_read_input_tokens", 0)
+    assert charged(gateway) - spent == prompt_tokens + 1
+    # message_start and content_block_start come first: leave at the second text delta. (The Messages
+    # API has no ignore_eos: the story may end first, and is then charged its usage all the same.)
+    used, made = leave_after(gateway, "/v1/messages", body, chunks=4)
+    assert made >= 1
+    assert used == prompt_tokens + made
+    assert used < prompt_tokens + CHAT_MAX_TOKENS
+    assert engine_metric("conduit_engine_kv_blocks_used") == 0
+
+
 def test_n_2_left_mid_stream_is_charged_both_choices_tokens(gateway):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "n": 2, "ignore_eos": True}
     used, made = leave_after(gateway, "/v1/completions", body, chunks=2)
