@@ -82,6 +82,9 @@ async def drain(
         log.warning(
             "draining %d left stream(s) took over %.1fs: they keep the worst case", len(left), timeout_s
         )
+        return
+    drained = sum(bound.done(stream.prompt_index) for stream in left)
+    log.info("the client left: %d of %d running prompt(s) aborted and read to their end", drained, len(left))
 
 
 async def _drain_one(stream: EngineStream, usage: UsageTotals, bound: TokenBound) -> None:
