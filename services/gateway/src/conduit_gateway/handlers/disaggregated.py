@@ -118,6 +118,7 @@ class DisaggregatedStream:
         self._unclaimed = False  # a handle no decode engine has taken yet
         self._completion_before = 0  # completion tokens of the choices that ended on the prefill engine
         self._aborted = False  # stopped on purpose: no decode side opens after the prefill
+        self._decode_interrupted = False  # its decode side failed or was cancelled while opening
         self.first = self._from_prefill(prefill.first)
 
     @property
@@ -136,6 +137,9 @@ class DisaggregatedStream:
             self._decode = await self._open_decode()
             return self._from_decode(self._decode.first)
         if self._decode is None:
+            if self._decode_interrupted:
+                # A decode engine may have generated tokens whose first message never arrived.
+                raise RuntimeError("the decode side did not open: what it generated is unknown")
             return None
         message = await self._decode.read()
         return None if message is None else self._from_decode(message)
@@ -189,6 +193,7 @@ class DisaggregatedStream:
         try:
             stream = await self._target.open(self.prompt_index, request)
         except BaseException:
+            self._decode_interrupted = True
             self._release()
             raise
         self._unclaimed = False
