@@ -11,6 +11,8 @@ counter) and the tokens the key was charged:
 - `50x20`: 50 prompts x n=20, max_tokens=50 on a 200-TPM key;
 - `leave`: 3 prompts x max_tokens=500 (the last two queued behind the first), the client leaving once the
   engine has sampled a token of it, on a 100000-TPM key;
+- `stop`: a streamed completion with max_tokens=500 whose client closes the stream after 2 chunks (a
+  user pressing stop), on a 100000-TPM key;
 - `too long` / `invalid`: a prompt longer than the context (the engine refuses it) and a request the
   gateway's validation refuses, on a 10-RPM key: the requests each cost the key (0: it was free).
 
@@ -43,6 +45,7 @@ KEYS = [
     {"name": "n100", "key": "sk-n100", "limits": {"tokens_per_minute": 200}},
     {"name": "wide", "key": "sk-wide", "limits": {"tokens_per_minute": 200}},
     {"name": "leave", "key": "sk-leave", "limits": {"tokens_per_minute": 100_000}},
+    {"name": "stop", "key": "sk-stop", "limits": {"tokens_per_minute": 100_000}},
     {"name": "refused", "key": "sk-refused", "limits": {"requests_per_minute": 10}},
 ]
 
@@ -75,7 +78,8 @@ class Stack:
 
     def settle(self) -> None:
         for _ in range(400):
-            if self.gateway.ctx.limiter.active == 0 and self.idle():
+            drains = getattr(self.gateway.ctx, "drains", ())  # left requests still being read to the end
+            if self.gateway.ctx.limiter.active == 0 and not drains and self.idle():
                 return
             time.sleep(0.025)
 
@@ -105,6 +109,19 @@ async def leave_while_generating(stack: Stack, body: dict) -> None:
             pass
 
 
+def stop_after(stack: Stack, body: dict, chunks: int) -> str:
+    """Stream `body` and close the stream after `chunks` data events."""
+    seen = 0
+    with httpx.Client(base_url=stack.gateway.url, timeout=300) as client:
+        headers = {"Authorization": "Bearer sk-stop"}
+        with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
+            for line in response.iter_lines():
+                seen += line.startswith("data: {")
+                if seen == chunks:
+                    break
+    return "stopped"
+
+
 def attack(stack: Stack, label: str, name: str, run) -> None:
     before = stack.generated()
     status = run()
@@ -132,6 +149,14 @@ def main() -> None:
             attack(
                 stack, "leave", "leave", lambda: asyncio.run(leave_while_generating(stack, queued)) or "left"
             )
+            streamed = {
+                "model": MODEL,
+                "prompt": PROMPT,
+                "max_tokens": 500,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            attack(stack, "stop", "stop", lambda: stop_after(stack, streamed, 2))
             for label, body in (
                 ("too long", {"model": MODEL, "prompt": PROMPT * 200, "max_tokens": 4}),
                 ("invalid", {"model": MODEL, "prompt": PROMPT, "max_tokens": "many"}),

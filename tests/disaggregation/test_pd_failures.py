@@ -20,6 +20,8 @@ reaches the client while it is stopped, so it comes from the prefill engine at o
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import httpx
 import pytest
@@ -28,6 +30,7 @@ from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
 from tests.disaggregation.conftest import Gateways
 from tests.disaggregation.helpers import ADMIN_KEY, load, model_info, sdk, wait_idle
 from tests.gateway.sse import parse_events
+from tests.support.clock import ManualClock
 from tests.support.engine_fleet import EngineFleet
 from tests.support.fake_engine import FakeEngine, Script
 from tests.support.polling import wait_for
@@ -229,6 +232,33 @@ def test_a_client_gone_between_prefill_and_decode_releases_the_transfer(fleet, g
     events.close()
     wait_for(lambda: load(fleet.addresses[P]).kv_transfers_pending == 0, "the gateway's ReleaseKv")
     assert load(fleet.addresses[P]).kv_blocks_used == 0
+
+
+def test_a_client_gone_mid_decode_is_charged_what_the_engines_generated_not_its_worst_case(
+    fleet, gateways, healthy, tmp_path
+):
+    path = tmp_path / "keys.json"
+    path.write_text(
+        json.dumps([{"name": "team", "key": "sk-team", "limits": {"tokens_per_minute": 100_000}}])
+    )
+    gateway = gateways(prefill=[P], decode=[D_VICTIM], clock=ManualClock(0.0), api_keys_file=str(path))
+    key = gateway.ctx.api_keys.keys[0]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    received = 0
+    with httpx.Client(base_url=gateway.url, timeout=60) as client:
+        headers = {"Authorization": "Bearer sk-team"}
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=headers) as got:
+            for line in got.iter_lines():
+                if line.startswith("data: {"):
+                    received += 1
+                    if received == 3:  # the prefill's first token, then the decode engine's
+                        break
+    wait_for(lambda: not gateway.ctx.drains and gateway.ctx.limiter.active == 0, "the drain to settle")
+    headers = gateway.ctx.rate_limiter.headers(key)
+    used = int(headers["x-ratelimit-limit-tokens"]) - int(headers["x-ratelimit-remaining-tokens"])
+    # Aborted on the decode engine and read to its end: the prompt and the tokens generated, not 60 + 400.
+    assert len(PROMPT) + received <= used < len(PROMPT) + 400
+    assert load(fleet.addresses[P]).kv_transfers_pending == 0
 
 
 def test_a_decode_engine_dying_mid_stream_ends_the_stream_with_an_error_event(fleet, gateways, healthy):

@@ -46,3 +46,18 @@ def test_a_request_is_charged_its_usage_where_it_ended_its_worst_case_where_it_d
     bound.finished(1)  # one choice of two: the stream did not end
     # Prompt 0: its usage; prompt 1: opened, not ended: 5 + 2 x 100; prompt 2: never opened: nothing.
     assert bound.used(usage) == 35 + 205
+
+
+def test_a_prompt_drained_to_its_end_after_the_client_left_is_charged_its_usage():
+    bound = TokenBound(n=2)
+    bound.plan([text(400), text(400)], context_length=512)
+    usage = UsageTotals(2)
+    for prompt in (0, 1):
+        bound.opened(prompt, 5)
+    bound.finished(0)  # one choice of prompt 0 ended before the client left
+    assert not bound.done(0)
+    usage.update(0, engine_pb2.Usage(prompt_tokens=5, completion_tokens=12))  # the drain's last message
+    bound.ended(0)
+    assert bound.done(0)
+    usage.update(1, engine_pb2.Usage(prompt_tokens=5, completion_tokens=3))  # its drain failed
+    assert bound.used(usage) == (5 + 12) + (5 + 2 * 400)

@@ -40,6 +40,10 @@ class Script:
     hold_after: int | None = None
     # Logprobs per token when the request asks for them.
     logprob: float = -0.5
+    # Abort answers this status (the engine failing as the gateway stops a request)...
+    abort_error: grpc.StatusCode | None = None
+    # ...or answers only after FakeEngine.release().
+    abort_held: bool = False
 
 
 @dataclass
@@ -52,6 +56,8 @@ class Record:
     calls: list[tuple[str, dict[str, str]]] = field(default_factory=list)
     cancelled: int = 0
     completed: int = 0
+    # The request ids of the Abort calls received.
+    aborted: list[str] = field(default_factory=list)
 
 
 class _CallRecorder(grpc.aio.ServerInterceptor):
@@ -137,6 +143,12 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
         fake.record.completed += 1
 
     async def Abort(self, request, context):
+        script = self.fake.script
+        self.fake.record.aborted.append(request.request_id)
+        if script.abort_held:
+            await self.fake.wait_released()
+        if script.abort_error is not None:
+            await context.abort(script.abort_error, script.error_message)
         return engine_pb2.AbortResponse(aborted=False)
 
     async def Tokenize(self, request, context):

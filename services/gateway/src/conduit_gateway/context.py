@@ -6,6 +6,7 @@ the engines' token, and (through `reload_hooks`, which the server adds) the HTTP
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -37,6 +38,8 @@ class GatewayContext:
     reload_hooks: list[Callable[[], None]] = field(default_factory=list)
     # Names of the keys whose `priority` was ignored (each is logged once).
     priority_ignored: set[str] = field(default_factory=set)
+    # Requests the client left, draining their engine streams to charge them exactly (handlers/drain.py).
+    drains: set[asyncio.Task[None]] = field(default_factory=set)
 
     @classmethod
     def create(

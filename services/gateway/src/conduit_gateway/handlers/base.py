@@ -3,10 +3,12 @@ stream SSE events or accumulate one response. Subclasses only map requests and s
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, ClassVar
 
 import grpc
@@ -28,8 +30,16 @@ from conduit_gateway.handlers.choices import (
     prompt_logprobs_entries,
 )
 from conduit_gateway.handlers.disaggregated import continuation_opener, stream_opener
+from conduit_gateway.handlers.drain import drain_later
 from conduit_gateway.handlers.migration import Migration, Migrations, migrating
-from conduit_gateway.handlers.streams import EngineStream, OpenOne, close_all, open_streams, read_messages
+from conduit_gateway.handlers.streams import (
+    EngineStream,
+    OpenOne,
+    Unread,
+    close_all,
+    open_streams,
+    read_messages,
+)
 from conduit_gateway.handlers.usage_bound import TokenBound
 from conduit_gateway.http.sse import DONE_EVENT, ChunkEncoder, EventStreamResponse, error_event
 from conduit_gateway.keys.keys_file import ApiKey
@@ -67,6 +77,12 @@ class GenerationHandler(ABC):
         # What the request may use, per prompt (handlers/usage_bound.py), and what it has used.
         self.bound = TokenBound(body.n or 1)
         self.usage: UsageTotals | None = None
+        # Messages read from the engine but not yet handled when the client left (counted by the drain).
+        self.unread: Unread = []
+        # Whether a reader ended or failed and closed the streams; if not, the client left: they are drained.
+        self._streams_read = False
+        # The prompts' streams that had opened when the client left while the others were opening.
+        self._left_open: list[EngineStream] = []
         self.holds_key_slot = False  # a background run holds a concurrent slot of its key
         self.body = body
         self.request_id = request_id
@@ -195,9 +211,9 @@ class GenerationHandler(ABC):
         self._charge(0)
 
     def _settle(self) -> None:
-        """The request has ended: the key is charged what it used (every prompt's stream that did not end
-        its worst case: the engine may have generated tokens the gateway never read) and gets the rest
-        of its reservation back."""
+        """The request has ended: the key is charged what it used (a prompt's stream that did not end, its
+        worst case: the engine may have generated tokens the gateway never read; handlers/drain.py reads
+        those of a client that left to the end first) and gets the rest of its reservation back."""
         if self.reservation is not None:
             self.reservation.settle(self.bound.used(self.usage))
 
@@ -207,11 +223,37 @@ class GenerationHandler(ABC):
             response.headers.update(self.reservation.headers())
         return response
 
+    @contextlib.contextmanager
+    def _reading(self, streams: Sequence[EngineStream]) -> Iterator[None]:
+        """Around a reader of `streams`: when it ends or fails they close at once; when it is cancelled
+        (the client left) they stay open for `_release`, which drains them (handlers/drain.py)."""
+        left = False
+        try:
+            yield
+        except (asyncio.CancelledError, GeneratorExit):
+            left = True
+            raise
+        finally:
+            if not left:
+                self._read_all(streams)
+
+    def _read_all(self, streams: Sequence[EngineStream]) -> None:
+        """The reader is done with `streams` (they ended, or failed): close them, charge as they stand."""
+        self._streams_read = True
+        close_all(streams)
+
     def _release(self, streams: list[EngineStream]) -> None:
         # Also here, not only where the events end: a response closed before its first event never runs
         # the event generator's cleanup, and the streams must still give back their nodes' slots.
-        close_all(streams)
-        self._settle()
+        streams = streams or self._left_open
+        if streams and not self._streams_read:
+            # The client left while they ran: charge what the engine generated once they are drained.
+            self._streams_read = True
+            usage = self.usage or self._new_usage(self.bound.prompts)
+            drain_later(self.ctx.drains, streams, self.unread, usage, self.bound, self._settle)
+        else:
+            close_all(streams)
+            self._settle()
         if self.holds_key_slot and self.api_key is not None:
             self.holds_key_slot = False
             self.ctx.rate_limiter.leave(self.api_key)
@@ -276,7 +318,7 @@ class GenerationHandler(ABC):
 
     async def _open(self, requests: list[engine_pb2.GenerateRequest]) -> list[EngineStream]:
         try:
-            return await open_streams(requests, self._opener())
+            return await open_streams(requests, self._opener(), self._left_open)
         except grpc.aio.AioRpcError as exc:
             raise self._rpc_error(exc) from None
 
@@ -380,20 +422,20 @@ class ChunkedHandler(GenerationHandler):
     async def _accumulate(
         self, streams: list[EngineStream], choices: ChoiceSet, usage: UsageTotals
     ) -> Response:
-        try:
-            async for prompt_index, message in read_messages(streams):
-                usage.update(prompt_index, message.usage)
-                self._charge(usage.prompt_tokens + usage.completion_tokens)
-                choice, _ = self._choice(choices, prompt_index, message)
-                choice.add(message)
-                if message.prompt_logprobs:
-                    self.prompt_logprobs[prompt_index] = list(message.prompt_logprobs)
-                if message.finished:
-                    self._finish(choice, message)
-        except grpc.aio.AioRpcError as exc:
-            raise self._rpc_error(exc) from None
-        finally:
-            close_all(streams)
+        with self._reading(streams):
+            try:
+                async with contextlib.aclosing(read_messages(streams, self.unread)) as messages:
+                    async for prompt_index, message in messages:
+                        usage.update(prompt_index, message.usage)
+                        self._charge(usage.prompt_tokens + usage.completion_tokens)
+                        choice, _ = self._choice(choices, prompt_index, message)
+                        choice.add(message)
+                        if message.prompt_logprobs:
+                            self.prompt_logprobs[prompt_index] = list(message.prompt_logprobs)
+                        if message.finished:
+                            self._finish(choice, message)
+            except grpc.aio.AioRpcError as exc:
+                raise self._rpc_error(exc) from None
         self._finished(usage, choices)
         # prompt_logprobs is a vLLM extra: absent (not null) unless asked for, like OpenAI's shape.
         exclude = self.absent_prompt_logprobs if self.body.prompt_logprobs is None else None
@@ -427,7 +469,7 @@ class ChunkedHandler(GenerationHandler):
             model=self.body.model,
             usage_mode="running" if running else "final" if include_usage else "none",
         )
-        try:
+        with self._reading(streams):
             try:
                 for stream in streams:
                     # Opening chunks precede every token: running usage there counts the prompt only.
@@ -438,10 +480,12 @@ class ChunkedHandler(GenerationHandler):
                             prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens
                         ),
                     )
-                async for prompt_index, message in read_messages(streams):
-                    events = self._message_events(encoder, choices, usage, prompt_index, message)
-                    if events:
-                        yield events
+                # Closed when the client leaves, so that nothing reads the streams but their drain.
+                async with contextlib.aclosing(read_messages(streams, self.unread)) as messages:
+                    async for prompt_index, message in messages:
+                        events = self._message_events(encoder, choices, usage, prompt_index, message)
+                        if events:
+                            yield events
                 if include_usage:
                     yield encoder.usage_chunk(usage.as_dict())
                 self._finished(usage, choices)
@@ -457,8 +501,6 @@ class ChunkedHandler(GenerationHandler):
                     )
                 )
             yield DONE_EVENT
-        finally:
-            close_all(streams)
 
     def _message_events(
         self,

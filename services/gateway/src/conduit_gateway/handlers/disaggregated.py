@@ -117,6 +117,8 @@ class DisaggregatedStream:
         self._first_tokens: dict[int, int] = {}  # choice index → its first token, for choices handed off
         self._unclaimed = False  # a handle no decode engine has taken yet
         self._completion_before = 0  # completion tokens of the choices that ended on the prefill engine
+        self._aborted = False  # stopped on purpose: no decode side opens after the prefill
+        self._decode_interrupted = False  # its decode side failed or was cancelled while opening
         self.first = self._from_prefill(prefill.first)
 
     @property
@@ -130,14 +132,23 @@ class DisaggregatedStream:
             if message is not None:
                 return self._from_prefill(message)
             self._prefill_done = True
-            if not self._first_tokens:
-                return None  # every choice ended at its first token
+            if not self._first_tokens or self._aborted:
+                return None  # every choice ended at its first token, or the stream was stopped
             self._decode = await self._open_decode()
             return self._from_decode(self._decode.first)
         if self._decode is None:
+            if self._decode_interrupted:
+                # A decode engine may have generated tokens whose first message never arrived.
+                raise RuntimeError("the decode side did not open: what it generated is unknown")
             return None
         message = await self._decode.read()
         return None if message is None else self._from_decode(message)
+
+    async def abort(self) -> None:
+        """Abort on the engine serving the stream now; a prefill's hand-offs are then not decoded (close()
+        releases their transfer)."""
+        self._aborted = True
+        await (self._prefill if self._decode is None else self._decode).abort()
 
     def close(self) -> None:
         self._prefill.close()
@@ -182,6 +193,7 @@ class DisaggregatedStream:
         try:
             stream = await self._target.open(self.prompt_index, request)
         except BaseException:
+            self._decode_interrupted = True
             self._release()
             raise
         self._unclaimed = False

@@ -33,7 +33,7 @@ from conduit_gateway.handlers.base import ChunkedHandler
 from conduit_gateway.handlers.chat_output import ChatChoiceState
 from conduit_gateway.handlers.choices import ChoiceSet, ChoiceState, UsageTotals
 from conduit_gateway.handlers.message_blocks import Event, MessageBlocks, sse
-from conduit_gateway.handlers.streams import EngineStream, close_all, read_messages
+from conduit_gateway.handlers.streams import EngineStream, read_messages
 from conduit_gateway.handlers.thinking_budget import BudgetedStream, ThinkingBudget
 from conduit_gateway.http.anthropic import stream_error_event
 from conduit_gateway.keys.keys_file import ApiKey
@@ -303,10 +303,10 @@ class MessagesHandler(ChunkedHandler):
             "stop_sequence": None,
             "usage": self.usage_fields(usage),
         }
-        try:
+        with self._reading(streams):
             yield sse("message_start", {"type": "message_start", "message": started}) + _PING
             try:
-                heartbeat = _with_heartbeat(read_messages(streams), self.ping_interval_s)
+                heartbeat = _with_heartbeat(read_messages(streams, self.unread), self.ping_interval_s)
                 async with contextlib.aclosing(heartbeat) as items:
                     async for item in items:
                         events = _PING if item is None else self._sse_of(choices, usage, *item)
@@ -324,8 +324,6 @@ class MessagesHandler(ChunkedHandler):
                         500, "Internal error while streaming.", type="server_error", code="internal_error"
                     )
                 )
-        finally:
-            close_all(streams)
 
     def _sse_of(
         self, choices: ChoiceSet, usage: UsageTotals, prompt_index: int, message: engine_pb2.GenerateResponse

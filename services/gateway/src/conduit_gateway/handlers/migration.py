@@ -130,6 +130,7 @@ class MigratingStream:
         self._moved = False
         self._carried = 0  # completion tokens of choices finished before the current engine took over
         self._token_gaps: Histogram | None = None
+        self._aborted = False  # stopped on purpose (the client left): it ends where it is, never moves
         self.first = self._relay(stream.first)
 
     @property
@@ -156,7 +157,7 @@ class MigratingStream:
         else:
             if message is not None:
                 return self._relay(message)
-            if not self._unfinished():
+            if not self._unfinished() or self._aborted:
                 return None
             failure = self._handed_back or _Failure(
                 "engine_error",
@@ -167,8 +168,14 @@ class MigratingStream:
                     code="engine_error",
                 ),
             )
+        if self._aborted:
+            raise failure.error
         await self._move(failure)
         return self._relay(self._stream.first)
+
+    async def abort(self) -> None:
+        self._aborted = True
+        await self._stream.abort()
 
     def close(self) -> None:
         self._stream.close()

@@ -28,7 +28,7 @@ from conduit_gateway.handlers.choices import ChoiceSet, UsageTotals, safe_logpro
 from conduit_gateway.handlers.response_events import ResponseWriter, item_id
 from conduit_gateway.handlers.response_input import Message, map_input, output_messages, to_pb
 from conduit_gateway.handlers.sampling import sampling_params
-from conduit_gateway.handlers.streams import EngineStream, close_all, read_messages
+from conduit_gateway.handlers.streams import EngineStream, read_messages
 from conduit_gateway.http.sse import EventStreamResponse
 from conduit_gateway.keys.keys_file import ApiKey
 from conduit_gateway.parsers.chat_output import ChatOutputParser, OutputDelta
@@ -457,45 +457,48 @@ class ResponsesHandler(GenerationHandler):
         appender = EventAppender(self.service, self.response_id) if persist else None
         batch = writer.opening()
         status, reason = "completed", None
+        left = False  # cancelled (the client left, or the background run was): the streams are drained
         try:
             if appender is not None:
                 appender.add(batch, self._record(writer))  # the record says in_progress
             yield batch
             try:
-                async for prompt_index, message in read_messages(streams):
-                    usage.update(prompt_index, message.usage)
-                    self._charge(usage.prompt_tokens + usage.completion_tokens)
-                    choice, _ = self._choice(choices, prompt_index, message)
-                    assert isinstance(choice, ChatChoiceState)
-                    batch = []
-                    if message.text:
-                        choice.texts.append(message.text)
-                        delta = choice.output.feed(message.text)
-                        self.reasoning_tokens += reasoning_share(delta, len(message.token_ids))
-                        logprobs = _logprob_entries(message.logprobs) if self._wants_logprobs else []
-                        batch = writer.feed(delta, logprobs)
-                    if message.finished:
-                        self._finish(choice, message)
-                        batch += writer.feed(choice.output.finish())
-                        if choice.finish_reason == "length":
-                            status, reason = "incomplete", "max_output_tokens"
-                        elif choice.finish_reason == "abort":
-                            raise OpenAIError(
-                                503,
-                                "The engine aborted the response.",
-                                type="server_error",
-                                code="engine_aborted",
-                            )
-                    if batch:
-                        if appender is not None:
-                            appender.add(batch)
-                        yield batch
+                async with contextlib.aclosing(read_messages(streams, self.unread)) as messages:
+                    async for prompt_index, message in messages:
+                        usage.update(prompt_index, message.usage)
+                        self._charge(usage.prompt_tokens + usage.completion_tokens)
+                        choice, _ = self._choice(choices, prompt_index, message)
+                        assert isinstance(choice, ChatChoiceState)
+                        batch = []
+                        if message.text:
+                            choice.texts.append(message.text)
+                            delta = choice.output.feed(message.text)
+                            self.reasoning_tokens += reasoning_share(delta, len(message.token_ids))
+                            logprobs = _logprob_entries(message.logprobs) if self._wants_logprobs else []
+                            batch = writer.feed(delta, logprobs)
+                        if message.finished:
+                            self._finish(choice, message)
+                            batch += writer.feed(choice.output.finish())
+                            if choice.finish_reason == "length":
+                                status, reason = "incomplete", "max_output_tokens"
+                            elif choice.finish_reason == "abort":
+                                raise OpenAIError(
+                                    503,
+                                    "The engine aborted the response.",
+                                    type="server_error",
+                                    code="engine_aborted",
+                                )
+                        if batch:
+                            if appender is not None:
+                                appender.add(batch)
+                            yield batch
             except grpc.aio.AioRpcError as exc:
                 raise self._rpc_error(exc) from None
             self._finished(usage, choices)
             final = writer.finish(status, self._usage(usage), reason)
-        except asyncio.CancelledError:
-            if not persist:
+        except (asyncio.CancelledError, GeneratorExit) as exc:
+            left = True
+            if not persist or isinstance(exc, GeneratorExit):
                 raise
             final = writer.finish("cancelled", self._usage(usage))
             log.info("response %s: cancelled", self.response_id)
@@ -504,7 +507,8 @@ class ResponsesHandler(GenerationHandler):
             self._stream_error(exc)
             final = writer.finish("failed", self._usage(usage), error=exc)
         finally:
-            close_all(streams)
+            if not left:
+                self._read_all(streams)
         if appender is not None:
             appender.add(final, self._record(writer))
             await appender.drain()
@@ -515,8 +519,9 @@ class ResponsesHandler(GenerationHandler):
     async def _sse_events(self, streams: list[EngineStream], writer: ResponseWriter) -> AsyncIterator[str]:
         finished = False
         try:
-            async for batch in self._generate(streams, writer, persist=False):
-                yield "".join(sse(event) for event in batch)
+            async with contextlib.aclosing(self._generate(streams, writer, persist=False)) as batches:
+                async for batch in batches:
+                    yield "".join(sse(event) for event in batch)
             finished = True
         except StoreUnavailable as exc:
             finished = True

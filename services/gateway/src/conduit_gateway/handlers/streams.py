@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
+# How long the Abort RPC of a stream the client left may take.
+ABORT_TIMEOUT_S = 1.0
+
 # Told the status of each refusal that is retried on another node (for metrics).
 OnRetry = Callable[[grpc.StatusCode], None]
 
@@ -63,7 +66,14 @@ class EngineStream(Protocol):
     def first(self) -> engine_pb2.GenerateResponse: ...
 
     async def read(self) -> engine_pb2.GenerateResponse | None:
-        """The next message, or None at the end; engine errors propagate (AioRpcError)."""
+        """The next message, or None at the end; engine errors propagate (AioRpcError). Cancelling a
+        read loses nothing: the next read returns the message it was waiting for."""
+        ...
+
+    async def abort(self) -> None:
+        """Stop the prompt's request on the engine serving it now (its Abort RPC): the stream then ends,
+        each unfinished choice with an ABORT message that carries the final usage, and never moves to
+        another engine. Raises when the engine cannot be told (AioRpcError, or the stream is closed)."""
         ...
 
     def close(self) -> None:
@@ -95,6 +105,8 @@ class PromptStream:
     token_gaps: Histogram | None = None
     _last_token_at: dict[int, float] = field(default_factory=dict, init=False)
     lost: str | None = field(default=None, init=False)  # why the node was lost while this was open
+    # The read in progress: a task of its own, so that cancelling a reader does not cancel the call.
+    _reading: asyncio.Task[object] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._last_token_at[self.first.index] = self.opened_at
@@ -106,11 +118,21 @@ class PromptStream:
 
     async def read(self) -> engine_pb2.GenerateResponse | None:
         """The next message, or None at the end of the stream; engine errors propagate (AioRpcError), and
-        StreamLost when the node was lost meanwhile."""
+        StreamLost when the node was lost meanwhile.
+
+        The call is read in a task of its own: grpc cancels a call whose read is cancelled, and a reader
+        cancelled because the client left must leave the call open, and its message unread, for the
+        drain that charges what the engine generated (handlers/drain.py)."""
+        reading = self._reading
+        if reading is None:
+            reading = self._reading = asyncio.ensure_future(self.call.read())
+        await asyncio.wait((reading,))  # cancelling this reader leaves the read going, for the next one
+        task = asyncio.current_task()
+        if self._reading is reading:
+            self._reading = None
         try:
-            message = await self.call.read()
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
+            message = reading.result()
+        except asyncio.CancelledError:  # the call was cancelled: by close(), or because the node was lost
             if self.lost is None or (task is not None and task.cancelling()):
                 raise
             self.node.request_failed(grpc.StatusCode.UNAVAILABLE)
@@ -127,6 +149,7 @@ class PromptStream:
         if message is grpc.aio.EOF:
             self.node.record_decode(now - self.opened_at, self.tokens_after_first)
             return None
+        assert isinstance(message, engine_pb2.GenerateResponse)
         self.tokens_after_first += len(message.token_ids)
         if message.token_ids and self.token_gaps is not None:
             last = self._last_token_at.get(message.index)
@@ -135,6 +158,11 @@ class PromptStream:
             self._last_token_at[message.index] = now
         return message
 
+    async def abort(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"the stream of {self.first.request_id} is closed")
+        await self.node.client.abort(self.first.request_id, ABORT_TIMEOUT_S)
+
     def close(self) -> None:
         """Cancel the call if it is still open (the engine sees CANCELLED and frees the request's blocks)
         and give back the node's in-flight slot; safe to call more than once."""
@@ -142,7 +170,17 @@ class PromptStream:
             self.closed = True
             self.node.unwatch_lost(self._on_lost)
             self.call.cancel()
+            if self._reading is not None:
+                self._reading.cancel()
+                self._reading.add_done_callback(_retrieve)
+                self._reading = None
             self.node.request_ended(self.blocks)
+
+
+def _retrieve(task: asyncio.Task[object]) -> None:
+    """Read the outcome of a read nobody waits for any more (asyncio would log an unread error)."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def open_stream(
@@ -214,30 +252,46 @@ def _prompt_blocks(token_ids: tuple[int, ...] | None, block_size: int | None) ->
 
 
 async def open_streams(
-    requests: Sequence[engine_pb2.GenerateRequest], open_one: OpenOne
+    requests: Sequence[engine_pb2.GenerateRequest],
+    open_one: OpenOne,
+    left: list[EngineStream] | None = None,
 ) -> list[EngineStream]:
-    """Open one stream per prompt concurrently; if any fails, close the others and raise its error."""
+    """Open one stream per prompt concurrently; if any fails, close the others and raise its error.
+
+    When the caller is cancelled (the client left) the streams already open go to `left` instead of
+    closing, for the caller to drain (handlers/drain.py)."""
     if len(requests) == 1:
         return [await open_one(0, requests[0])]
     tasks = [asyncio.ensure_future(open_one(index, request)) for index, request in enumerate(requests)]
     try:
         return list(await asyncio.gather(*tasks))
-    except BaseException:
+    except BaseException as exc:
+        keep = left is not None and isinstance(exc, asyncio.CancelledError)
         for task in tasks:
             task.cancel()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for result in results:
-            if not isinstance(result, BaseException):
+            if isinstance(result, BaseException):
+                continue
+            if keep and left is not None:
+                left.append(result)
+            else:
                 result.close()
         raise
 
 
+# Messages read from a prompt's stream but not yet handed to the reader: (prompt index, message).
+Unread = list[tuple[int, engine_pb2.GenerateResponse]]
+
+
 async def read_messages(
-    streams: Sequence[EngineStream],
+    streams: Sequence[EngineStream], unread: Unread | None = None
 ) -> AsyncIterator[tuple[int, engine_pb2.GenerateResponse]]:
     """Yield (prompt index, message) as messages arrive, first messages first, until every stream ends.
 
     An engine error on any stream propagates (as grpc.aio.AioRpcError); the caller closes the streams.
+    When the reader stops early, the messages already read from the streams and not yet yielded are
+    appended to `unread` (their usage and endings still count).
     """
     for stream in streams:
         yield stream.prompt_index, stream.first
@@ -271,6 +325,10 @@ async def read_messages(
     finally:
         for task in tasks:
             task.cancel()
+        while not queue.empty():
+            prompt_index, item = queue.get_nowait()
+            if unread is not None and isinstance(item, engine_pb2.GenerateResponse):
+                unread.append((prompt_index, item))
 
 
 def close_all(streams: Sequence[EngineStream]) -> None:

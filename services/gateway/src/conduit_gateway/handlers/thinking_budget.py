@@ -70,6 +70,7 @@ class BudgetedStream:
         self._queued: list[engine_pb2.GenerateResponse] = []
         self._answering = False
         self._tail = ""  # the end of part 1's text, as long as the end tag
+        self._aborted = False  # stopped on purpose: part 2 does not open
         self.token_gaps = None
         self.first = self._from_reasoning(reasoning.first)
 
@@ -77,6 +78,8 @@ class BudgetedStream:
         if self._queued:
             return self._queued.pop(0)
         if self._next_part is not None:
+            if self._aborted:
+                return None
             await self._continue(close_reasoning=self._next_part)
             self._next_part = None
             return self._queued.pop(0)
@@ -84,6 +87,10 @@ class BudgetedStream:
         if message is None:
             return None
         return self._from_answer(message) if self._answering else self._from_reasoning(message)
+
+    async def abort(self) -> None:
+        self._aborted = True
+        await self._stream.abort()
 
     def close(self) -> None:
         self._stream.close()

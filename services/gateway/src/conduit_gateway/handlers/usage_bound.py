@@ -6,10 +6,13 @@ of the context (max_model_len − prompt), so n × max_model_len bounds it befor
 prompt's tokens are known exactly once the engine has counted them (its stream's first message); before
 that only a prompt given as token ids is counted.
 
-When the request ends, a prompt whose every choice finished is charged what its usage says. A prompt whose
-stream opened but did not end (the client left, an error, a stream that could not move) is charged its
-worst case: the engine may have generated tokens the gateway never read. A prompt whose stream never
-opened generated nothing the engine reported, and is charged nothing.
+When the request ends, a prompt whose every choice finished is charged what its usage says. So is a prompt
+the client left running: handlers/drain.py aborts it on its engine and reads its stream to the end, whose
+last message carries the engine's final usage (`ended`), so every token the engine generated is charged
+and no more. A prompt whose stream opened but did not end that way (an engine error, a stream that could
+not move, an Abort that failed or a drain that timed out) is charged its worst case: the engine may have
+generated tokens the gateway never read. A prompt whose stream never opened generated nothing the engine
+reported, and is charged nothing.
 """
 
 from __future__ import annotations
@@ -60,6 +63,19 @@ class TokenBound:
     def finished(self, prompt_index: int) -> None:
         """One choice of the prompt finished (an output's ending, not an engine failure)."""
         self._prompts[prompt_index].finished_choices += 1
+
+    def done(self, prompt_index: int) -> bool:
+        """Whether every choice of the prompt has finished."""
+        return self._prompts[prompt_index].finished_choices >= self.n
+
+    def ended(self, prompt_index: int) -> None:
+        """The prompt's stream was read to its end after an Abort (handlers/drain.py): its usage is the
+        engine's final count, so it is charged that."""
+        self._prompts[prompt_index].finished_choices = self.n
+
+    @property
+    def prompts(self) -> int:
+        return len(self._prompts)
 
     def used(self, usage: UsageTotals | None) -> int:
         """What the request is charged at its end (see the module docstring)."""

@@ -21,6 +21,7 @@ from conduit_gateway import __version__
 from conduit_gateway.config import GatewayConfig
 from conduit_gateway.context import GatewayContext
 from conduit_gateway.errors import OpenAIError
+from conduit_gateway.handlers.drain import cancel_drains
 from conduit_gateway.http import admin
 from conduit_gateway.http.admin_port import AdminPortMiddleware
 from conduit_gateway.http.anthropic import AnthropicApiMiddleware
@@ -73,6 +74,7 @@ def create_app(
             yield
         finally:
             await responses.stop()
+            await cancel_drains(ctx.drains)
             await ctx.pool.stop()
             if owned_provider is not None:
                 owned_provider.shutdown()  # flushes the spans not yet exported

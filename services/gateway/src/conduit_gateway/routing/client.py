@@ -99,6 +99,12 @@ class EngineClient:
     ) -> grpc.aio.UnaryStreamCall:
         return self._engine.Generate(request, metadata=self._dialer.metadata(*metadata), timeout=timeout_s)
 
+    async def abort(self, request_id: str, timeout_s: float) -> bool:
+        """Abort: stop a running or waiting request; True when the engine still had it."""
+        request = engine_pb2.AbortRequest(request_id=request_id)
+        reply = await self._engine.Abort(request, timeout=timeout_s, metadata=self._dialer.metadata())
+        return reply.aborted
+
     async def release_kv(self, transfer_id: str, timeout_s: float) -> bool:
         """ReleaseKv: free a prefill's pinned KV that no decode engine will pull; True when it was pending."""
         request = engine_pb2.ReleaseKvRequest(transfer_id=transfer_id)
