@@ -89,3 +89,29 @@ def test_an_aborted_stream_handed_back_by_a_draining_engine_ends_there():
 
     asyncio.run(drain())
     assert reopened == []
+
+
+@pytest.mark.parametrize("failure", ["lost", "unavailable"])
+def test_a_stream_that_breaks_after_its_last_choice_finished_ends_without_moving(failure):
+    """The engine died between a choice's final message and the stream's end: the client has the whole
+    output, so the stream ends; moving it would start the request again from nothing (a continuation
+    without choices is a new request) and send the client its output twice."""
+    from conduit_gateway.handlers.streams import StreamLost
+
+    broken = (
+        StreamLost("127.0.0.1:1", "watch broke")
+        if failure == "lost"
+        else grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"
+        )
+    )
+    inner = Scripted([message(2, engine_pb2.FINISH_REASON_LENGTH), broken])
+    reopened: list[int] = []
+    stream = migrating(inner, reopened)
+
+    async def read_all():
+        assert (await stream.read()).finished
+        assert await stream.read() is None
+
+    asyncio.run(read_all())
+    assert reopened == []

@@ -200,6 +200,11 @@ class GenerationHandler(ABC):
         self.usage = UsageTotals(prompts)
         return self.usage
 
+    def _count(self, usage: UsageTotals, prompt_index: int, message: engine_pb2.GenerateResponse) -> None:
+        """Take a message's usage into the request's totals and hold that much of the key's tokens."""
+        usage.update(prompt_index, message.usage)
+        self._charge(usage.prompt_tokens + usage.completion_tokens)
+
     def _charge(self, tokens: int) -> None:
         """The request has used `tokens` (prompt + output) so far: hold at least that of the key's."""
         if self.reservation is not None:
@@ -426,8 +431,7 @@ class ChunkedHandler(GenerationHandler):
             try:
                 async with contextlib.aclosing(read_messages(streams, self.unread)) as messages:
                     async for prompt_index, message in messages:
-                        usage.update(prompt_index, message.usage)
-                        self._charge(usage.prompt_tokens + usage.completion_tokens)
+                        self._count(usage, prompt_index, message)
                         choice, _ = self._choice(choices, prompt_index, message)
                         choice.add(message)
                         if message.prompt_logprobs:
@@ -517,8 +521,7 @@ class ChunkedHandler(GenerationHandler):
         if opening is not None:
             # Usage as it was before this message: the opening chunk precedes its tokens.
             events = encoder.chunk([opening], usage.as_dict)
-        usage.update(prompt_index, message.usage)
-        self._charge(usage.prompt_tokens + usage.completion_tokens)
+        self._count(usage, prompt_index, message)
         if message.text or message.logprobs:
             delta = self.delta_choice(choice, message.text, message.logprobs)
             if delta is not None:

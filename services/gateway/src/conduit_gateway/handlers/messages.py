@@ -331,8 +331,7 @@ class MessagesHandler(ChunkedHandler):
         """The events one engine message makes: its blocks' deltas, and the message's end."""
         choice, _ = self._choice(choices, prompt_index, message)
         assert isinstance(choice, MessageChoiceState)
-        usage.update(prompt_index, message.usage)
-        self._charge(usage.prompt_tokens + usage.completion_tokens)
+        self._count(usage, prompt_index, message)
         events: list[Event] = []
         if message.text:
             events += choice.blocks.add(choice.output.feed(message.text))

@@ -168,6 +168,10 @@ class MigratingStream:
                     code="engine_error",
                 ),
             )
+        if not self._unfinished():
+            # Every choice had finished when the stream broke (between its last message and its end):
+            # nothing is left to continue, and a continuation without choices would be a fresh request.
+            return None
         if self._aborted:
             raise failure.error
         await self._move(failure)
@@ -258,6 +262,9 @@ def continuation_request(
     request: engine_pb2.GenerateRequest, choices: dict[int, _Received | None]
 ) -> engine_pb2.GenerateRequest:
     """`request` continuing `choices` (index → what the client has of it; None: nothing yet)."""
+    if not choices:
+        # Without choices the continuation field stays unset and the engine would start afresh.
+        raise ValueError("a continuation needs at least one choice")
     continued = engine_pb2.GenerateRequest()
     continued.CopyFrom(request)
     continued.sampling.ClearField("prompt_logprobs")  # the client has them from the first engine

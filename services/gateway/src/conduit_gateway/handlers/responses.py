@@ -465,8 +465,7 @@ class ResponsesHandler(GenerationHandler):
             try:
                 async with contextlib.aclosing(read_messages(streams, self.unread)) as messages:
                     async for prompt_index, message in messages:
-                        usage.update(prompt_index, message.usage)
-                        self._charge(usage.prompt_tokens + usage.completion_tokens)
+                        self._count(usage, prompt_index, message)
                         choice, _ = self._choice(choices, prompt_index, message)
                         assert isinstance(choice, ChatChoiceState)
                         batch = []
