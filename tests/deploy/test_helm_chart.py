@@ -91,6 +91,8 @@ def test_engine_args_are_accepted_by_the_engine_cli(release):
     model_mount = next(m for m in container["volumeMounts"] if m["name"] == "model")
     assert config.model.path == model_mount["mountPath"]
     assert model_mount["readOnly"] is True
+    threads = release[1].get("engine", {}).get("tokenizerThreads")
+    assert config.scheduler.tokenizer_threads == (threads or 2)
 
 
 def test_gateway_discovers_the_engine_replicas_through_the_headless_service(release):

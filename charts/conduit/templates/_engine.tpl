@@ -101,6 +101,10 @@ spec:
             - --max-queued-requests
             - {{ . | quote }}
             {{- end }}
+            {{- with $e.tokenizerThreads }}
+            - --tokenizer-threads
+            - {{ . | quote }}
+            {{- end }}
             {{- if $root.Values.tls.engine.enabled }}
             - --tls-cert
             - /etc/conduit/tls/tls.crt
