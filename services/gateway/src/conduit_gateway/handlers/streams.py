@@ -14,6 +14,7 @@ continues its choices on another engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -105,8 +106,10 @@ class PromptStream:
     token_gaps: Histogram | None = None
     _last_token_at: dict[int, float] = field(default_factory=dict, init=False)
     lost: str | None = field(default=None, init=False)  # why the node was lost while this was open
-    # The read in progress: a task of its own, so that cancelling a reader does not cancel the call.
-    _reading: asyncio.Task[object] | None = field(default=None, init=False)
+    # One task reads the call for the stream's whole life and hands each message (or the read's error)
+    # over through a one-slot inbox, so that cancelling a reader never cancels the call.
+    _reader: asyncio.Task[None] | None = field(default=None, init=False)
+    _inbox: asyncio.Queue[object] = field(default_factory=lambda: asyncio.Queue(maxsize=1), init=False)
 
     def __post_init__(self) -> None:
         self._last_token_at[self.first.index] = self.opened_at
@@ -120,20 +123,17 @@ class PromptStream:
         """The next message, or None at the end of the stream; engine errors propagate (AioRpcError), and
         StreamLost when the node was lost meanwhile.
 
-        The call is read in a task of its own: grpc cancels a call whose read is cancelled, and a reader
-        cancelled because the client left must leave the call open, and its message unread, for the
-        drain that charges what the engine generated (handlers/drain.py)."""
-        reading = self._reading
-        if reading is None:
-            reading = self._reading = asyncio.ensure_future(self.call.read())
-        await asyncio.wait((reading,))  # cancelling this reader leaves the read going, for the next one
-        task = asyncio.current_task()
-        if self._reading is reading:
-            self._reading = None
+        The call is read by a task of its own (`_pump`): grpc cancels a call whose read is cancelled, and
+        a reader cancelled because the client left must leave the call open, and its message unread, for
+        the drain that charges what the engine generated (handlers/drain.py)."""
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(self._pump())
+        message = await self._inbox.get()  # cancelling this reader leaves the message for the next one
         try:
-            message = reading.result()
+            if isinstance(message, BaseException):
+                raise message
         except asyncio.CancelledError:  # the call was cancelled: by close(), or because the node was lost
-            if self.lost is None or (task is not None and task.cancelling()):
+            if self.lost is None:
                 raise
             self.node.request_failed(grpc.StatusCode.UNAVAILABLE)
             raise StreamLost(self.node.address, self.lost) from None
@@ -158,6 +158,19 @@ class PromptStream:
             self._last_token_at[message.index] = now
         return message
 
+    async def _pump(self) -> None:
+        """Read the call to its end, handing over each message, the EOF or the read's error."""
+        while True:
+            try:
+                message = await self.call.read()
+            except (asyncio.CancelledError, Exception) as exc:  # handed to the reader, which raises it
+                if not self.closed:
+                    await self._inbox.put(exc)
+                return
+            await self._inbox.put(message)
+            if message is grpc.aio.EOF:
+                return
+
     async def abort(self) -> None:
         if self.closed:
             raise RuntimeError(f"the stream of {self.first.request_id} is closed")
@@ -170,17 +183,12 @@ class PromptStream:
             self.closed = True
             self.node.unwatch_lost(self._on_lost)
             self.call.cancel()
-            if self._reading is not None:
-                self._reading.cancel()
-                self._reading.add_done_callback(_retrieve)
-                self._reading = None
+            if self._reader is not None:
+                self._reader.cancel()
+                self._reader = None
+            with contextlib.suppress(asyncio.QueueFull):  # full: no reader is waiting
+                self._inbox.put_nowait(asyncio.CancelledError())  # a reader waiting now ends as before
             self.node.request_ended(self.blocks)
-
-
-def _retrieve(task: asyncio.Task[object]) -> None:
-    """Read the outcome of a read nobody waits for any more (asyncio would log an unread error)."""
-    if not task.cancelled():
-        task.exception()
 
 
 async def open_stream(
