@@ -27,7 +27,7 @@
 // partitions to finish combines them into `out` and resets the counter. Partitions past a sequence's end
 // exit at once (uncounted), so the grid may be sized for the longest possible context (what CUDA graph
 // capture needs).
-// Dynamic shared memory: decode_shared_bytes() in services/engine/src/conduit_engine/ops/cuda_ops.py.
+// Dynamic shared memory: decode_shared_bytes() in services/engine/src/conduit_engine/ops/attention_geometry.py.
 // Limits: block_size a power of two (passed as log2), head_dim a multiple of 16 / sizeof(T) and at most
 // 32 * CHUNKS * 16 / sizeof(T), slots (block * block_size + offset) < 2^31.
 #include "common.cuh"

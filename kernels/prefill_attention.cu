@@ -11,7 +11,7 @@
 // score s (q.k * scale) becomes logit_softcap * tanh(s * inv_softcap) before the softmax (inv_softcap = 1 / cap).
 // Grid: (ceil(max_query_len / 16), num_seqs, num_heads). Block: 128 threads = 16 query rows x 8 lanes;
 // a lane owns head_dim / 8 output dimensions. Keys are processed in tiles of prefill_tile_keys(HEAD_DIM)
-// staged in shared memory as float32. Dynamic shared memory: prefill_shared_bytes() in ops/cuda_ops.py.
+// staged in shared memory as float32. Dynamic shared memory: prefill_shared_bytes() in ops/attention_geometry.py.
 // Limits: HEAD_DIM a multiple of 8 (template parameter), block_size a power of two (passed as log2).
 //
 // Two kernels take these arguments. paged_prefill_attention_mma_kernel (below) computes Q K^T and P V on
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(128)
 // rounded to T, straight from the accumulator registers into the P V mma. The output accumulates in
 // float32 registers and is written once. A warp skips a key tile that none of its rows sees (the block's
 // barriers are still met). Grid: (ceil(max_query_len / 64), num_seqs, num_heads). Block: 128 threads.
-// Dynamic shared memory: prefill_mma_shared_bytes() in ops/cuda_ops.py. Needs 16-byte aligned q, out and
+// Dynamic shared memory: prefill_mma_shared_bytes() in ops/attention_geometry.py. Needs 16-byte aligned q, out and
 // caches, with token strides and the KV head size multiples of 8 elements (the launcher checks).
 namespace conduit {
 constexpr int kMmaWarps = 4;
