@@ -45,7 +45,7 @@ from conduit_gateway.http.sse import DONE_EVENT, ChunkEncoder, EventStreamRespon
 from conduit_gateway.keys.keys_file import ApiKey
 from conduit_gateway.keys.priority import allowed_priority
 from conduit_gateway.keys.rate_limit import TokenReservation
-from conduit_gateway.prompt_limits import prompt_limit
+from conduit_gateway.prompt_limits import PromptLimit, prompt_limit
 from conduit_gateway.schemas.common import SamplingRequest, Usage
 from conduit_gateway.structured.constraints import Constraint
 
@@ -117,7 +117,9 @@ class GenerationHandler(ABC):
     def prepared_requests(self) -> list[engine_pb2.GenerateRequest]:
         """The engine requests: the hooks' inputs and sampling set, with ids, model and priority."""
         requests = self.build_inputs()
-        self._check_prompt_sizes(requests)
+        limit = prompt_limit(self.ctx.pool, self.body.model)
+        if limit is not None:
+            self.check_prompt_sizes(limit, requests)
         sampling = self.build_sampling()
         for prompt_index, request in enumerate(requests):
             request.request_id = (
@@ -137,11 +139,10 @@ class GenerationHandler(ABC):
         value = fields.int32("priority", self.body.priority)
         return allowed_priority(self.api_key, value, self.ctx.priority_ignored)
 
-    def _check_prompt_sizes(self, requests: list[engine_pb2.GenerateRequest]) -> None:
-        """400 for a prompt that cannot fit the model's context, before any engine tokenizes it."""
-        limit = prompt_limit(self.ctx.pool, self.body.model)
-        if limit is None:
-            return
+    def check_prompt_sizes(self, limit: PromptLimit, requests: list[engine_pb2.GenerateRequest]) -> None:
+        """400 for a prompt that cannot fit the model's context, before any engine tokenizes it. A
+        handler that still holds its prompts' texts checks those instead (reading a long text back out
+        of its protobuf copies it once more)."""
         param = self.param_aliases().get("prompt", "prompt")
         for index, request in enumerate(requests):
             limit.check_generate(param if len(requests) == 1 else f"{param}[{index}]", request)

@@ -17,7 +17,7 @@ from conduit_gateway.handlers.choices import (
     token_offsets,
 )
 from conduit_gateway.handlers.sampling import sampling_params
-from conduit_gateway.prompt_limits import MAX_PROMPTS
+from conduit_gateway.prompt_limits import MAX_PROMPTS, PromptLimit, prompt_limit
 from conduit_gateway.schemas.completions import (
     Completion,
     CompletionChoice,
@@ -42,6 +42,7 @@ class CompletionsHandler(ChunkedHandler):
         if body.best_of is not None and body.best_of != self.n:
             raise invalid_param("best_of", f"must equal n ({self.n}): best-of sampling is not supported")
         self.prompts = self._prompts()
+        self._check_prompts()
         # A lone prompt is named `prompt` in errors, one of a list `prompt[i]`.
         single = isinstance(body.prompt, str) or _is_token_list(body.prompt)
         requests = [
@@ -54,6 +55,20 @@ class CompletionsHandler(ChunkedHandler):
             if not all(isinstance(prompt, str) for prompt in self.prompts):
                 raise invalid_param("echo", "is only supported for string prompts")
         return requests
+
+    def check_prompt_sizes(self, limit: PromptLimit, requests: list[engine_pb2.GenerateRequest]) -> None:
+        """Done by build_inputs, on the prompts themselves, before any protobuf copies them."""
+
+    def _check_prompts(self) -> None:
+        limit = prompt_limit(self.ctx.pool, self.body.model)
+        if limit is None:
+            return
+        for index, prompt in enumerate(self.prompts):
+            param = "prompt" if len(self.prompts) == 1 else f"prompt[{index}]"
+            if isinstance(prompt, str):
+                limit.check_texts(param, (prompt,))
+            else:
+                limit.check_tokens(param, len(prompt))
 
     def _prompts(self) -> list[str | list[int]]:
         prompt = self.body.prompt

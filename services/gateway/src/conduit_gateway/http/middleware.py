@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from conduit_common.logs import current_client_request_id, current_request_id
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.http.metrics import GatewayMetrics
+from conduit_gateway.http.request_body import BODY_SCOPE_KEY
 from conduit_gateway.keys.rate_limit import RateLimited, RateLimiter
 from conduit_gateway.keys.store import ApiKeyStore
 
@@ -236,6 +237,7 @@ class BodyLimitMiddleware(HttpMiddleware):
             return
         if body is None:
             return  # the client left
+        scope[BODY_SCOPE_KEY] = body  # the routes' Request reads it from here (http/request_body.py)
         replayed = False
 
         async def replay() -> Message:

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from conduit_gateway.errors import OpenAIError, invalid_param
 from conduit_gateway.handlers.responses import ResponsesHandler, sse_stream
+from conduit_gateway.http.request_body import GatewayRoute
 from conduit_gateway.http.routes import _api_key, _ctx, _until_disconnect
 from conduit_gateway.http.sse import EventStreamResponse
 from conduit_gateway.responses.service import ResponsesService
@@ -23,7 +24,7 @@ from conduit_gateway.responses.store import (
 from conduit_gateway.schemas.common import error_responses
 from conduit_gateway.schemas.responses import ResponsesRequest
 
-router = APIRouter()
+router = APIRouter(route_class=GatewayRoute)
 
 # How long POST /cancel waits for the running replica to record the cancellation.
 _CANCEL_WAIT_S = 30.0

@@ -17,6 +17,7 @@ from conduit_gateway.handlers.chat import ChatHandler
 from conduit_gateway.handlers.completions import CompletionsHandler
 from conduit_gateway.handlers.messages import MessagesHandler, count_tokens
 from conduit_gateway.http import anthropic
+from conduit_gateway.http.request_body import GatewayRoute
 from conduit_gateway.http.sse import wait_for_disconnect
 from conduit_gateway.keys.keys_file import ApiKey
 from conduit_gateway.race import finished_first
@@ -34,7 +35,7 @@ from conduit_gateway.schemas.messages import (
 )
 from conduit_gateway.schemas.models import ModelCard, ModelList
 
-router = APIRouter()
+router = APIRouter(route_class=GatewayRoute)
 
 _GENERATION_ERRORS = error_responses(400, 401, 404, 413, 429, 503)
 _SSE = {

@@ -15,6 +15,7 @@ from conduit_gateway.context import GatewayContext
 from conduit_gateway.errors import OpenAIError, from_rpc_error, invalid_param
 from conduit_gateway.handlers import fields
 from conduit_gateway.handlers.chat import _message
+from conduit_gateway.http.request_body import GatewayRoute
 from conduit_gateway.http.routes import _ctx
 from conduit_gateway.prompt_limits import prompt_limit
 from conduit_gateway.routing.node import EngineNode
@@ -28,7 +29,7 @@ from conduit_gateway.schemas.tokenize import (
     TokenizeResponse,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=GatewayRoute)
 _ERRORS = error_responses(400, 401, 404, 503)
 _ALIASES = {"text": "prompt", "chat": "messages", "input": "prompt", "chat.tools_json": "tools"}
 
