@@ -7,6 +7,7 @@ worker that answered is the response's X-Conduit-Worker.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ from tests.gateway.conftest import MODEL
 from tests.support.fake_engine import FakeEngine, Script
 from tests.support.polling import wait_for
 from tests.support.proc_tree import children, command_line, is_running
-from tests.support.processes import start_gateway
+from tests.support.processes import ManagedProcess, ProcessStartError, start_gateway
 from tests.support.prometheus import scrape
 
 pytestmark = pytest.mark.integration
@@ -32,13 +33,31 @@ def complete(url: str, headers: dict[str, str] | None = None) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=BODY, headers=headers, timeout=30)
 
 
+def start_workers(engines: str, *args: str, healthy: bool = True) -> ManagedProcess:
+    """`start_gateway` with --workers 2, once both workers answer (it waits for one)."""
+    gateway = start_gateway(engines, "--workers", "2", *args, wait_healthy=healthy)
+    seen: set[str] = set()
+
+    def both_answer() -> bool:
+        with contextlib.suppress(httpx.TransportError):
+            seen.add(httpx.get(f"{gateway.url}/health", timeout=5).headers["x-conduit-worker"])
+        return seen == {"0", "1"}
+
+    try:
+        wait_for(both_answer, "both workers to answer", attempts=1200, delay_s=0.05)
+    except BaseException:
+        gateway.stop()
+        raise
+    return gateway
+
+
 def workers_of(process_pid: int) -> list[int]:
     """The supervisor's worker processes (not multiprocessing's resource tracker)."""
     return [pid for pid in children(process_pid) if "spawn_main" in command_line(pid)]
 
 
 def test_requests_land_on_both_workers_and_metrics_are_their_sum(fake):
-    with start_gateway(fake.address, "--workers", "2") as gateway:
+    with start_workers(fake.address) as gateway:
         answers = [complete(gateway.url) for _ in range(24)]
         assert [answer.status_code for answer in answers] == [200] * 24
         assert {answer.headers["x-conduit-worker"] for answer in answers} == {"0", "1"}
@@ -65,9 +84,7 @@ def test_one_worker_is_one_process_with_no_worker_header(fake):
 def test_a_node_added_through_the_admin_api_is_used_by_every_worker():
     with (
         FakeEngine(MODEL) as engine,
-        start_gateway(
-            "127.0.0.1:1", "--workers", "2", "--admin-key", "admin-sekret", wait_healthy=False
-        ) as gateway,
+        start_workers("127.0.0.1:1", "--admin-key", "admin-sekret", healthy=False) as gateway,
     ):
         # The static engine never answers; the one the admin API adds does.
         added = httpx.post(f"{gateway.url}/admin/nodes", json={"address": engine.address}, headers=ADMIN)
@@ -104,7 +121,7 @@ def test_a_keys_requests_per_minute_hold_across_workers(fake, tmp_path):
     keys.write_text(
         json.dumps({"keys": [{"name": "team", "key": "sk-team", "limits": {"requests_per_minute": 4}}]})
     )
-    with start_gateway(fake.address, "--workers", "2", "--api-keys-file", str(keys)) as gateway:
+    with start_workers(fake.address, "--api-keys-file", str(keys)) as gateway:
         answers = [complete(gateway.url, {"Authorization": "Bearer sk-team"}) for _ in range(12)]
         codes = [answer.status_code for answer in answers]
         # 4 in all, not 4 per worker (the bucket refills one request per 15 s).
@@ -122,7 +139,7 @@ def test_a_keys_concurrent_requests_hold_across_workers(fake, tmp_path):
     )
     fake.reset(Script(hold_after=1))
     headers = {"Authorization": "Bearer sk-team"}
-    with start_gateway(fake.address, "--workers", "2", "--api-keys-file", str(keys)) as gateway:
+    with start_workers(fake.address, "--api-keys-file", str(keys)) as gateway:
         held = Stream(gateway.url, headers)
         wait_for(lambda: held.worker is not None, "the first stream to start")
         refused = [complete(gateway.url, headers) for _ in range(12)]
@@ -159,15 +176,17 @@ class Stream(threading.Thread):
 
 def test_sigterm_drains_both_workers_and_the_supervisor_exits_0(fake):
     fake.reset(Script(hold_after=2))
-    gateway = start_gateway(fake.address, "--workers", "2", "--shutdown-grace", "30")
+    gateway = start_workers(fake.address, "--shutdown-grace", "30")
     try:
         streams: list[Stream] = []
 
         def one_held_on_each() -> bool:
-            started = [s for s in streams if s.worker is not None]
-            if len(started) == len(streams):
-                streams.append(Stream(gateway.url))
-            return {s.worker for s in streams if s.worker is not None} == {"0", "1"}
+            if any(s.worker is None for s in streams):
+                return False  # one still connecting
+            if {s.worker for s in streams} == {"0", "1"}:
+                return True
+            streams.append(Stream(gateway.url))
+            return False
 
         wait_for(one_held_on_each, "a held stream on each worker", attempts=400, delay_s=0.05)
         workers = workers_of(gateway.process.pid)
@@ -196,7 +215,7 @@ def _refused(url: str) -> bool:
 
 
 def test_a_killed_worker_is_started_again(fake):
-    with start_gateway(fake.address, "--workers", "2") as gateway:
+    with start_workers(fake.address) as gateway:
         before = workers_of(gateway.process.pid)
         assert len(before) == 2
         os.kill(before[0], signal.SIGKILL)
@@ -216,3 +235,36 @@ def test_a_killed_worker_is_started_again(fake):
 
         wait_for(both_answer, "both workers answering", attempts=400, delay_s=0.05)
         assert gateway.process.poll() is None
+
+
+def test_a_worker_that_cannot_start_stops_the_supervisor_with_its_reason(fake):
+    # The fake engine states no role: as a static prefill engine it is refused when a worker starts.
+    with FakeEngine(MODEL) as decode:
+        with pytest.raises(ProcessStartError) as failed:
+            start_gateway(
+                "", "--prefill-engine", fake.address, "--decode-engine", decode.address, "--workers", "2"
+            )
+    output = str(failed.value)
+    assert "gateway exited with code 1" in output
+    assert f"prefill_engine: {fake.address} refused" in output
+    assert "before it started serving; stopping the others" in output
+
+
+def test_sighup_reaches_every_worker(fake, tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"name": "old", "key": "sk-old"}]}))
+    with start_workers(fake.address, "--api-keys-file", str(keys)) as gateway:
+        keys.write_text(json.dumps({"keys": [{"name": "new", "key": "sk-new"}]}))
+        gateway.process.send_signal(signal.SIGHUP)
+        seen: set[str] = set()
+
+        def both_take_the_new_key() -> bool:
+            answer = complete(gateway.url, {"Authorization": "Bearer sk-new"})
+            if answer.status_code == 200:
+                seen.add(answer.headers["x-conduit-worker"])
+            return seen == {"0", "1"}
+
+        wait_for(both_take_the_new_key, "both workers to accept the new key", attempts=400, delay_s=0.05)
+        old = [complete(gateway.url, {"Authorization": "Bearer sk-old"}) for _ in range(8)]
+        assert [answer.status_code for answer in old] == [401] * 8
+        assert {answer.headers["x-conduit-worker"] for answer in old} == {"0", "1"}

@@ -77,6 +77,8 @@ def create_app(
         if ctx.metrics_peers is not None:
             await ctx.metrics_peers.start()
         await responses.start()
+        if ctx.worker is not None:
+            ctx.worker.mark_ready()
         try:
             yield
         finally:

@@ -24,6 +24,14 @@ class WorkerSlot:
         """The admin API's changes to the pool, in order (workers/admin_log.py)."""
         return os.path.join(self.directory, "admin.log")
 
+    def ready_path(self, index: int) -> str:
+        """Made once worker `index` has started serving (any incarnation of it)."""
+        return os.path.join(self.directory, f"ready-{index}")
+
+    def mark_ready(self) -> None:
+        with open(self.ready_path(self.index), "w"):
+            pass
+
     def metrics_socket(self, index: int) -> str:
         """Where worker `index` answers its siblings' scrapes (workers/metrics_peers.py)."""
         return os.path.join(self.directory, f"metrics-{index}.sock")

@@ -7,7 +7,9 @@ binds the ports with SO_REUSEPORT, so the kernel spreads connections over them. 
 - makes the scratch directory the workers share (key limits, the admin log, metrics sockets;
   workers/slot.py), on /dev/shm where there is one, and removes it when it exits;
 - starts the workers (fresh interpreters: `spawn`, no state forked), and starts again a worker that
-  exits while it is not stopping, after a pause that doubles while it keeps dying young;
+  exits while it is not stopping, after a pause that doubles while it keeps dying young; a worker that
+  exits before it ever served (a static engine refused at start, say) stops them all, as one gateway
+  process would stop, and the supervisor exits 1;
 - forwards SIGTERM (and SIGINT) as SIGTERM to every worker, so each drains as one gateway does
   (--shutdown-grace), and exits once all have: 0 when each ended cleanly, 1 otherwise;
 - forwards SIGHUP, so each worker re-reads its keys file, token and certificate.
@@ -45,6 +47,8 @@ _CLEAN_EXITS = (0, -signal.SIGTERM, -signal.SIGINT)
 def run_worker(config: GatewayConfig, slot: WorkerSlot) -> None:
     """A worker process's body: one gateway, with what it shares with its siblings."""
     _stop_with_parent()
+    # A SIGHUP forwarded before the app's handler is in (its lifespan) must not end the worker.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logs.configure("DEBUG" if config.log_level == "trace" else config.log_level, config.log_format)
     from conduit_gateway.http.app import create_app
     from conduit_gateway.http.server import serve
@@ -98,6 +102,9 @@ class Supervisor:
     def _on_stop(self, signum: int, _frame: FrameType | None) -> None:
         if not self._stopping:
             log.info("%s: stopping %d worker(s)", signal.Signals(signum).name, len(self._workers))
+        self._stop_all()
+
+    def _stop_all(self) -> None:
         self._stopping = True
         self._due.clear()
         self._signal_all(signal.SIGTERM)
@@ -137,6 +144,11 @@ class Supervisor:
             if self._stopping:
                 log.info("worker %d exited (%s)", index, code)
                 self._failed |= code not in _CLEAN_EXITS
+                continue
+            if not os.path.exists(self._slot(index).ready_path(index)):
+                log.error("worker %d exited (%s) before it started serving; stopping the others", index, code)
+                self._failed = True
+                self._stop_all()
                 continue
             ran = time.monotonic() - self._started[index]
             pause = self._pause.get(index, FIRST_RESTART_PAUSE_S)
