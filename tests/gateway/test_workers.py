@@ -103,6 +103,24 @@ def test_a_node_added_through_the_admin_api_is_used_by_every_worker():
         again = httpx.post(f"{gateway.url}/admin/nodes", json={"address": engine.address}, headers=ADMIN)
         assert again.status_code == 409 and again.json()["error"]["code"] == "node_exists"
 
+        def states() -> dict[str, str]:
+            found: dict[str, str] = {}
+            for _ in range(40):
+                answer = httpx.get(f"{gateway.url}/admin/nodes/{engine.address}", headers=ADMIN)
+                found[answer.headers["x-conduit-worker"]] = answer.json()["state"]
+                if len(found) == 2:
+                    break
+            return found
+
+        drained = httpx.post(f"{gateway.url}/admin/nodes/{engine.address}/drain", headers=ADMIN)
+        assert drained.status_code == 200 and drained.json()["state"] == "draining"
+        assert states() == {"0": "draining", "1": "draining"}  # each caught up before it answered
+        draining = [complete(gateway.url) for _ in range(6)]
+        assert [answer.status_code for answer in draining] == [503] * 6
+        resumed = httpx.post(f"{gateway.url}/admin/nodes/{engine.address}/resume", headers=ADMIN)
+        assert resumed.status_code == 200
+        assert states() == {"0": "serving", "1": "serving"}
+
         removed = httpx.delete(f"{gateway.url}/admin/nodes/{engine.address}", headers=ADMIN)
         assert removed.status_code == 200
         listed: dict[str, list[str]] = {}

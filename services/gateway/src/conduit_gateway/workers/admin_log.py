@@ -58,8 +58,11 @@ class AdminLog:
     async def _follow(self) -> None:
         while True:
             await asyncio.sleep(POLL_S)
-            if os.fstat(self._fd).st_size > self.offset:
-                self.catch_up()
+            try:
+                if os.fstat(self._fd).st_size > self.offset:
+                    self.catch_up()
+            except Exception:  # keep following: one bad change must not stop the next ones
+                log.exception("admin log: could not apply the other workers' changes")
 
     def catch_up(self) -> None:
         with self._locked(fcntl.LOCK_SH):
@@ -97,7 +100,12 @@ class AdminLog:
         data = os.pread(self._fd, size - self.offset, self.offset)
         self.offset = size
         for line in data.decode().splitlines():
-            self._apply(json.loads(line))
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                log.error("admin log: skipping a line that is not JSON: %r", line[:200])
+                continue
+            self._apply(entry)
 
     def _apply(self, entry: dict[str, str]) -> None:
         op, address, pool = entry["op"], entry["address"], self.pool
