@@ -21,9 +21,10 @@ PROFILES = {"cpu": "engine", "gpu": "engine-gpu"}
 PD_ENGINES = ("prefill", "decode")
 
 
-def _compose(*args: str) -> subprocess.CompletedProcess[str]:
-    # Variables of the caller's shell must not leak into what is being checked.
+def _compose(*args: str, env_set: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    # Variables of the caller's shell must not leak into what is being checked (only `env_set` does).
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CONDUIT_", "COMPOSE_", "DOCKER_"))}
+    env.update(env_set or {})
     return subprocess.run(
         [str(tool("docker-compose")), "--project-directory", str(REPO), "-f", str(COMPOSE_FILE), *args],
         capture_output=True,
@@ -127,9 +128,18 @@ def test_gateway_reaches_the_engine_the_profile_started(project):
         host, _, port = address.rpartition(":")
         assert host in _engine_names(config, engine) and int(port) == engine_port
     assert gateway["expose"] == [str(gateway_config.port)]
-    # API keys come from the caller's environment; unset means none.
-    assert gateway["environment"] == {"CONDUIT_API_KEY": ""}
-    assert gateway_config.api_keys == ()
+    # API keys and the gateway's workers come from the caller's environment; unset: none, and one.
+    assert gateway["environment"] == {"CONDUIT_API_KEY": "", "CONDUIT_WORKERS": "1"}
+    assert gateway_config.api_keys == () and gateway_config.workers == 1
+
+
+def test_gateway_workers_come_from_the_callers_environment():
+    result = _compose(
+        "--profile", "cpu", "config", "--format", "json", env_set={"CONDUIT_GATEWAY_WORKERS": "2"}
+    )
+    assert result.returncode == 0, result.stderr
+    gateway = json.loads(result.stdout)["services"]["gateway"]
+    assert gateway_cli.config_from_args(gateway["command"], gateway["environment"]).workers == 2
 
 
 def test_envoy_mounts_the_config_and_routes_to_the_compose_services(project):
@@ -232,7 +242,8 @@ def test_pd_gateway_pairs_the_two_engines_and_stands_in_for_the_gateway(pd_proje
     }
     image_check = dockerfiles.parse(REPO / "services/gateway/Dockerfile").final.one("HEALTHCHECK")
     assert gateway["healthcheck"]["test"] == list(image_check.value)
-    assert gateway["expose"] == [str(config.port)] and gateway["environment"] == {"CONDUIT_API_KEY": ""}
+    assert gateway["expose"] == [str(config.port)]
+    assert gateway["environment"] == {"CONDUIT_API_KEY": "", "CONDUIT_WORKERS": "1"}
     # Envoy's upstreams are the names `gateway` and `engine`: the pd gateway and the decode engine.
     proxy = envoy_config.load()
     gateway_upstream = envoy_config.upstream_address(envoy_config.cluster(proxy, "gateway"))

@@ -391,6 +391,36 @@ def test_admin_node_defaults_render_a_bound_and_no_allow_list():
         assert chart_render.validation_problem(obj, KUBERNETES_VERSIONS[-1]) is None
 
 
+def test_gateway_workers_reach_the_cli(release):
+    _, values, _, objects = release
+    container = _container(component(objects, "Deployment", "gateway"))
+    env = {e["name"]: e.get("value", f"from-secret-{e['name']}") for e in container.get("env", [])}
+    gateway = values.get("gateway", {})
+    cpu = str(gateway.get("resources", {}).get("requests", {}).get("cpu", "250m"))
+    whole_cpus = int(cpu[:-1]) // 1000 if cpu.endswith("m") else int(float(cpu))
+    expected = gateway.get("workers") or max(1, whole_cpus)
+    assert gateway_cli.config_from_args(container["args"], env).workers == expected
+
+
+@pytest.mark.parametrize(
+    ("gateway", "workers"),
+    [
+        ({}, 1),  # the default request, 250m
+        ({"resources": {"requests": {"cpu": "2"}}}, 2),
+        ({"resources": {"requests": {"cpu": 4}}}, 4),
+        ({"resources": {"requests": {"cpu": "1500m"}}}, 1),
+        ({"resources": {"requests": {"cpu": "3000m"}}}, 3),
+        ({"resources": {"requests": {"cpu": 0.5}}}, 1),
+        ({"resources": {"requests": {"memory": "1Gi"}}}, 1),  # no CPU request
+        ({"workers": 3, "resources": {"requests": {"cpu": "1"}}}, 3),  # set: wins
+    ],
+)
+def test_gateway_workers_follow_the_cpu_request_unless_set(gateway, workers):
+    objects = chart_render.manifests(chart_render.render({"gateway": gateway}))
+    args = _container(component(objects, "Deployment", "gateway"))["args"]
+    assert args[args.index("--workers") + 1] == str(workers)
+
+
 def test_notes_tell_how_to_call_it(release):
     name, _, rendered, _ = release
     notes = rendered["conduit/templates/NOTES.txt"]
@@ -411,6 +441,8 @@ def test_shipped_values_files_satisfy_the_schema():
     [
         ({"engine": {"replicas": -1}}, "/engine/replicas"),
         ({"gateway": {"replicas": 0}}, "/gateway/replicas"),
+        ({"gateway": {"workers": 0}}, "/gateway/workers"),
+        ({"gateway": {"workers": "2"}}, "/gateway/workers"),
         ({"engine": {"dtype": "float64"}}, "/engine/dtype"),
         ({"engine": {"gpu": {"count": "one"}}}, "/engine/gpu/count"),
         ({"engine": {"tensorParallelSize": 0}}, "/engine/tensorParallelSize"),

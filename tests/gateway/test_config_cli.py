@@ -80,6 +80,12 @@ def test_unknown_parser_is_a_usage_error_listing_the_choices(capsys):
     assert "choose from 'hermes', 'llama3_json', 'mistral'" in capsys.readouterr().err
 
 
+def test_workers_come_from_the_flag_or_the_environment():
+    assert config_from_args(["--engine", "a:1"], {}).workers == 1
+    assert config_from_args(["--engine", "a:1"], {"CONDUIT_WORKERS": "3"}).workers == 3
+    assert config_from_args(["--engine", "a:1", "--workers", "2"], {"CONDUIT_WORKERS": "3"}).workers == 2
+
+
 def test_bad_environment_value_names_the_flag(capsys):
     with pytest.raises(SystemExit):
         config_from_args([], {"CONDUIT_ENGINE": "a:1", "CONDUIT_PORT": "eighty"})
@@ -107,6 +113,7 @@ def test_bad_environment_value_names_the_flag(capsys):
         ({"reconnect_backoff_s": 0}, "reconnect_backoff"),
         ({"max_reconnect_backoff_s": 0.1}, "max_reconnect_backoff"),
         ({"shutdown_grace_s": 0}, "shutdown_grace"),
+        ({"workers": 0}, "workers"),
         ({"log_level": "loud"}, "log_level"),
         ({"tool_call_parser": "pythonic"}, "tool_call_parser"),
         ({"reasoning_parser": "o1"}, "reasoning_parser"),

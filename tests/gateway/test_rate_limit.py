@@ -10,6 +10,7 @@ import pytest
 
 from conduit_gateway.keys.keys_file import ApiKey, KeyLimits, KeysFileError, key_digest, load_keys_file
 from conduit_gateway.keys.rate_limit import RateLimited, RateLimiter, go_duration
+from conduit_gateway.keys.shared_limits import LimitTableFull, SharedLimitStates
 from conduit_gateway.keys.store import ApiKeyStore
 from tests.support.clock import ManualClock
 
@@ -38,6 +39,24 @@ def test_durations_read_as_openai_sends_them(seconds, text):
     assert go_duration(seconds) == text
 
 
+@pytest.fixture(params=["local", "shared"])
+def make_limiter(request, tmp_path):
+    """A RateLimiter on this process's states, or on a --workers table (the same rules must hold)."""
+    opened = []
+
+    def make(clock):
+        if request.param == "local":
+            return RateLimiter(clock)
+        path = str(tmp_path / "key-limits")
+        SharedLimitStates.create(path, workers=2, slots=64)
+        opened.append(SharedLimitStates(path, worker=0))
+        return RateLimiter(clock, opened[-1])
+
+    yield make
+    for states in opened:
+        states.close()
+
+
 def key(name: str, rpm: int | None = None, tpm: int | None = None) -> ApiKey:
     return ApiKey(name, key_digest(f"sk-{name}"), KeyLimits(rpm, tpm))
 
@@ -50,9 +69,9 @@ def admit(limiter: RateLimiter, api_key: ApiKey, worst: int = 0):
     return reservation
 
 
-def test_a_scripted_sequence_of_requests_and_tokens_gets_exact_headers_and_429s():
+def test_a_scripted_sequence_of_requests_and_tokens_gets_exact_headers_and_429s(make_limiter):
     clock = ManualClock(0.0)
-    limiter = RateLimiter(clock)
+    limiter = make_limiter(clock)
     team = key("team-a", rpm=3, tpm=100)
     seen = []
     for _ in range(3):
@@ -104,9 +123,9 @@ def test_a_scripted_sequence_of_requests_and_tokens_gets_exact_headers_and_429s(
     assert headers["x-ratelimit-remaining-tokens"] == "100"
 
 
-def test_a_worst_case_above_the_limit_is_too_large_and_one_above_what_is_left_waits():
+def test_a_worst_case_above_the_limit_is_too_large_and_one_above_what_is_left_waits(make_limiter):
     clock = ManualClock(0.0)
-    limiter = RateLimiter(clock)
+    limiter = make_limiter(clock)
     team = key("team-b", tpm=200)
     with pytest.raises(RateLimited) as too_large:
         limiter.reserve(team, 40_002)
@@ -135,9 +154,9 @@ def test_a_worst_case_above_the_limit_is_too_large_and_one_above_what_is_left_wa
     assert limiter.headers(team)["x-ratelimit-remaining-tokens"] == "120"
 
 
-def test_settling_above_the_reservation_overdraws_and_the_next_request_waits():
+def test_settling_above_the_reservation_overdraws_and_the_next_request_waits(make_limiter):
     clock = ManualClock(0.0)
-    limiter = RateLimiter(clock)
+    limiter = make_limiter(clock)
     team = key("team-c", tpm=20)
     reservation = admit(limiter, team, 10)
     reservation.hold(30)  # a prompt of 20 tokens, counted by the engine
@@ -150,9 +169,9 @@ def test_settling_above_the_reservation_overdraws_and_the_next_request_waits():
     assert limiter.reserve(team, 1).headers()["x-ratelimit-remaining-tokens"] == "0"
 
 
-def test_a_refusal_takes_nothing_and_keys_do_not_share_buckets():
+def test_a_refusal_takes_nothing_and_keys_do_not_share_buckets(make_limiter):
     clock = ManualClock(0.0)
-    limiter = RateLimiter(clock)
+    limiter = make_limiter(clock)
     spent, other = key("spent", rpm=1, tpm=10), key("other", rpm=1)
     admit(limiter, spent, 10)
     for _ in range(3):
@@ -162,8 +181,8 @@ def test_a_refusal_takes_nothing_and_keys_do_not_share_buckets():
     assert admit(limiter, key("free"), 10**9).headers() == {}  # no limits: no headers, never refused
 
 
-def test_concurrent_requests_of_a_key_are_bounded_and_a_slot_comes_back_when_one_leaves():
-    limiter = RateLimiter(ManualClock(0.0))
+def test_concurrent_requests_of_a_key_are_bounded_and_a_slot_comes_back_when_one_leaves(make_limiter):
+    limiter = make_limiter(ManualClock(0.0))
     team = ApiKey("team", key_digest("sk-team"), KeyLimits(max_concurrent_requests=2))
     limiter.arrive(team)
     limiter.arrive(team)
@@ -182,15 +201,81 @@ def test_concurrent_requests_of_a_key_are_bounded_and_a_slot_comes_back_when_one
     assert limiter.in_progress(team) == 2
 
 
-def test_a_reloaded_limit_keeps_what_was_used():
+def test_a_reloaded_limit_keeps_what_was_used(make_limiter):
     clock = ManualClock(0.0)
-    limiter = RateLimiter(clock)
+    limiter = make_limiter(clock)
     admit(limiter, key("team", rpm=10))
     admit(limiter, key("team", rpm=10))
     headers = admit(limiter, key("team", rpm=4)).headers()  # the file now says 4 per minute
     assert headers["x-ratelimit-remaining-requests"] == "1"
     limiter.forget_others(set())
     assert admit(limiter, key("team", rpm=4)).headers()["x-ratelimit-remaining-requests"] == "3"
+
+
+@pytest.fixture
+def two_workers(tmp_path):
+    """The limiters of two --workers processes on one table, with one clock."""
+    path = str(tmp_path / "key-limits")
+    SharedLimitStates.create(path, workers=2, slots=64)
+    clock = ManualClock(0.0)
+    states = [SharedLimitStates(path, worker) for worker in (0, 1)]
+    yield clock, [RateLimiter(clock, state) for state in states], states
+    for state in states:
+        state.close()
+
+
+def test_two_workers_share_a_keys_requests_and_tokens(two_workers):
+    clock, (first, second), _ = two_workers
+    team = key("team", rpm=3, tpm=100)
+    admit(first, team, 40)
+    admit(second, team, 40)
+    admit(first, team)
+    with pytest.raises(RateLimited) as refused:
+        second.arrive(team)  # 3 per minute for the pod, not per worker
+    assert refused.value.message.startswith("Rate limit reached for API key 'team' on requests per min")
+    assert "Limit 3, Used 3" in refused.value.message
+    with pytest.raises(RateLimited) as no_tokens:
+        first.reserve(team, 21)  # 80 of 100 reserved by the two workers
+    assert "Used 80, Requested 21" in no_tokens.value.message
+    clock.now = 20.0  # one request and 33 tokens refilled, seen by both
+    assert second.headers(team)["x-ratelimit-remaining-requests"] == "1"
+    assert first.headers(team)["x-ratelimit-remaining-tokens"] == "53"
+
+
+def test_two_workers_share_a_keys_concurrent_requests_and_a_restarted_worker_frees_its_own(two_workers):
+    _, (first, second), states = two_workers
+    team = ApiKey("team", key_digest("sk-team"), KeyLimits(max_concurrent_requests=2))
+    first.arrive(team)
+    second.arrive(team)
+    with pytest.raises(RateLimited, match="In progress 2"):
+        first.arrive(team)
+    assert second.in_progress(team) == 2
+    states[1].clear_worker()  # worker 1 died holding its request; its replacement starts
+    assert first.in_progress(team) == 1
+    second.arrive(team)
+    first.leave(team)
+    assert second.in_progress(team) == 1
+
+
+def test_forgetting_a_removed_key_refills_it_for_every_worker(two_workers):
+    _, (first, second), _ = two_workers
+    team = key("team", rpm=2)
+    admit(first, team)
+    admit(second, team)
+    first.forget_others({"someone-else"})
+    assert second.headers(team)["x-ratelimit-remaining-requests"] == "2"
+
+
+def test_a_full_table_says_so(tmp_path):
+    path = str(tmp_path / "key-limits")
+    SharedLimitStates.create(path, workers=1, slots=2)
+    states = SharedLimitStates(path, 0)
+    limiter = RateLimiter(ManualClock(0.0), states)
+    admit(limiter, key("a", rpm=1))
+    admit(limiter, key("b", rpm=1))
+    with pytest.raises(LimitTableFull, match="holds 2 keys"):
+        admit(limiter, key("c", rpm=1))
+    states.close()
 
 
 def write(tmp_path, document, name="keys.yaml") -> str:

@@ -210,3 +210,20 @@ timeoutSeconds: {{ .probe.timeoutSeconds }}
 {{- fail "responses.store redis needs responses.redisUrl or responses.redis.enabled" }}
 {{- end }}
 {{- end }}
+
+{{/* The gateway's --workers: gateway.workers, or one per whole CPU the pod requests (at least 1). */}}
+{{- define "conduit.gateway.workers" -}}
+{{- $g := .Values.gateway -}}
+{{- if $g.workers -}}
+{{- int $g.workers -}}
+{{- else -}}
+{{- $cpu := toString (dig "requests" "cpu" "" ($g.resources | default dict)) -}}
+{{- $millis := 0 -}}
+{{- if hasSuffix "m" $cpu -}}
+{{- $millis = trimSuffix "m" $cpu | int -}}
+{{- else if $cpu -}}
+{{- $millis = mulf (float64 $cpu) 1000 | int -}}
+{{- end -}}
+{{- max 1 (div $millis 1000) -}}
+{{- end -}}
+{{- end }}

@@ -236,6 +236,14 @@ FLAGS: tuple[Flag, ...] = (
         2.0,
     ),
     Flag(
+        "--workers",
+        "workers",
+        "gateway processes sharing --port (SO_REUSEPORT) under a supervisor; key limits, the admin API "
+        "and /metrics cover all of them (default 1: one process, no supervisor)",
+        int,
+        1,
+    ),
+    Flag(
         "--shutdown-grace",
         "shutdown_grace_s",
         "on SIGTERM, seconds open connections (streams included) may finish (default 10)",
@@ -344,16 +352,33 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ConfigError as exc:
         build_parser().error(str(exc))
     from conduit_common.secret_files import SecretFileError
-    from conduit_gateway.http.app import create_app
-    from conduit_gateway.http.server import serve
     from conduit_gateway.keys.keys_file import KeysFileError
 
     logs.configure("DEBUG" if config.log_level == "trace" else config.log_level, config.log_format)
     try:
-        app = create_app(config)
-        serve(config, app)
+        if config.workers > 1:
+            _check_files(config)
+        else:
+            from conduit_gateway.http.app import create_app
+            from conduit_gateway.http.server import serve
+
+            serve(config, create_app(config))
+            return
     except (SecretFileError, KeysFileError) as exc:
         build_parser().error(str(exc))
+    from conduit_gateway.workers.supervisor import supervise
+
+    sys.exit(supervise(config))
+
+
+def _check_files(config: GatewayConfig) -> None:
+    """--workers: read the keys, TLS and token files once before any worker starts, so a bad one stops
+    the supervisor with its reason (KeysFileError, SecretFileError) rather than each worker in a loop."""
+    from conduit_gateway.context import GatewayContext
+    from conduit_gateway.http.server import check_server_files
+
+    GatewayContext.create(config)
+    check_server_files(config)
 
 
 if __name__ == "__main__":

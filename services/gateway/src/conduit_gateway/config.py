@@ -18,6 +18,7 @@ from conduit_gateway.routing.selection import strategy_names
 ROUTING_STRATEGIES = strategy_names()
 TOOL_CALL_PARSERS = tool_call_parser_names()
 REASONING_PARSERS = reasoning_parser_names()
+MAX_WORKERS = 256
 
 
 class ConfigError(ValueError):
@@ -107,6 +108,9 @@ class GatewayConfig:
     # doubling up to max_reconnect_backoff_s for the channel; short, so a restarted engine is back quickly.
     reconnect_backoff_s: float = 0.2
     max_reconnect_backoff_s: float = 2.0
+    # Gateway processes sharing the port (SO_REUSEPORT) under one supervisor (workers/supervisor.py);
+    # 1: this process serves, with no supervisor.
+    workers: int = 1
     # On SIGTERM, how long open HTTP connections (streams included) may finish before they are closed.
     shutdown_grace_s: float = 10.0
     log_level: str = "info"
@@ -216,6 +220,8 @@ class GatewayConfig:
         if self.retry_after_s < 0:
             raise ConfigError(f"retry_after: must be >= 0, got {self.retry_after_s}")
         _positive("shutdown_grace", self.shutdown_grace_s)
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ConfigError(f"workers: must be in [1, {MAX_WORKERS}], got {self.workers}")
 
     def _check_routing(self) -> None:
         if self.routing not in ROUTING_STRATEGIES:

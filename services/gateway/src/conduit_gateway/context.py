@@ -19,9 +19,13 @@ from conduit_gateway.http.limits import ConcurrencyLimiter
 from conduit_gateway.http.metrics import GatewayMetrics
 from conduit_gateway.keys.keys_file import KeysFileError
 from conduit_gateway.keys.rate_limit import Clock, RateLimiter
+from conduit_gateway.keys.shared_limits import SharedLimitStates
 from conduit_gateway.keys.store import ApiKeyStore
 from conduit_gateway.routing.discovery import Resolver
 from conduit_gateway.routing.pool import EnginePool
+from conduit_gateway.workers.admin_log import AdminLog
+from conduit_gateway.workers.metrics_peers import MetricsPeers
+from conduit_gateway.workers.slot import WorkerSlot
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +44,22 @@ class GatewayContext:
     priority_ignored: set[str] = field(default_factory=set)
     # Requests the client left, draining their engine streams to charge them exactly (handlers/drain.py).
     drains: set[asyncio.Task[None]] = field(default_factory=set)
+    # --workers N: which worker this is, and what it shares with the others (None: the only process).
+    worker: WorkerSlot | None = None
+    admin_log: AdminLog | None = None
+    metrics_peers: MetricsPeers | None = None
 
     @classmethod
     def create(
-        cls, config: GatewayConfig, resolver: Resolver | None = None, clock: Clock = time.monotonic
+        cls,
+        config: GatewayConfig,
+        resolver: Resolver | None = None,
+        clock: Clock = time.monotonic,
+        worker: WorkerSlot | None = None,
     ) -> GatewayContext:
         """Reads the keys file and the engines' TLS and token files now (KeysFileError or
         SecretFileError naming the flag). `resolver` replaces DNS lookups for --engine-dns and `clock`
-        the rate limits' time source (tests inject both)."""
+        the rate limits' time source (tests inject both); `worker`: this is one of --workers N."""
         dialer = EngineDialer.from_flags(
             ca=config.engine_tls_ca,
             cert=config.engine_tls_cert,
@@ -62,7 +74,23 @@ class GatewayContext:
         pool = EnginePool(config, resolver=resolver, dialer=dialer)
         metrics = GatewayMetrics(nodes=lambda: pool.engines)
         limiter = ConcurrencyLimiter(config.max_concurrent_requests)
-        return cls(config, pool, limiter, metrics, api_keys, admin_keys, RateLimiter(clock))
+        if worker is None:
+            rate_limiter = RateLimiter(clock)
+            return cls(config, pool, limiter, metrics, api_keys, admin_keys, rate_limiter)
+        states = SharedLimitStates(worker.limits_path, worker.index)
+        states.clear_worker()  # the requests of the worker this one replaces are gone
+        return cls(
+            config,
+            pool,
+            limiter,
+            metrics,
+            api_keys,
+            admin_keys,
+            RateLimiter(clock, states),
+            worker=worker,
+            admin_log=AdminLog(worker.admin_log_path, pool),
+            metrics_peers=MetricsPeers(worker, metrics.render),
+        )
 
     def reload(self) -> None:
         """SIGHUP: each source that fails keeps what is in force and says why in the log."""

@@ -1,9 +1,14 @@
 """The admin API: list, add, drain, resume and remove engine nodes at run time.
 
 Mounted only when admin keys are configured; ApiKeyMiddleware(prefix="/admin") checks the key first.
+Under --workers, each change goes through the shared admin log (workers/admin_log.py), so it reaches
+every worker's pool; a node's counters (in_flight, routed, ...) are the answering worker's.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -16,6 +21,7 @@ from conduit_gateway.routing.pool import DuplicateNodeError, EnginePool, Unknown
 from conduit_gateway.routing.roles import NodeRole
 from conduit_gateway.schemas.admin import AddNodeRequest, NodeList, NodeView
 from conduit_gateway.schemas.common import error_responses
+from conduit_gateway.workers.admin_log import Record
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
@@ -23,7 +29,22 @@ _NODE_ERRORS = error_responses(401, 404)
 
 
 def _pool(request: Request) -> EnginePool:
-    return request.app.state.ctx.pool
+    ctx = request.app.state.ctx
+    if ctx.admin_log is not None:
+        ctx.admin_log.catch_up()  # the other workers' changes, before answering
+    return ctx.pool
+
+
+@contextlib.contextmanager
+def _change(request: Request) -> Iterator[Record]:
+    """A change to the pool: under --workers, made holding the shared admin log (caught up first) and
+    recorded in it. Inside, read the pool as `ctx.pool`: `_pool` would take the log's lock again."""
+    admin_log = request.app.state.ctx.admin_log
+    if admin_log is None:
+        yield lambda *args, **kwargs: None
+        return
+    with admin_log.change() as record:
+        yield record
 
 
 def node_view(node: EngineNode, removed: bool = False) -> NodeView:
@@ -80,33 +101,39 @@ async def add_node(body: AddNodeRequest, request: Request) -> JSONResponse:
     the pool, or whose KV layout differs from the other disaggregated engines' of its model, is not added
     (409 `node_refused`). One that does not answer yet is checked when it starts serving.
     """
-    pool = _pool(request)
-    _check_admin_address(pool, body.address)
-    role = NodeRole(body.role)
-    if role is NodeRole.PREFILL and pool.dialer.token is not None and not pool.dialer.secure:
-        # Decode engines pull a prefill's KV from the address it hands them, with their own token.
-        raise OpenAIError(
-            409,
-            f"The prefill engine {body.address} was not added: over plain gRPC, decode engines would send "
-            "their engine token to it; add it with engine TLS (--engine-tls-ca) or as --prefill-engine.",
-            param="role",
-            code="node_refused",
-        )
-    try:
-        node = pool.add(body.address, NodeSource.ADMIN, role)
-    except ConfigError as exc:
-        raise invalid_param("address", str(exc).removeprefix("address: ")) from None
-    except DuplicateNodeError:
-        raise OpenAIError(
-            409,
-            f"The engine {body.address.strip()!r} is already in the pool.",
-            param="address",
-            code="node_exists",
-        ) from None
+    pool = request.app.state.ctx.pool
+    with _change(request) as record:
+        _check_admin_address(pool, body.address)
+        role = NodeRole(body.role)
+        if role is NodeRole.PREFILL and pool.dialer.token is not None and not pool.dialer.secure:
+            # Decode engines pull a prefill's KV from the address it hands them, with their own token.
+            raise OpenAIError(
+                409,
+                f"The prefill engine {body.address} was not added: over plain gRPC, decode engines would "
+                "send their engine token to it; add it with engine TLS (--engine-tls-ca) or as "
+                "--prefill-engine.",
+                param="role",
+                code="node_refused",
+            )
+        try:
+            node = pool.add(body.address, NodeSource.ADMIN, role)
+        except ConfigError as exc:
+            raise invalid_param("address", str(exc).removeprefix("address: ")) from None
+        except DuplicateNodeError:
+            raise OpenAIError(
+                409,
+                f"The engine {body.address.strip()!r} is already in the pool.",
+                param="address",
+                code="node_exists",
+            ) from None
+        record("add", node.address, node.role.value)
     if node.role.disaggregated:
         await node.check(pool.config.health_check_timeout_s)
         if node.refusal is not None:
-            pool.remove(node.address)
+            with _change(request) as record:
+                if node.address in {n.address for n in pool.engines}:
+                    pool.remove(node.address)
+                    record("remove", node.address)
             raise OpenAIError(
                 409,
                 f"The {node.role} engine {node.address} was not added: {node.refusal}.",
@@ -154,24 +181,30 @@ async def remove_node(address: str, request: Request) -> NodeView:
 
     A node found by DNS discovery comes back at the next resolution that still lists it.
     """
-    try:
-        node = _pool(request).remove(address)
-    except UnknownNodeError:
-        raise _unknown(address) from None
+    with _change(request) as record:
+        try:
+            node = request.app.state.ctx.pool.remove(address)
+        except UnknownNodeError:
+            raise _unknown(address) from None
+        record("remove", address)
     return node_view(node, removed=True)
 
 
 @router.post("/nodes/{address}/drain", response_model=NodeView, responses=_NODE_ERRORS)
 async def drain_node(address: str, request: Request) -> NodeView:
     """Stop sending new requests to an engine; open ones finish (watch `in_flight` reach 0)."""
-    pool = _pool(request)
-    _node(pool, address)
-    return node_view(pool.drain(address))
+    with _change(request) as record:
+        pool = request.app.state.ctx.pool
+        _node(pool, address)
+        record("drain", address)
+        return node_view(pool.drain(address))
 
 
 @router.post("/nodes/{address}/resume", response_model=NodeView, responses=_NODE_ERRORS)
 async def resume_node(address: str, request: Request) -> NodeView:
     """Undo a drain: the engine receives requests again while its health says SERVING."""
-    pool = _pool(request)
-    _node(pool, address)
-    return node_view(pool.resume(address))
+    with _change(request) as record:
+        pool = request.app.state.ctx.pool
+        _node(pool, address)
+        record("resume", address)
+        return node_view(pool.resume(address))

@@ -42,6 +42,7 @@ from conduit_gateway.keys.rate_limit import Clock
 from conduit_gateway.prompt_limits import body_limit
 from conduit_gateway.responses.service import ResponsesService, store_from_config
 from conduit_gateway.routing.discovery import Resolver
+from conduit_gateway.workers.slot import WorkerSlot
 
 
 def create_app(
@@ -49,14 +50,16 @@ def create_app(
     resolver: Resolver | None = None,
     clock: Clock = time.monotonic,
     tracer_provider: TracerProvider | None = None,
+    worker: WorkerSlot | None = None,
 ) -> FastAPI:
     """The gateway app for `config`; engine channels open when the app starts (its lifespan).
 
     `resolver` replaces the DNS lookups of --engine-dns, `clock` the rate limits' time, `tracer_provider`
     the one --otlp-endpoint would make (tests inject them; they read spans in memory). Reads the keys
-    file and the engines' TLS and token files now (KeysFileError, SecretFileError).
+    file and the engines' TLS and token files now (KeysFileError, SecretFileError). `worker`: this app is
+    one worker of --workers N (workers/supervisor.py), sharing key limits, admin changes and /metrics.
     """
-    ctx = GatewayContext.create(config, resolver, clock)
+    ctx = GatewayContext.create(config, resolver, clock, worker)
     responses = ResponsesService(store_from_config(config))
     owned_provider = None
     if tracer_provider is None and config.otlp_endpoint is not None:
@@ -69,11 +72,21 @@ def create_app(
             # Signals reach the main thread only (an app served from a test's thread has no SIGHUP).
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, ctx.reload)
         await ctx.pool.start()
+        if ctx.admin_log is not None:
+            ctx.admin_log.start()  # after the static nodes: the siblings' removals apply to them too
+        if ctx.metrics_peers is not None:
+            await ctx.metrics_peers.start()
         await responses.start()
+        if ctx.worker is not None:
+            ctx.worker.mark_ready()
         try:
             yield
         finally:
             await responses.stop()
+            if ctx.metrics_peers is not None:
+                await ctx.metrics_peers.stop()
+            if ctx.admin_log is not None:
+                await ctx.admin_log.stop()
             await cancel_drains(ctx.drains)
             await ctx.pool.stop()
             if owned_provider is not None:
@@ -111,7 +124,7 @@ def create_app(
     app.add_middleware(AnthropicApiMiddleware)  # /v1/messages: every error above in Anthropic's shape
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     app.add_middleware(TracingMiddleware, tracer=tracer)
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(RequestIdMiddleware, worker=worker.index if worker is not None else None)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

@@ -76,7 +76,12 @@ class RequestIdMiddleware(HttpMiddleware):
 
     Responses carry X-Request-Id: the client's own id echoed, or the gateway's when it sent none (or one
     that is not short and printable). Every log line of the request (uvicorn's access line included)
-    carries `request_id`, and `client_request_id` when the client gave one."""
+    carries `request_id`, and `client_request_id` when the client gave one. Under --workers, responses
+    also say which worker served them (X-Conduit-Worker)."""
+
+    def __init__(self, app: ASGIApp, worker: int | None = None) -> None:
+        super().__init__(app)
+        self._worker = str(worker) if worker is not None else None
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = Headers(scope=scope).get("x-request-id", "")
@@ -88,7 +93,10 @@ class RequestIdMiddleware(HttpMiddleware):
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                MutableHeaders(scope=message)["x-request-id"] = echoed
+                headers = MutableHeaders(scope=message)
+                headers["x-request-id"] = echoed
+                if self._worker is not None:
+                    headers["x-conduit-worker"] = self._worker
             await send(message)
 
         token = current_request_id.set(request_id)

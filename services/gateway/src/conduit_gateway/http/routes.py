@@ -132,7 +132,10 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
-    return Response(_ctx(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    ctx = _ctx(request)
+    if ctx.metrics_peers is not None:  # --workers: the sum over every worker
+        return Response(await ctx.metrics_peers.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _anthropic_info(name: str, engine: EngineNode) -> dict[str, Any]:

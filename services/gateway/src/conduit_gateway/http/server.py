@@ -1,5 +1,6 @@
 """Serving the gateway app: uvicorn with the bounded HTTP protocol, HTTPS whose certificate SIGHUP
 re-reads, and one listener per port (--port, and --admin-port when set) on one server and event loop.
+Under --workers every worker runs this with its own SO_REUSEPORT listeners on the same ports.
 """
 
 from __future__ import annotations
@@ -37,10 +38,14 @@ class HttpsCertificate:
         self.context.load_cert_chain(self.cert, self.key)
 
 
-def _listener(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to host:port (SystemExit naming it when it cannot be); `reuse_port`: the
+    workers of --workers each bind the port (SO_REUSEPORT), and the kernel spreads connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -49,7 +54,15 @@ def _listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_server(config: GatewayConfig, app: FastAPI) -> tuple[uvicorn.Server, list[socket.socket]]:
+def check_server_files(config: GatewayConfig) -> None:
+    """SecretFileError unless the HTTPS certificate and key (when given) are usable."""
+    if config.tls_cert is not None and config.tls_key is not None:
+        HttpsCertificate(config.tls_cert, config.tls_key)
+
+
+def build_server(
+    config: GatewayConfig, app: FastAPI, reuse_port: bool = False
+) -> tuple[uvicorn.Server, list[socket.socket]]:
     """The uvicorn server for `app` and its bound sockets (the API port, then the admin port)."""
     options: dict[str, object] = {}
     if config.tls_cert is not None and config.tls_key is not None:
@@ -70,9 +83,9 @@ def build_server(config: GatewayConfig, app: FastAPI) -> tuple[uvicorn.Server, l
         **options,  # type: ignore[arg-type]
     )
     ports = [config.port, *([config.admin_port] if config.admin_port is not None else [])]
-    return uvicorn.Server(server_config), [_listener(config.host, port) for port in ports]
+    return uvicorn.Server(server_config), [bind_socket(config.host, port, reuse_port) for port in ports]
 
 
-def serve(config: GatewayConfig, app: FastAPI) -> None:
-    server, sockets = build_server(config, app)
+def serve(config: GatewayConfig, app: FastAPI, reuse_port: bool = False) -> None:
+    server, sockets = build_server(config, app, reuse_port)
     server.run(sockets=sockets)

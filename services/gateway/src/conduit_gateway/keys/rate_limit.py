@@ -11,15 +11,19 @@ Each bucket holds up to its per-minute limit and refills continuously at limit /
   reservation grows by each prompt's tokens when the engine has counted them; when the request ends, it
   is settled to what the request used and the rest is given back (`TokenReservation.settle`).
 
-The clock is injected (seconds, monotonic), so tests drive the buckets exactly.
+The clock is injected (seconds, monotonic), so tests drive the buckets exactly. Where the buckets live is
+a `LimitStates`: this process's memory (`LocalLimitStates`, one gateway process), or a file every worker
+of `--workers N` maps (`keys/shared_limits.py`), so that a key's limits hold for the pod, not per worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.keys.keys_file import ApiKey, KeyLimits
@@ -50,15 +54,15 @@ class TokenBucket:
     def __init__(self, capacity: int, now: float) -> None:
         self.capacity = capacity
         self.level = float(capacity)
-        self._updated = now
+        self.updated = now
 
     @property
     def rate(self) -> float:
         return self.capacity / 60.0
 
     def refill(self, now: float) -> None:
-        self.level = min(float(self.capacity), self.level + (now - self._updated) * self.rate)
-        self._updated = now
+        self.level = min(float(self.capacity), self.level + (now - self.updated) * self.rate)
+        self.updated = now
 
     def resize(self, capacity: int) -> None:
         """A new limit from a reloaded keys file: what was used stays used."""
@@ -76,9 +80,50 @@ class TokenBucket:
 
 
 @dataclass(slots=True)
-class _KeyBuckets:
+class KeyBuckets:
     requests: TokenBucket | None
     tokens: TokenBucket | None
+
+
+@dataclass(slots=True)
+class KeyState:
+    """One key's buckets (None until its first request, or after a reload dropped the key) and its
+    requests in progress (in every worker)."""
+
+    buckets: KeyBuckets | None = None
+    active: int = 0
+
+
+class LimitStates(Protocol):
+    """Where the keys' states live; `open` holds one key's state for a read-modify-write."""
+
+    def open(self, name: str) -> contextlib.AbstractContextManager[KeyState]: ...
+
+    def forget_others(self, names: Iterable[str]) -> None:
+        """Drop the buckets of every key not in `names` (their requests in progress stay counted)."""
+        ...
+
+
+class LocalLimitStates:
+    """The states in this process's memory (one gateway process)."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, KeyState] = {}
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[KeyState]:
+        state = self._states.get(name)
+        if state is None:
+            state = self._states[name] = KeyState()
+        yield state
+
+    def forget_others(self, names: Iterable[str]) -> None:
+        kept = set(names)
+        for name, state in list(self._states.items()):
+            if name not in kept:
+                state.buckets = None
+                if state.active <= 0:
+                    del self._states[name]
 
 
 class RateLimited(OpenAIError):
@@ -115,103 +160,98 @@ class TokenReservation:
 class RateLimiter:
     """The buckets of every limited key, by key name (a key rotated under the same name keeps them)."""
 
-    def __init__(self, clock: Clock = time.monotonic) -> None:
+    def __init__(self, clock: Clock = time.monotonic, states: LimitStates | None = None) -> None:
         self._clock = clock
-        self._buckets: dict[str, _KeyBuckets] = {}
-        self._active: dict[str, int] = {}  # key name → its requests in progress
+        self._states = states if states is not None else LocalLimitStates()
 
     def arrive(self, key: ApiKey) -> None:
         """A request of `key` arrived: take one request and one of its concurrent slots, or raise
         RateLimited (nothing taken). `leave` gives the slot back, however the request ends."""
-        buckets = self._refilled(key)
-        if buckets.requests is not None and buckets.requests.level < 1:
-            raise self._refusal(key, "requests", buckets.requests, 1)
-        active = self._active.get(key.name, 0)
-        limit = key.limits.max_concurrent_requests
-        if limit is not None and active >= limit:
-            raise RateLimited(
-                429,
-                f"Too many concurrent requests for API key {key.name!r}: Limit {limit}, In progress "
-                f"{active}. Wait for one to finish.",
-                type="requests",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": "1", **self.headers(key)},
-            )
-        if buckets.requests is not None:
-            buckets.requests.level -= 1
-        self._active[key.name] = active + 1
+        with self._states.open(key.name) as state:
+            buckets = self._refilled(key, state)
+            if buckets.requests is not None and buckets.requests.level < 1:
+                raise self._refusal(key, buckets, "requests", buckets.requests, 1)
+            limit = key.limits.max_concurrent_requests
+            if limit is not None and state.active >= limit:
+                raise RateLimited(
+                    429,
+                    f"Too many concurrent requests for API key {key.name!r}: Limit {limit}, In progress "
+                    f"{state.active}. Wait for one to finish.",
+                    type="requests",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": "1", **_headers(buckets)},
+                )
+            if buckets.requests is not None:
+                buckets.requests.level -= 1
+            state.active += 1
 
     def occupy(self, key: ApiKey) -> None:
         """Hold one more concurrent slot of `key`, unchecked (a background run outliving its request)."""
-        self._active[key.name] = self._active.get(key.name, 0) + 1
+        with self._states.open(key.name) as state:
+            state.active += 1
 
     def leave(self, key: ApiKey) -> None:
-        active = self._active.get(key.name, 0) - 1
-        if active > 0:
-            self._active[key.name] = active
-        else:
-            self._active.pop(key.name, None)
+        with self._states.open(key.name) as state:
+            state.active = max(0, state.active - 1)
 
     def in_progress(self, key: ApiKey) -> int:
-        return self._active.get(key.name, 0)
+        with self._states.open(key.name) as state:
+            return state.active
 
     def reserve(self, key: ApiKey, tokens: int) -> TokenReservation:
         """Take `tokens` (a request's worst case) of `key`'s tokens, or raise RateLimited (nothing taken):
         too large when they are above the key's limit, else when the bucket holds fewer now."""
-        buckets = self._refilled(key)
-        bucket = buckets.tokens
-        if bucket is not None:
-            if tokens > bucket.capacity:
-                raise self._too_large(key, bucket, tokens)
-            if bucket.level < max(1, tokens):
-                raise self._refusal(key, "tokens", bucket, tokens)
-            bucket.level -= tokens
+        with self._states.open(key.name) as state:
+            buckets = self._refilled(key, state)
+            bucket = buckets.tokens
+            if bucket is not None:
+                if tokens > bucket.capacity:
+                    raise self._too_large(key, buckets, bucket, tokens)
+                if bucket.level < max(1, tokens):
+                    raise self._refusal(key, buckets, "tokens", bucket, tokens)
+                bucket.level -= tokens
         return TokenReservation(self, key, tokens)
 
     def charge(self, key: ApiKey, tokens: int) -> None:
         """Take `tokens` of the key's bucket (negative: give them back, up to its capacity)."""
-        buckets = self._refilled(key)
-        if buckets.tokens is not None:
-            bucket = buckets.tokens
-            bucket.level = min(float(bucket.capacity), bucket.level - tokens)
+        with self._states.open(key.name) as state:
+            bucket = self._refilled(key, state).tokens
+            if bucket is not None:
+                bucket.level = min(float(bucket.capacity), bucket.level - tokens)
 
     def headers(self, key: ApiKey) -> dict[str, str]:
-        buckets = self._refilled(key)
-        headers: dict[str, str] = {}
-        for kind, bucket in (("requests", buckets.requests), ("tokens", buckets.tokens)):
-            if bucket is not None:
-                headers[f"x-ratelimit-limit-{kind}"] = str(bucket.capacity)
-                headers[f"x-ratelimit-remaining-{kind}"] = str(bucket.remaining())
-                headers[f"x-ratelimit-reset-{kind}"] = go_duration(bucket.seconds_until(bucket.capacity))
-        return headers
+        with self._states.open(key.name) as state:
+            return _headers(self._refilled(key, state))
 
     def forget_others(self, names: set[str]) -> None:
         """Drop the buckets of keys no longer configured (after a reload)."""
-        for name in set(self._buckets) - names:
-            del self._buckets[name]
+        self._states.forget_others(names)
 
-    def _refilled(self, key: ApiKey) -> _KeyBuckets:
+    def _refilled(self, key: ApiKey, state: KeyState) -> KeyBuckets:
         now = self._clock()
-        buckets = self._buckets.get(key.name)
-        if buckets is None:
-            buckets = self._buckets[key.name] = _new_buckets(key.limits, now)
+        if state.buckets is None:
+            state.buckets = _new_buckets(key.limits, now)
         else:
-            _apply_limits(buckets, key.limits, now)
-        for bucket in (buckets.requests, buckets.tokens):
+            _apply_limits(state.buckets, key.limits, now)
+        for bucket in (state.buckets.requests, state.buckets.tokens):
             if bucket is not None:
                 bucket.refill(now)
-        return buckets
+        return state.buckets
 
-    def _refusal(self, key: ApiKey, kind: str, bucket: TokenBucket, requested: int) -> RateLimited:
+    def _refusal(
+        self, key: ApiKey, buckets: KeyBuckets, kind: str, bucket: TokenBucket, requested: int
+    ) -> RateLimited:
         wait = bucket.seconds_until(max(1, requested))
         message = (
             f"Rate limit reached for API key {key.name!r} on {_UNITS[kind]}: Limit {bucket.capacity}, "
             f"Used {bucket.used()}, Requested {requested}. Please try again in {go_duration(wait)}."
         )
-        headers = {"Retry-After": str(max(1, math.ceil(round(wait, 6)))), **self.headers(key)}
+        headers = {"Retry-After": str(max(1, math.ceil(round(wait, 6)))), **_headers(buckets)}
         return RateLimited(429, message, type=kind, code="rate_limit_exceeded", headers=headers)
 
-    def _too_large(self, key: ApiKey, bucket: TokenBucket, requested: int) -> RateLimited:
+    def _too_large(
+        self, key: ApiKey, buckets: KeyBuckets, bucket: TokenBucket, requested: int
+    ) -> RateLimited:
         # No Retry-After: waiting does not help, only a smaller request does.
         message = (
             f"Request too large for API key {key.name!r} on {_UNITS['tokens']}: Limit {bucket.capacity}, "
@@ -219,20 +259,30 @@ class RateLimiter:
             "rest of the model's context). The input or output tokens must be reduced in order to run "
             "successfully."
         )
-        return RateLimited(429, message, type="tokens", code="rate_limit_exceeded", headers=self.headers(key))
+        return RateLimited(429, message, type="tokens", code="rate_limit_exceeded", headers=_headers(buckets))
+
+
+def _headers(buckets: KeyBuckets) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for kind, bucket in (("requests", buckets.requests), ("tokens", buckets.tokens)):
+        if bucket is not None:
+            headers[f"x-ratelimit-limit-{kind}"] = str(bucket.capacity)
+            headers[f"x-ratelimit-remaining-{kind}"] = str(bucket.remaining())
+            headers[f"x-ratelimit-reset-{kind}"] = go_duration(bucket.seconds_until(bucket.capacity))
+    return headers
 
 
 _UNITS = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
 
 
-def _new_buckets(limits: KeyLimits, now: float) -> _KeyBuckets:
-    return _KeyBuckets(
+def _new_buckets(limits: KeyLimits, now: float) -> KeyBuckets:
+    return KeyBuckets(
         requests=TokenBucket(limits.requests_per_minute, now) if limits.requests_per_minute else None,
         tokens=TokenBucket(limits.tokens_per_minute, now) if limits.tokens_per_minute else None,
     )
 
 
-def _apply_limits(buckets: _KeyBuckets, limits: KeyLimits, now: float) -> None:
+def _apply_limits(buckets: KeyBuckets, limits: KeyLimits, now: float) -> None:
     """Follow a reloaded keys file: add, drop or resize buckets whose limit changed."""
     for attr, limit in (("requests", limits.requests_per_minute), ("tokens", limits.tokens_per_minute)):
         bucket: TokenBucket | None = getattr(buckets, attr)

@@ -1,0 +1,1 @@
+"""`--workers N`: the supervisor that runs N gateway processes on one port, and what they share."""
