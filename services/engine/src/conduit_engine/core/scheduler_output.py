@@ -12,6 +12,14 @@ from conduit_engine.core.sequence import Sequence
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed for this sequence this step
+    # A speculative proposal (core/spec_decode.py): computed after its last token, every position sampled
+    # and the sampled tokens kept up to the first that differs from it. Its KV slots are reserved.
+    spec_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Tokens the model computes for this sequence this step: its new tokens and the proposal."""
+        return self.num_new_tokens + len(self.spec_token_ids)
 
     @property
     def samples(self) -> bool:
@@ -30,7 +38,11 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_query_tokens for s in self.scheduled)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return sum(len(s.spec_token_ids) for s in self.scheduled)
 
     @property
     def num_prefill_tokens(self) -> int:

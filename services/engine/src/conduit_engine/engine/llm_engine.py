@@ -97,7 +97,11 @@ class LLMEngine:
         # Prefix-cache events for SubscribeKvEvents (published by the loop thread after each step).
         self.kv_events = KvEventPublisher(self.block_manager)
         self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, self.max_model_len, self.executor.multi_pass
+            config.scheduler,
+            self.block_manager,
+            self.max_model_len,
+            self.executor.multi_pass,
+            speculative=config.speculative,
         )
         self.stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
         limits = Limits(self.arch.vocab_size, self.max_model_len, self.num_blocks, self.block_size)
@@ -385,6 +389,9 @@ class LLMEngine:
                 continue
             if result.prompt_logprobs and seq.index == 0:  # choices share one prompt
                 req.pending_prompt_logprobs.extend(result.prompt_logprobs)
+            if item.spec_token_ids and self.scheduler.spec is not None:
+                # The tokens kept beyond the first are accepted proposal tokens (step_batch.verify).
+                self.scheduler.spec.observe(seq, len(item.spec_token_ids), len(result.token_ids) - 1)
             accepted: list[int] = []
             text = ""
             for token_id in result.token_ids:
