@@ -80,7 +80,7 @@ def speculative_config_from_dict(raw: dict[str, Any]) -> SpeculativeConfig:
     for name, value in raw.items():
         kind = _FIELDS[name]
         ok = isinstance(value, kind) and not isinstance(value, bool)
-        expected = "a number" if isinstance(kind, tuple) else f"a {kind.__name__}"
+        expected = {str: "a string", int: "an integer"}.get(kind, "a number")  # type: ignore[call-overload]
         _check(ok, name, f"must be {expected}, got {json.dumps(value)}")
     if raw["method"] == "ngram" and "prompt_lookup_min" in raw and "prompt_lookup_max" not in raw:
         raw = {**raw, "prompt_lookup_max": max(raw["prompt_lookup_min"], 4)}
