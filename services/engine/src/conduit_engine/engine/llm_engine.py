@@ -22,6 +22,7 @@ from conduit_engine.core.block_manager import BlockManager, BlockStats
 from conduit_engine.core.scheduler import Scheduler
 from conduit_engine.core.scheduler_output import SchedulerOutput
 from conduit_engine.core.sequence import FinishReason, Sequence
+from conduit_engine.core.spec_decode import SpecDecodeCounters
 from conduit_engine.core.stop_rules import StopRules
 from conduit_engine.engine.admission import Admission, Limits
 from conduit_engine.engine.continuation import check_continuation, replay_continuation
@@ -65,6 +66,7 @@ class EngineStats:
     kv_bytes_pulled: int = 0
     kv_bytes_saved: int = 0  # not pulled: already in this engine's prefix cache
     kv_pulls: int = 0  # pulls into this engine that completed
+    spec_decode: SpecDecodeCounters | None = None  # speculative decoding's totals; None: it is off
 
 
 class LLMEngine:
@@ -457,6 +459,7 @@ class LLMEngine:
             kv_bytes_pulled=self.kv_consumer.counters.bytes_pulled,
             kv_bytes_saved=self.kv_consumer.counters.bytes_saved,
             kv_pulls=self.kv_consumer.counters.pulls,
+            spec_decode=None if self.scheduler.spec is None else self.scheduler.spec.counters.copy(),
         )
 
     def check_integrity(self) -> None:
