@@ -19,6 +19,7 @@ from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.entrypoints.cli import build_parser, config_from_args
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.speculation.config import SpeculativeConfig, parse_speculative_config
+from conduit_engine.speculation.gate import SpecGate
 from conduit_engine.speculation.ngram import NgramIndex
 from conduit_engine.structured.spec import StructuredKind, StructuredSpec
 from tests.engine.support.harness import Collected, greedy, make_engine, run_to_completion
@@ -323,3 +324,17 @@ def test_a_sequence_whose_proposals_are_rejected_stops_speculating(stories_path)
     assert len(results[("a", 0)].token_ids) == 200
     assert forced.scheduler.spec.counters.acceptance_rate < 0.5
     assert backed_off.scheduler.spec.counters.num_drafts < forced.scheduler.spec.counters.num_drafts / 2
+
+
+def test_the_gate_speculates_while_it_is_cheaper_per_token_and_explores_the_other_choice():
+    gate = SpecGate(explore_every=4)
+    assert gate.allow(16)  # nothing measured: measure speculation
+    gate.observe(16, True, seconds=3.0, tokens=30)  # 0.1 s a token
+    choices = [gate.allow(16) for _ in range(8)]
+    assert choices.count(False) == 2  # not measured without speculation yet: try it now and then
+    gate.observe(16, False, seconds=1.0, tokens=16)  # 0.0625 s a token: cheaper
+    choices = [gate.allow(16) for _ in range(8)]
+    assert choices.count(True) == 2  # mostly not, exploring every 4th step
+    assert gate.costs(16) == (pytest.approx(0.1), pytest.approx(0.0625))
+    assert gate.costs(15) == gate.costs(16) and gate.costs(1) == (None, None)  # buckets: powers of two
+    assert gate.allow(1)  # another bucket measures on its own

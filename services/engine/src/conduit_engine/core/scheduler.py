@@ -80,6 +80,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
+        speculate = self.spec is not None and self.spec.allow(len(self.running))
 
         for seq in list(self.running):
             if budget == 0:
@@ -100,7 +101,7 @@ class Scheduler:
                 budget -= num_new
                 spec = (
                     ()
-                    if self.spec is None or num_new != 1
+                    if self.spec is None or not speculate or num_new != 1
                     else self.spec.propose(seq, budget, len(self.running))
                 )
                 out.scheduled.append(ScheduledSeq(seq, num_new, spec))

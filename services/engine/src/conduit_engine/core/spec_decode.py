@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from conduit_engine.core.block_manager import BlockManager
 from conduit_engine.core.sequence import Sequence
 from conduit_engine.speculation.config import SpeculativeConfig
+from conduit_engine.speculation.gate import SpecGate
 from conduit_engine.speculation.ngram import NgramIndex
 from conduit_engine.speculation.tracker import AcceptanceTracker
 
@@ -60,7 +61,12 @@ class SpecDecode:
         self._blocks = block_manager
         self._max_model_len = max_model_len
         self._seqs: dict[int, _SeqSpec] = {}
+        self.gate = SpecGate()
         self.counters = SpecDecodeCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
+
+    def allow(self, num_running: int) -> bool:
+        """Whether this step may speculate at all (the cost gate; min_acceptance_rate 0: always)."""
+        return self.config.min_acceptance_rate == 0 or self.gate.allow(num_running)
 
     def propose(self, seq: Sequence, budget: int, keep_free: int = 0) -> tuple[int, ...]:
         """A proposal for `seq`, which decodes one token this step with its slot reserved; at most
@@ -104,6 +110,11 @@ class SpecDecode:
         state = self._seqs.get(seq.seq_id)
         if state is not None:
             state.tracker.observe(num_drafts, num_accepted)
+
+    def observe_step(self, num_seqs: int, speculated: bool, seconds: float, tokens: int) -> None:
+        """A pure decode step of `num_seqs` sequences (`speculated`: some verified a proposal) emitted
+        `tokens` tokens in `seconds` of wall time, schedule to update: the gate's measurements."""
+        self.gate.observe(num_seqs, speculated, seconds, tokens)
 
     def forget(self, seq: Sequence) -> None:
         self._seqs.pop(seq.seq_id, None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -124,6 +125,10 @@ class LLMEngine:
         self._finished_requests = 0
         self._generated_tokens = 0
         self._log_prompts = config.telemetry.log_prompts
+        # What speculative decoding's gate measures a step's cost with: this process's CPU time when the
+        # model runs here (other processes' load on a shared machine stretches wall time, not it), wall
+        # time when the model runs in worker processes.
+        self._spec_clock = time.process_time if self.executor.multi_pass else time.perf_counter
         # Attach on the engine thread (AsyncEngine.run_sync), between steps.
         self.observers: list[EngineObserver] = []
         log.info(
@@ -357,10 +362,12 @@ class LLMEngine:
 
     # ----- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = self._spec_clock()
         timer = StepTimer(self.observers)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
+        pure_decode = scheduled.num_prefill_tokens == 0 and not scheduled.preempted
         timer.scheduled(scheduled, self._requests)
         # What scheduling evicted reaches the routers now, not after the model ran: a request routed
         # during this step must not be sent here for blocks that are already gone.
@@ -368,6 +375,11 @@ class LLMEngine:
         results = self.executor.execute(scheduled)
         self.scheduler.observe(scheduled, timer.executed(scheduled))
         outputs = self._update(scheduled, results, timer.record)
+        spec = self.scheduler.spec
+        if spec is not None and pure_decode:
+            emitted = sum(len(out.token_ids) for out in outputs)
+            seconds = self._spec_clock() - started
+            spec.observe_step(len(scheduled.scheduled), scheduled.num_spec_tokens > 0, seconds, emitted)
         timer.finish()
         return outputs
 

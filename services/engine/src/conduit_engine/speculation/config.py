@@ -3,9 +3,11 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     {"method": "draft_model", "model": "PATH|HUB_ID", "num_speculative_tokens": 4}
 
-Conduit's own optional fields: `min_acceptance_rate` (a sequence whose moving acceptance rate falls
-under it stops speculating; 0 keeps it on) and `acceptance_window` (how many recent proposals that rate
-averages over, roughly). Every error names the field.
+Conduit's own optional fields: `min_acceptance_rate` (default 0.25: a sequence whose moving acceptance
+rate falls under it stops speculating for a while, and a step speculates only while speculating has
+measured cheaper per emitted token than not, speculation/gate.py; 0 turns both off: every proposal is
+verified) and `acceptance_window` (how many recent proposals that rate averages over, roughly). Every
+error names the field.
 """
 
 from __future__ import annotations
