@@ -17,6 +17,7 @@ import pytest
 
 from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.entrypoints.cli import build_parser, config_from_args
+from conduit_engine.errors import ModelLoadError
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.speculation.config import SpeculativeConfig, parse_speculative_config
 from conduit_engine.speculation.gate import SpecGate
@@ -338,3 +339,66 @@ def test_the_gate_speculates_while_it_is_cheaper_per_token_and_explores_the_othe
     assert gate.costs(16) == (pytest.approx(0.1), pytest.approx(0.0625))
     assert gate.costs(15) == gate.costs(16) and gate.costs(1) == (None, None)  # buckets: powers of two
     assert gate.allow(1)  # another bucket measures on its own
+
+
+# ----- draft model ----------------------------------------------------------------------------------
+def truncated_copy(target, folder, layers: int, vocab_size: int | None = None):
+    """`target` with only its first `layers` decoder layers (a draft of the same vocabulary), or with
+    config.json claiming another vocabulary size."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in target.iterdir():
+        if item.is_file() and item.name not in ("model.safetensors", "config.json"):
+            shutil.copy(item, folder / item.name)
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    if vocab_size is not None:
+        config["vocab_size"] = vocab_size
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = load_file(target / "model.safetensors")
+    kept = {
+        k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+    }
+    save_file(kept, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def draft(model) -> SpeculativeConfig:
+    return SpeculativeConfig("draft_model", 4, model=str(model), min_acceptance_rate=0.0)
+
+
+def test_a_draft_model_is_exact_and_its_own_kv_follows_the_sequence(stories_path, story, tmp_path):
+    """The target as its own draft accepts every proposed token (its KV cache mirrors the target's
+    through catch-ups, prefix hits, n > 1 and preemptions); a two-layer cut of it accepts few. Both are
+    exact."""
+    requests = {
+        "grounded": (grounded(story), greedy(50, ignore_eos=True, logprobs=2)),
+        "free": ([1, 403, 407, 261, 378], greedy(40, ignore_eos=True)),
+        "n": (grounded(story, 3), greedy(30, n=2, stop=["park"])),
+        "pen": (grounded(story, 2), greedy(30, repetition_penalty=1.2, min_tokens=20)),
+    }
+    plain_greedy = {k: v for k, v in requests.items() if k != "pen"}  # the draft knows no penalties
+    engine, _, _ = assert_same_as_without(stories_path, plain_greedy, spec=draft(stories_path))
+    c = engine.scheduler.spec.counters
+    assert c.num_accepted_tokens == c.num_draft_tokens > 100
+    engine, _, _ = assert_same_as_without(
+        stories_path, requests, spec=draft(stories_path), num_blocks=24, block_size=4
+    )
+    assert engine.test_preemptions > 0
+    small = truncated_copy(stories_path, tmp_path / "two-layers", 2)
+    engine, _, _ = assert_same_as_without(stories_path, requests, spec=draft(small))
+    assert engine.scheduler.spec.counters.acceptance_rate < 0.5
+
+
+def test_a_draft_of_another_vocabulary_is_refused_naming_the_field(stories_path, tmp_path):
+    other = truncated_copy(stories_path, tmp_path / "other-vocab", 2, vocab_size=1024)
+    with pytest.raises(ModelLoadError, match="^--speculative-config: model: the draft's vocabulary has 1024"):
+        make_engine(stories_path, speculative=draft(other))
+    with pytest.raises(ModelLoadError, match="^--speculative-config: model: .* lacks config.json"):
+        make_engine(stories_path, speculative=draft(tmp_path))
+    with pytest.raises(ModelLoadError, match="method draft_model runs the draft in the engine process"):
+        make_engine(stories_path, speculative=draft(stories_path), worker_process=True)

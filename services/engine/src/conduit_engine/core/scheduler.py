@@ -99,14 +99,14 @@ class Scheduler:
                     break
             else:
                 budget -= num_new
-                spec = (
-                    ()
+                spec, num_draft = (
+                    ((), 0)
                     if self.spec is None or not speculate or num_new != 1
                     else self.spec.propose(seq, budget, len(self.running))
                 )
-                out.scheduled.append(ScheduledSeq(seq, num_new, spec))
+                out.scheduled.append(ScheduledSeq(seq, num_new, spec, num_draft))
                 scheduled_ids.add(seq.seq_id)
-                budget -= len(spec)
+                budget -= len(spec) + num_draft
 
         if not out.preempted:
             self._admit(out, budget)

@@ -53,10 +53,7 @@ class _SeqSpec:
 
 class SpecDecode:
     def __init__(self, config: SpeculativeConfig, block_manager: BlockManager, max_model_len: int) -> None:
-        if config.method != "ngram":
-            raise ValueError(
-                f"--speculative-config: method {config.method!r} is not supported by this engine"
-            )
+        self.uses_draft = config.method == "draft_model"  # the executor's draft model proposes
         self.config = config
         self._blocks = block_manager
         self._max_model_len = max_model_len
@@ -68,17 +65,18 @@ class SpecDecode:
         """Whether this step may speculate at all (the cost gate; min_acceptance_rate 0: always)."""
         return self.config.min_acceptance_rate == 0 or self.gate.allow(num_running)
 
-    def propose(self, seq: Sequence, budget: int, keep_free: int = 0) -> tuple[int, ...]:
+    def propose(self, seq: Sequence, budget: int, keep_free: int = 0) -> tuple[tuple[int, ...], int]:
         """A proposal for `seq`, which decodes one token this step with its slot reserved; at most
-        `budget` tokens. Its KV slots are reserved when it is not empty, and only while `keep_free`
-        blocks stay free (the other running sequences' next tokens must not need a preemption)."""
+        `budget` tokens: (the n-gram proposal, the length of the draft model's proposal), one of them
+        empty. Its KV slots are reserved when it is not empty, and only while `keep_free` blocks stay
+        free (the other running sequences' next tokens must not need a preemption)."""
         if seq.grammar is not None or seq.num_uncomputed_tokens != 1:
-            return ()
+            return (), 0
         if seq.num_computed_tokens < seq.num_prompt_tokens:
-            return ()
+            return (), 0
         state = self._state(seq)
         if not state.tracker.may_propose():
-            return ()
+            return (), 0
         params = seq.params
         limit = min(
             self.config.num_speculative_tokens,
@@ -87,20 +85,26 @@ class SpecDecode:
             self._max_model_len - seq.num_tokens - 1,
         )
         if limit <= 0:
-            return ()
-        proposal = state.index.propose(seq.token_ids, limit)
-        if not proposal:
-            return ()
+            return (), 0
+        proposal = [] if self.uses_draft else state.index.propose(seq.token_ids, limit)
+        length = limit if self.uses_draft else len(proposal)
+        if not length:
+            return (), 0
         blocks = self._blocks
-        needed = blocks.blocks_needed(seq.num_computed_tokens + 1 + len(proposal)) - len(seq.block_table)
+        needed = blocks.blocks_needed(seq.num_computed_tokens + 1 + length) - len(seq.block_table)
         if needed > 0 and blocks.num_free_blocks - needed < keep_free:
-            return ()  # not enough free blocks for it: decode one token, preempt nobody
-        grown = blocks.ensure_slots(seq, seq.num_computed_tokens + 1 + len(proposal))
+            return (), 0  # not enough free blocks for it: decode one token, preempt nobody
+        grown = blocks.ensure_slots(seq, seq.num_computed_tokens + 1 + length)
         assert grown, "free blocks were counted before growing"
-        return tuple(proposal)
+        return tuple(proposal), (length if self.uses_draft else 0)
 
-    def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """`seq` verified a proposal of `num_drafts` tokens and `num_accepted` of them were kept."""
+    def observe(self, seq: Sequence, num_drafts: int, num_accepted: int, computed_before: int) -> None:
+        """`seq` verified a proposal of `num_drafts` tokens and `num_accepted` of them were kept; its
+        last real token was at `computed_before`."""
+        if self.uses_draft:
+            # The draft wrote KV up to that token and for the first num_drafts - 1 proposed ones; the
+            # accepted ones among them are now the sequence's own.
+            seq.num_draft_computed = computed_before + 1 + min(num_accepted, num_drafts - 1)
         c = self.counters
         c.num_drafts += 1
         c.num_draft_tokens += num_drafts

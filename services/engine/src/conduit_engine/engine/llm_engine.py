@@ -397,6 +397,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for item, result in zip(scheduled.scheduled, results, strict=True):
             seq = item.seq
+            computed_before = seq.num_computed_tokens
             self.scheduler.advance(seq, item.num_new_tokens)  # the KV the step's first pass computed
             req = self._requests.get(seq.request_id)
             if req is None or seq.is_finished:
@@ -405,7 +406,8 @@ class LLMEngine:
                 req.pending_prompt_logprobs.extend(result.prompt_logprobs)
             if item.spec_token_ids and self.scheduler.spec is not None:
                 # The tokens kept beyond the first are accepted proposal tokens (step_batch.verify).
-                self.scheduler.spec.observe(seq, len(item.spec_token_ids), len(result.token_ids) - 1)
+                drafts, kept = len(item.spec_token_ids), len(result.token_ids) - 1
+                self.scheduler.spec.observe(seq, drafts, kept, computed_before)
             accepted: list[int] = []
             text = ""
             for token_id in result.token_ids:
