@@ -17,8 +17,8 @@ Workloads on stories260K (the only real checkpoint here):
   least 24), so every output token lies in the passage: what n-gram lookup can reach at best.
 - free: story openings alone, 96 tokens each (whatever the model repeats of its own output is
   proposable, the rest is not).
-Draft model: stories260K cut to its first two layers (the same vocabulary and embeddings, a third of the
-compute), made on first use under .models/; it is only measured when the engine supports the method.
+Draft model: stories260K cut to its first --draft-layers layers of five (the same vocabulary, embeddings
+and final norm; no smaller model of this vocabulary exists here), made on first use under .models/.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from common import REPO, stories_path
 from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from conduit_engine.engine.llm_engine import LLMEngine
 from conduit_engine.engine.request import GenerationRequest
+from conduit_engine.errors import ModelLoadError
 from conduit_engine.sampling_params import SamplingParams
 from conduit_engine.speculation.config import SpeculativeConfig
 
@@ -158,6 +159,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32, help="requests per workload at c=16")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--no-draft", action="store_true")
+    parser.add_argument("--draft-layers", type=int, default=4, help="layers of stories260K the draft keeps")
     parser.add_argument("--wall", action="store_true", help="wall-clock seconds, not CPU seconds")
     args = parser.parse_args()
     global CPU_TIME
@@ -169,10 +171,11 @@ def main() -> None:
     }
     if not args.no_draft:
         try:
-            draft = SpeculativeConfig("draft_model", args.k, model=str(draft_folder(target)))
+            folder = draft_folder(target, args.draft_layers)
+            draft = SpeculativeConfig("draft_model", args.k, model=str(folder))
             make_engine(target, 1, draft)
             configs["draft"] = draft
-        except (ValueError, NotImplementedError) as exc:
+        except (ValueError, ModelLoadError) as exc:
             print(f"draft model: not measured ({exc})")
     probe = make_engine(target, 16, None)
     sets = workloads(probe, args.requests)

@@ -402,3 +402,15 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_the_field(stories_path,
         make_engine(stories_path, speculative=draft(tmp_path))
     with pytest.raises(ModelLoadError, match="method draft_model runs the draft in the engine process"):
         make_engine(stories_path, speculative=draft(stories_path), worker_process=True)
+
+
+def test_decode_bursts_run_between_draft_proposals(stories_path, story, tmp_path):
+    # A poor draft with the back-off on: sequences stop proposing, and their steps burst again.
+    small = truncated_copy(stories_path, tmp_path / "two-layers", 2)
+    spec = SpeculativeConfig("draft_model", 4, model=str(small))
+    requests = {f"r{i}": (grounded(story, 2 + i), greedy(80, ignore_eos=True)) for i in range(3)}
+    forced = {"max_decode_steps": 8, "decode_burst_ms": 1e6}
+    _, plain = run(stories_path, requests)
+    engine, speculated = run(stories_path, requests, speculative=spec, **forced)
+    assert engine.scheduler.bursts.num_bursts > 0 and engine.scheduler.spec.counters.num_drafts > 0
+    assert {k: c.token_ids for k, c in speculated.items()} == {k: c.token_ids for k, c in plain.items()}

@@ -47,7 +47,7 @@ class DecodeBursts:
             return 1
         for item in out.scheduled:
             seq = item.seq
-            if item.num_new_tokens != 1 or item.spec_token_ids or not item.samples or not _history_free(seq):
+            if item.num_query_tokens != 1 or not item.samples or not _history_free(seq):
                 return 1
             max_tokens = seq.params.max_tokens
             steps = min(steps, max_tokens - seq.num_output_tokens, self._max_model_len - seq.num_tokens)
