@@ -331,11 +331,12 @@ def test_the_gate_speculates_while_it_is_cheaper_per_token_and_explores_the_othe
     gate = SpecGate(explore_every=4)
     assert gate.allow(16)  # nothing measured: measure speculation
     gate.observe(16, True, seconds=3.0, tokens=30)  # 0.1 s a token
-    choices = [gate.allow(16) for _ in range(8)]
-    assert choices.count(False) == 2  # not measured without speculation yet: try it now and then
+    choices = [gate.allow(16) for _ in range(12)]
+    assert [i for i, c in enumerate(choices) if not c] == [4]  # tried 4 steps on, then 8 later
     gate.observe(16, False, seconds=1.0, tokens=16)  # 0.0625 s a token: cheaper
-    choices = [gate.allow(16) for _ in range(8)]
-    assert choices.count(True) == 2  # mostly not, exploring every 4th step
+    choices = [gate.allow(16) for _ in range(30)]
+    # The choice changed: tries after 4 steps, then 8, then 16 (as long as the choice holds).
+    assert [i for i, c in enumerate(choices) if c] == [4, 12, 28]
     assert gate.costs(16) == (pytest.approx(0.1), pytest.approx(0.0625))
     assert gate.costs(15) == gate.costs(16) and gate.costs(1) == (None, None)  # buckets: powers of two
     assert gate.allow(1)  # another bucket measures on its own

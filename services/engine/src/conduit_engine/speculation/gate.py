@@ -7,8 +7,10 @@ rejected token is pure loss. So the gate keeps, per batch-size bucket (1, 2, 4, 
 per emitted token (moving averages of a step's seconds and of its emitted tokens) of the pure decode
 steps that verified proposals and of those that did not (decode bursts included), and lets a step
 speculate while speculating is the cheaper of the two (the engine measures with its process's CPU time
-when the model runs in it: load from other processes does not count). Every `explore_every`-th step of
-a bucket tries the other choice, so both estimates follow the workload. Plain Python.
+when the model runs in it: load from other processes does not count). Now and then a step tries the
+other choice, so both estimates follow the workload: `explore_every` steps after the choice last
+changed, then after twice as many steps each time the choice holds, up to 1024 (trying costs: a draft
+model that sat idle first catches up on every sequence's tokens). Plain Python.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _SMOOTHING = 0.1
+_MAX_GAP = 1024
 
 
 @dataclass(slots=True)
@@ -37,6 +40,9 @@ class _Bucket:
     spec: _Cost | None = None  # steps that verified proposals
     plain: _Cost | None = None  # steps that did not
     steps: int = 0
+    choice: bool | None = None  # the latest preference (True: speculate)
+    gap: int = 0  # steps between tries of the other choice
+    next_try: int = 0
 
 
 @dataclass(slots=True)
@@ -46,15 +52,19 @@ class SpecGate:
 
     def allow(self, num_seqs: int) -> bool:
         """Whether a step of `num_seqs` running sequences may speculate."""
-        bucket = self._bucket(num_seqs)
-        bucket.steps += 1
-        if bucket.spec is None:
+        b = self._bucket(num_seqs)
+        b.steps += 1
+        if b.spec is None:
             return True  # measure it first
-        explore = bucket.steps % self.explore_every == 0
-        if bucket.plain is None:
-            return not explore
-        cheaper = bucket.spec.per_token <= bucket.plain.per_token
-        return cheaper != explore
+        cheaper = b.plain is None or b.spec.per_token <= b.plain.per_token
+        if cheaper != b.choice:
+            b.choice, b.gap = cheaper, self.explore_every
+            b.next_try = b.steps + b.gap
+        if b.steps >= b.next_try:
+            b.gap = min(2 * b.gap, _MAX_GAP)
+            b.next_try = b.steps + b.gap
+            return not cheaper
+        return cheaper
 
     def observe(self, num_seqs: int, speculated: bool, seconds: float, tokens: int) -> None:
         """A pure decode step of `num_seqs` sequences emitted `tokens` tokens in `seconds`."""
