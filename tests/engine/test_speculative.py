@@ -339,7 +339,7 @@ def test_the_gate_speculates_while_it_is_cheaper_per_token_and_explores_the_othe
     assert [i for i, c in enumerate(choices) if c] == [4, 12, 28]
     assert gate.costs(16) == (pytest.approx(0.1), pytest.approx(0.0625))
     assert gate.costs(15) == gate.costs(16) and gate.costs(1) == (None, None)  # buckets: powers of two
-    assert gate.allow(1)  # another bucket measures on its own
+    assert not gate.allow(1)  # another size follows the nearest measured one at first
 
 
 # ----- draft model ----------------------------------------------------------------------------------
@@ -415,3 +415,30 @@ def test_decode_bursts_run_between_draft_proposals(stories_path, story, tmp_path
     engine, speculated = run(stories_path, requests, speculative=spec, **forced)
     assert engine.scheduler.bursts.num_bursts > 0 and engine.scheduler.spec.counters.num_drafts > 0
     assert {k: c.token_ids for k, c in speculated.items()} == {k: c.token_ids for k, c in plain.items()}
+
+
+def test_ngram_speculation_in_a_worker_process_is_exact(stories_path, story):
+    requests = {
+        "grounded": (grounded(story), greedy(40, ignore_eos=True, logprobs=1)),
+        "seeded": (
+            grounded(story, 3),
+            SamplingParams(max_tokens=30, temperature=0.7, seed=5, ignore_eos=True),
+        ),
+    }
+    _, plain = run(stories_path, requests)
+    engine, speculated = run(stories_path, requests, speculative=NGRAM, worker_process=True)
+    try:
+        assert engine.scheduler.spec.counters.num_accepted_tokens > 0
+        assert {k: c.token_ids for k, c in speculated.items()} == {k: c.token_ids for k, c in plain.items()}
+    finally:
+        engine.shutdown()
+
+
+def test_a_new_batch_size_follows_the_nearest_measured_one_before_measuring_itself():
+    gate = SpecGate(explore_every=4)
+    assert gate.allow(16)
+    gate.observe(16, True, seconds=3.0, tokens=10)
+    gate.observe(16, False, seconds=1.0, tokens=16)  # at 16 sequences speculating is dearer
+    assert [gate.allow(8) for _ in range(5)] == [False, False, False, False, True]  # then it measures
+    fresh = SpecGate()
+    assert fresh.allow(8)  # nothing measured anywhere: measure speculation first

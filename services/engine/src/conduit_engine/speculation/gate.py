@@ -55,7 +55,12 @@ class SpecGate:
         b = self._bucket(num_seqs)
         b.steps += 1
         if b.spec is None:
-            return True  # measure it first
+            # Measure it first, unless the nearest measured size found it dearer: then in a while.
+            if self._nearest_prefers_plain(num_seqs):
+                if not b.next_try:
+                    b.next_try = b.steps + self.explore_every
+                return b.steps >= b.next_try
+            return True
         cheaper = b.plain is None or b.spec.per_token <= b.plain.per_token
         if cheaper != b.choice:
             b.choice, b.gap = cheaper, self.explore_every
@@ -90,6 +95,19 @@ class SpecGate:
             None if bucket.spec is None else bucket.spec.per_token,
             None if bucket.plain is None else bucket.plain.per_token,
         )
+
+    def _nearest_prefers_plain(self, num_seqs: int) -> bool:
+        size = _size(num_seqs)
+        measured = [
+            (abs(k.bit_length() - size.bit_length()), b)
+            for k, b in self._buckets.items()
+            if b.spec is not None and b.plain is not None
+        ]
+        if not measured:
+            return False
+        _, nearest = min(measured, key=lambda m: m[0])
+        assert nearest.spec is not None and nearest.plain is not None
+        return nearest.spec.per_token > nearest.plain.per_token
 
     def _bucket(self, num_seqs: int) -> _Bucket:
         return self._buckets.setdefault(_size(num_seqs), _Bucket())
