@@ -241,13 +241,22 @@ def test_preemption_with_few_blocks(stories_path, story):
     assert engine.test_preemptions > 0, "nothing was preempted: the test proved nothing"
 
 
-def test_a_grammar_request_is_exact_beside_speculating_ones(stories_path, story):
-    spec = StructuredSpec(StructuredKind.REGEX, text=r"(Once|Then) [a-z]+ [a-z]+\.")
+def test_grammar_constrained_requests_speculate_and_stay_exact(stories_path, story):
+    """Each verified position is masked by the grammar's state after the proposed tokens before it."""
+    regex = StructuredSpec(StructuredKind.REGEX, text=r"(Once|Then) upon a [a-z]+, [a-z ]+\. [A-Za-z .,]+")
+    choice = StructuredSpec(
+        StructuredKind.CHOICE, choices=("Once upon a time, there was a little girl", "no")
+    )
     requests = {
-        "grammar": (grounded(story), greedy(16, structured=spec)),
+        "regex": (grounded(story, 1), greedy(30, structured=regex, logprobs=1)),
+        "choice": (grounded(story, 1), greedy(30, structured=choice)),
         "plain": (grounded(story), greedy(30, ignore_eos=True)),
     }
     assert_same_as_without(stories_path, requests)
+    alone = {k: v for k, v in requests.items() if k != "plain"}
+    engine, plain, _ = assert_same_as_without(stories_path, alone)
+    assert engine.scheduler.spec.counters.num_drafts > 3
+    assert plain[("choice", 0)].text == "Once upon a time, there was a little girl"
 
 
 def test_chunked_prefill_and_a_small_token_budget(stories_path, story):

@@ -1,6 +1,6 @@
 """Speculative decoding on the scheduler's side: which decoding sequences verify a proposal this step.
 
-Plain Python: no torch. A decoding sequence (one uncomputed token, no grammar) may carry a proposal of up
+Plain Python: no torch. A decoding sequence (one uncomputed token) may carry a proposal of up
 to `num_speculative_tokens` tokens (`ScheduledSeq.spec_token_ids`): the step computes its last token and
 the proposal (k + 1 query tokens through the paged prefill path), samples every one of those k + 1
 positions exactly as a non-speculative step would have sampled it after the tokens before it, and keeps
@@ -70,7 +70,7 @@ class SpecDecode:
         `budget` tokens: (the n-gram proposal, the length of the draft model's proposal), one of them
         empty. Its KV slots are reserved when it is not empty, and only while `keep_free` blocks stay
         free (the other running sequences' next tokens must not need a preemption)."""
-        if seq.grammar is not None or seq.num_uncomputed_tokens != 1:
+        if seq.num_uncomputed_tokens != 1:
             return (), 0
         if seq.num_computed_tokens < seq.num_prompt_tokens:
             return (), 0

@@ -14,7 +14,13 @@ import torch
 
 from conduit_engine.core.scheduler_output import SchedulerOutput
 from conduit_engine.executor.draft_steps import propose_with_draft
-from conduit_engine.executor.step_batch import SeqStepResult, build_step, collect_passes, collect_results
+from conduit_engine.executor.step_batch import (
+    SeqStepResult,
+    build_step,
+    collect_passes,
+    collect_results,
+    mask_rows,
+)
 from conduit_engine.layers.decoder import KVCache
 from conduit_engine.models.base import CausalLM
 from conduit_engine.models.config import ArchConfig
@@ -68,7 +74,7 @@ class InProcessExecutor:
         batch, sampling_seqs = build_step(out, self.block_size, self.eos_token_ids)
         if out.num_passes > 1:
             return collect_passes(out, self.runner.run_passes(batch, out.num_passes))
-        step = self.runner.run(batch, self._masks.build(sampling_seqs))
+        step = self.runner.run(batch, self._masks.build(mask_rows(out, sampling_seqs)))
         assert step is not None  # the whole model samples
         return collect_results(out, batch, sampling_seqs, step)
 

@@ -11,7 +11,7 @@ ModelRunner directly; the multi-process one sends it to the worker processes fir
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from conduit_engine.core.scheduler_output import SchedulerOutput
 from conduit_engine.core.sequence import Sequence
@@ -21,6 +21,7 @@ from conduit_engine.worker.step_inputs import PromptSpan, StepBatch, StepOutput
 
 if TYPE_CHECKING:
     from conduit_engine.sampling.logprobs import TokenLogprobs
+    from conduit_engine.structured.state import GrammarState
 
 
 @dataclass(slots=True)
@@ -104,6 +105,36 @@ def _prompt_spans(out: SchedulerOutput) -> list[PromptSpan]:
             spans.append(PromptSpan(index, offset, k, seq.prompt_token_ids[start + 1 : end + 1]))
         offset += item.num_new_tokens
     return spans
+
+
+class _GrammarRow(NamedTuple):
+    grammar: GrammarState | None
+
+
+def mask_rows(out: SchedulerOutput, sampling_seqs: list[Sequence]) -> list[Sequence | _GrammarRow]:
+    """What the step's grammar bitmask reads per logits row (`structured.batch_mask.SequenceMasks`):
+    the sampled sequence, or for the k + 1 rows of a constrained sequence verifying a proposal, the
+    grammar state after the proposal's first j tokens (forks; a proposed token the grammar rejects
+    ends the forks there: the row before it cannot sample it, so the later rows are never kept)."""
+    if not any(item.spec_token_ids and item.seq.grammar is not None for item in out.scheduled):
+        return list(sampling_seqs)
+    rows: list[Sequence | _GrammarRow] = []
+    for item in out.scheduled:
+        if not item.samples:
+            continue
+        seq, spec = item.seq, item.spec_token_ids
+        if not spec or seq.grammar is None:
+            rows.extend([seq] * (len(spec) + 1))
+            continue
+        state = seq.grammar
+        rows.append(seq)
+        for token_id in spec:
+            twin = state.fork()
+            if twin.accept(token_id):
+                state = twin
+            rows.append(_GrammarRow(state))
+    assert len(rows) == len(sampling_seqs)
+    return rows
 
 
 def collect_results(
