@@ -426,7 +426,10 @@ def test_decode_bursts_run_between_draft_proposals(stories_path, story, tmp_path
     assert {k: c.token_ids for k, c in speculated.items()} == {k: c.token_ids for k, c in plain.items()}
 
 
-def test_ngram_speculation_in_a_worker_process_is_exact(stories_path, story):
+@pytest.mark.parametrize(
+    "placement", [{"worker_process": True}, {"tensor_parallel_size": 2}], ids=["worker", "tp2"]
+)
+def test_ngram_speculation_in_worker_processes_is_exact(stories_path, story, placement):
     requests = {
         "grounded": (grounded(story), greedy(40, ignore_eos=True, logprobs=1)),
         "seeded": (
@@ -435,7 +438,7 @@ def test_ngram_speculation_in_a_worker_process_is_exact(stories_path, story):
         ),
     }
     _, plain = run(stories_path, requests)
-    engine, speculated = run(stories_path, requests, speculative=NGRAM, worker_process=True)
+    engine, speculated = run(stories_path, requests, speculative=NGRAM, **placement)
     try:
         assert engine.scheduler.spec.counters.num_accepted_tokens > 0
         assert {k: c.token_ids for k, c in speculated.items()} == {k: c.token_ids for k, c in plain.items()}
@@ -451,3 +454,32 @@ def test_a_new_batch_size_follows_the_nearest_measured_one_before_measuring_itse
     assert [gate.allow(8) for _ in range(5)] == [False, False, False, False, True]  # then it measures
     fresh = SpecGate()
     assert fresh.allow(8)  # nothing measured anywhere: measure speculation first
+
+
+def test_prompt_logprobs_are_the_same(stories_path, story):
+    requests = {"p": (grounded(story), greedy(30, ignore_eos=True, prompt_logprobs=2, logprobs=1))}
+    _, plain, speculated = assert_same_as_without(stories_path, requests)
+    got, want = speculated[("p", 0)].outputs[0].prompt_logprobs, plain[("p", 0)].outputs[0].prompt_logprobs
+    assert got is not None and want is not None and len(got) == len(want) == len(grounded(story)) - 1
+    for a, b in zip(got, want, strict=True):
+        assert a.top_ids == b.top_ids and math.isclose(a.logprob, b.logprob, abs_tol=1e-4)
+
+
+def test_a_decode_engine_that_speculates_continues_a_disaggregated_request_exactly(stories_path, story):
+    from tests.engine.support.pd_harness import assert_same, colocated_run, disaggregated
+
+    prefill = make_engine(stories_path, role="prefill")
+    decode = make_engine(stories_path, role="decode", speculative=NGRAM)
+    colocated = make_engine(stories_path)
+    prompt = grounded(story)
+    for rid, params in {
+        "g": greedy(40, ignore_eos=True, logprobs=1),
+        "s": SamplingParams(max_tokens=30, temperature=1.0, seed=4, n=2, ignore_eos=True),
+    }.items():
+        assert_same(
+            disaggregated(prefill, decode, rid, prompt, params), colocated_run(colocated, rid, prompt, params)
+        )
+    assert decode.scheduler.spec.counters.num_accepted_tokens > 0
+    for engine in (prefill, decode):
+        engine.check_integrity()
+        assert engine.block_manager.stats().used == 0
