@@ -281,17 +281,17 @@ def test_seeded_sampling_gives_the_same_text_as_without_speculation_in_any_batch
 
 def test_unseeded_samples_are_distributed_as_without_speculation(stories_path, story):
     """Two-sample chi-square over the tokens emitted at output positions 1 to 4 (where proposals are
-    verified) by 200 unseeded temperature-1 choices each: no detectable difference."""
+    verified) by 400 unseeded choices each at temperature 1.5 (proposals often rejected): no detectable
+    difference. (Accepting 30% of the rejected proposal tokens anyway fails it.)"""
     prompt = grounded(story)
-    params = SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True, n=100)
+    params = SamplingParams(max_tokens=5, temperature=1.5, ignore_eos=True, n=100)
     counts = []
     for spec in (None, NGRAM):
-        engine, results = run(
-            stories_path, {"d0": (prompt, params), "d1": (prompt, params)}, speculative=spec
-        )
+        requests = {f"d{i}": (prompt, params) for i in range(4)}
+        engine, results = run(stories_path, requests, speculative=spec)
         if spec is not None:
             c = engine.scheduler.spec.counters
-            assert c.num_drafts >= 100 and 0 < c.num_accepted_tokens < c.num_draft_tokens
+            assert c.num_drafts >= 300 and 0 < c.num_accepted_tokens < c.num_draft_tokens
         counts.append(Counter((pos, c.token_ids[pos]) for c in results.values() for pos in range(1, 5)))
     statistic, dof = _chi_square(*counts)
     # The 0.001 critical value of chi-square with `dof` degrees (Wilson-Hilferty approximation).
