@@ -1,7 +1,11 @@
 """Speculative decoding: output tokens/s without speculation, with n-gram prompt lookup and with a draft
 model, at concurrency 1 and 16, on an input-grounded and a free-generation workload, in one run.
 
-    .venv/bin/python bench/speculative.py [--rounds 3] [--requests 32] [--k 4] [--no-draft]
+    .venv/bin/python bench/speculative.py [--rounds 3] [--requests 32] [--k 4] [--no-draft] [--draft-layers 4]
+        [--wall]
+
+Concurrency 1 runs 8 requests one after the other (--max-num-seqs 1), concurrency 16 runs --requests of
+them 16 at a time.
 
 The engines run in this process (LLMEngine, greedy, ignore_eos, one torch thread), one per configuration,
 each warmed up; the configurations take turns within each round and the best round of each is reported
