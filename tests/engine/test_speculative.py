@@ -10,6 +10,7 @@ test checks that proposals really were verified and accepted, and that every KV 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections import Counter
 
@@ -355,7 +356,6 @@ def test_the_gate_speculates_while_it_is_cheaper_per_token_and_explores_the_othe
 def truncated_copy(target, folder, layers: int, vocab_size: int | None = None):
     """`target` with only its first `layers` decoder layers (a draft of the same vocabulary), or with
     config.json claiming another vocabulary size."""
-    import json
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -410,6 +410,14 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_the_field(stories_path,
         make_engine(stories_path, speculative=draft(other))
     with pytest.raises(ModelLoadError, match="^--speculative-config: model: .* lacks config.json"):
         make_engine(stories_path, speculative=draft(tmp_path))
+    swapped = truncated_copy(stories_path, tmp_path / "swapped-tokens", 2)
+    tokenizer = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = list(vocab)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (swapped / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ModelLoadError, match="^--speculative-config: model: the draft's tokenizer maps"):
+        make_engine(stories_path, speculative=draft(swapped))
     with pytest.raises(ModelLoadError, match="method draft_model runs the draft in the engine process"):
         make_engine(stories_path, speculative=draft(stories_path), worker_process=True)
 
