@@ -259,3 +259,16 @@ def test_steps_with_a_prefill_or_a_preemption_never_burst():
 def test_bad_burst_settings_name_their_flag(field, value, flag):
     with pytest.raises(ValueError, match=flag):
         SchedulerConfig(**{field: value})
+
+
+def test_a_step_that_verifies_a_proposal_never_bursts():
+    blocks = BlockManager(64, 4, True)
+    bursts = DecodeBursts(blocks, max_decode_steps=8, burst_seconds=1.0, max_model_len=1000)
+    a, b = decoding(greedy(100)), decoding(greedy(100))
+    bursts.observe(step_of(a, blocks=blocks), 0.001, 1)
+    for proposal in ({"spec_token_ids": (5, 6)}, {"num_draft_tokens": 3}):  # n-gram, draft model
+        out = step_of(a, b, blocks=blocks)
+        out.scheduled[1] = ScheduledSeq(b, 1, **proposal)
+        assert bursts.plan(out) == 1
+        bursts.observe(out, 1.0, 1)  # nor does its duration count as a pass's
+    assert bursts.plan(step_of(a, b, blocks=blocks)) == 8

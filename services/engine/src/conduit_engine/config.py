@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from conduit_common.logs import LOG_FORMATS
 from conduit_common.tracing import check_otlp_endpoint
+from conduit_engine.speculation.config import SpeculativeConfig
 
 GENERATION_CONFIG_MODES = ("auto", "vllm", "none")
 ROLES = ("both", "prefill", "decode")
@@ -259,4 +260,5 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
+    speculative: SpeculativeConfig | None = None  # --speculative-config (None: no speculative decoding)
     enforce_eager: bool = False

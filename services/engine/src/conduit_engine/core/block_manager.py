@@ -230,6 +230,7 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_released_blocks = 0
         seq.num_computed_tokens = 0
+        seq.num_draft_computed = 0  # the draft's KV lived in those blocks too
         self._seq_hashes.pop(seq.seq_id, None)
 
     def pin(self, block_ids: Iterable[int]) -> None:

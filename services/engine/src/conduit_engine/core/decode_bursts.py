@@ -47,7 +47,7 @@ class DecodeBursts:
             return 1
         for item in out.scheduled:
             seq = item.seq
-            if item.num_new_tokens != 1 or not item.samples or not _history_free(seq):
+            if item.num_query_tokens != 1 or not item.samples or not _history_free(seq):
                 return 1
             max_tokens = seq.params.max_tokens
             steps = min(steps, max_tokens - seq.num_output_tokens, self._max_model_len - seq.num_tokens)
@@ -62,7 +62,7 @@ class DecodeBursts:
     def observe(self, out: SchedulerOutput, seconds: float, passes: int) -> None:
         """The step `out` ran `passes` forward passes (with their sampling) in `seconds`; only steps of
         single-token decodes count towards a pass's duration."""
-        if self._max_steps <= 1 or any(item.num_new_tokens != 1 for item in out.scheduled):
+        if self._max_steps <= 1 or any(item.num_query_tokens != 1 for item in out.scheduled):
             return
         per_pass = seconds / passes
         if self._pass_seconds is None:

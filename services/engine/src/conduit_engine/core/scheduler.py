@@ -19,6 +19,8 @@ from conduit_engine.core.block_manager import BlockManager
 from conduit_engine.core.decode_bursts import DecodeBursts
 from conduit_engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from conduit_engine.core.sequence import Sequence, SequenceStatus
+from conduit_engine.core.spec_decode import SpecDecode
+from conduit_engine.speculation.config import SpeculativeConfig
 
 
 class Scheduler:
@@ -28,12 +30,15 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int = 1 << 62,
         multi_pass: bool = True,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
-        """`multi_pass`: whether the executor runs several forward passes in one step (decode bursts)."""
+        """`multi_pass`: whether the executor runs several forward passes in one step (decode bursts);
+        `speculative`: speculative decoding's configuration (None: off)."""
         self.config = config
         self.block_manager = block_manager
         max_passes = config.max_decode_steps if multi_pass else 1
         self.bursts = DecodeBursts(block_manager, max_passes, config.decode_burst_ms / 1000, max_model_len)
+        self.spec = None if speculative is None else SpecDecode(speculative, block_manager, max_model_len)
         self._waiting: list[tuple[int, int, int, Sequence]] = []  # heap of (priority, arrival, id, seq)
         self.running: list[Sequence] = []  # admission order
 
@@ -67,12 +72,15 @@ class Scheduler:
                 self._waiting = entries
                 heapq.heapify(self._waiting)
         self.block_manager.free(seq)
+        if self.spec is not None:
+            self.spec.forget(seq)
 
     # ----- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
+        speculate = self.spec is not None and self.spec.allow(len(self.running))
 
         for seq in list(self.running):
             if budget == 0:
@@ -90,9 +98,15 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, num_new))
-                scheduled_ids.add(seq.seq_id)
                 budget -= num_new
+                spec, num_draft = (
+                    ((), 0)
+                    if self.spec is None or not speculate or num_new != 1
+                    else self.spec.propose(seq, budget, len(self.running))
+                )
+                out.scheduled.append(ScheduledSeq(seq, num_new, spec, num_draft))
+                scheduled_ids.add(seq.seq_id)
+                budget -= len(spec) + num_draft
 
         if not out.preempted:
             self._admit(out, budget)
@@ -160,7 +174,7 @@ class Scheduler:
             if item.seq is seq:
                 del out.scheduled[i]
                 scheduled_ids.discard(seq.seq_id)
-                return item.num_new_tokens
+                return item.num_query_tokens
         return 0
 
     # ----- after the model ran ---------------------------------------------------------------------

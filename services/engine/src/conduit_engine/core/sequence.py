@@ -56,6 +56,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_pulled_tokens: int = 0  # prompt tokens whose KV was pulled from a prefill engine (disaggregation)
+    num_draft_computed: int = 0  # tokens whose KV the draft model (speculative decoding) has computed
     was_admitted: bool = False
     num_preemptions: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from conduit_engine.core.block_manager import BlockManager, BlockStats
 from conduit_engine.core.scheduler import Scheduler
 from conduit_engine.core.scheduler_output import SchedulerOutput
 from conduit_engine.core.sequence import FinishReason, Sequence
+from conduit_engine.core.spec_decode import SpecDecodeCounters
 from conduit_engine.core.stop_rules import StopRules
 from conduit_engine.engine.admission import Admission, Limits
 from conduit_engine.engine.continuation import check_continuation, replay_continuation
@@ -65,6 +67,7 @@ class EngineStats:
     kv_bytes_pulled: int = 0
     kv_bytes_saved: int = 0  # not pulled: already in this engine's prefix cache
     kv_pulls: int = 0  # pulls into this engine that completed
+    spec_decode: SpecDecodeCounters | None = None  # speculative decoding's totals; None: it is off
 
 
 class LLMEngine:
@@ -97,7 +100,11 @@ class LLMEngine:
         # Prefix-cache events for SubscribeKvEvents (published by the loop thread after each step).
         self.kv_events = KvEventPublisher(self.block_manager)
         self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, self.max_model_len, self.executor.multi_pass
+            config.scheduler,
+            self.block_manager,
+            self.max_model_len,
+            self.executor.multi_pass,
+            speculative=config.speculative,
         )
         self.stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
         limits = Limits(self.arch.vocab_size, self.max_model_len, self.num_blocks, self.block_size)
@@ -118,6 +125,10 @@ class LLMEngine:
         self._finished_requests = 0
         self._generated_tokens = 0
         self._log_prompts = config.telemetry.log_prompts
+        # What speculative decoding's gate measures a step's cost with: this process's CPU time when the
+        # model runs here (other processes' load on a shared machine stretches wall time, not it), wall
+        # time when the model runs in worker processes.
+        self._spec_clock = time.process_time if self.executor.multi_pass else time.perf_counter
         # Attach on the engine thread (AsyncEngine.run_sync), between steps.
         self.observers: list[EngineObserver] = []
         log.info(
@@ -351,10 +362,12 @@ class LLMEngine:
 
     # ----- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = self._spec_clock()
         timer = StepTimer(self.observers)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
+        pure_decode = scheduled.num_prefill_tokens == 0 and not scheduled.preempted
         timer.scheduled(scheduled, self._requests)
         # What scheduling evicted reaches the routers now, not after the model ran: a request routed
         # during this step must not be sent here for blocks that are already gone.
@@ -362,6 +375,11 @@ class LLMEngine:
         results = self.executor.execute(scheduled)
         self.scheduler.observe(scheduled, timer.executed(scheduled))
         outputs = self._update(scheduled, results, timer.record)
+        spec = self.scheduler.spec
+        if spec is not None and pure_decode:
+            emitted = sum(len(out.token_ids) for out in outputs)
+            seconds = self._spec_clock() - started
+            spec.observe_step(len(scheduled.scheduled), scheduled.num_spec_tokens > 0, seconds, emitted)
         timer.finish()
         return outputs
 
@@ -379,12 +397,17 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for item, result in zip(scheduled.scheduled, results, strict=True):
             seq = item.seq
+            computed_before = seq.num_computed_tokens
             self.scheduler.advance(seq, item.num_new_tokens)  # the KV the step's first pass computed
             req = self._requests.get(seq.request_id)
             if req is None or seq.is_finished:
                 continue
             if result.prompt_logprobs and seq.index == 0:  # choices share one prompt
                 req.pending_prompt_logprobs.extend(result.prompt_logprobs)
+            if item.spec_token_ids and self.scheduler.spec is not None:
+                # The tokens kept beyond the first are accepted proposal tokens (step_batch.verify).
+                drafts, kept = len(item.spec_token_ids), len(result.token_ids) - 1
+                self.scheduler.spec.observe(seq, drafts, kept, computed_before)
             accepted: list[int] = []
             text = ""
             for token_id in result.token_ids:
@@ -450,6 +473,7 @@ class LLMEngine:
             kv_bytes_pulled=self.kv_consumer.counters.bytes_pulled,
             kv_bytes_saved=self.kv_consumer.counters.bytes_saved,
             kv_pulls=self.kv_consumer.counters.pulls,
+            spec_decode=None if self.scheduler.spec is None else self.scheduler.spec.counters.copy(),
         )
 
     def check_integrity(self) -> None:

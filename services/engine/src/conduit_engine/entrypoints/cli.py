@@ -29,6 +29,7 @@ from conduit_engine.config import (
 )
 from conduit_engine.errors import ModelLoadError, WorkerFailedError
 from conduit_engine.models.source import quiet_progress_bars
+from conduit_engine.speculation.config import parse_speculative_config
 
 # (flag, type, default, help). None as default means "not set".
 FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
@@ -78,6 +79,13 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
         "forward passes a step of pure decodes may run back to back (1: one pass per step)",
     ),
     ("--decode-burst-ms", float, 5.0, "longest time those passes may take together"),
+    (
+        "--speculative-config",
+        str,
+        None,
+        'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} (default: off)',
+    ),
     ("--enforce-eager", flag_bool, False, "on cuda: do not capture CUDA graphs"),
     (
         "--tensor-parallel-size",
@@ -241,6 +249,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             engine_tls_server_name=args.engine_tls_server_name,
             engine_auth_token_file=args.engine_auth_token_file,
         ),
+        speculative=parse_speculative_config(args.speculative_config),
         enforce_eager=args.enforce_eager,
     )
 

@@ -301,6 +301,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetLoadResponse:
         stats = await self.async_engine.stats()
+        spec = stats.spec_decode
         return pb.GetLoadResponse(
             running_requests=stats.running,
             waiting_requests=stats.waiting,
@@ -314,6 +315,9 @@ class EngineServicer(pb_grpc.EngineServicer):
             kv_blocks_pinned=stats.blocks.pinned,
             kv_bytes_pulled=stats.kv_bytes_pulled,
             kv_bytes_saved=stats.kv_bytes_saved,
+            spec_decode_acceptance_rate=0.0 if spec is None else spec.acceptance_rate,
+            spec_decode_draft_tokens=0 if spec is None else spec.num_draft_tokens,
+            spec_decode_accepted_tokens=0 if spec is None else spec.num_accepted_tokens,
         )
 
     async def SubscribeKvEvents(

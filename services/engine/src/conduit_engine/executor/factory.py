@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from conduit_engine.config import EngineConfig
+from conduit_engine.errors import ModelLoadError
 from conduit_engine.executor.base import Executor
 from conduit_engine.models.facts import ModelFacts
 
 if TYPE_CHECKING:
     from conduit_engine.executor.worker_group import WorkerGroup
+    from conduit_engine.worker.draft_runner import DraftRunner
 
 
 def build_executor(
@@ -21,8 +23,14 @@ def build_executor(
 ) -> tuple[Executor, int]:
     """(executor, KV blocks). `workers`: processes spawned earlier (before gRPC started); spawned here
     when None and the configuration needs them. Raises ModelLoadError; no worker survives a failed start."""
+    spec = config.speculative
     if not config.parallel.uses_workers:
         return _in_process(config, facts)
+    if spec is not None and spec.method == "draft_model":
+        raise ModelLoadError(
+            "--speculative-config: method draft_model runs the draft in the engine process: it needs "
+            "--tensor-parallel-size 1 without --worker-process (use method ngram there)"
+        )
     from conduit_engine.executor.multiproc import start_multiproc
 
     return start_multiproc(config, facts, workers)
@@ -48,5 +56,22 @@ def _in_process(config: EngineConfig, facts: ModelFacts) -> tuple[Executor, int]
         max_num_seqs=config.scheduler.max_num_seqs,
         max_model_len=facts.max_model_len,
         use_cuda_graphs=not config.enforce_eager,
+        draft=_draft(config, facts, num_blocks),
     )
     return executor, num_blocks
+
+
+def _draft(config: EngineConfig, facts: ModelFacts, num_blocks: int) -> DraftRunner | None:
+    """Speculative decoding's draft model (method draft_model), checked against the target, or None."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model" or spec.model is None:
+        return None
+    from conduit_engine.models.draft import check_draft
+    from conduit_engine.models.loader import DTYPES
+    from conduit_engine.worker.draft_runner import DraftRunner
+    from conduit_engine.worker.loading import load_draft_in_process
+
+    folder, arch = check_draft(spec.model, facts, config.model.revision, config.model.download_dir)
+    model = load_draft_in_process(folder, arch, config, facts)
+    dtype = DTYPES[facts.dtype]
+    return DraftRunner(model, num_blocks, config.cache.block_size, dtype, config.model.device)

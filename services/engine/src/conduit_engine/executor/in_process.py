@@ -13,11 +13,19 @@ from collections.abc import Callable, Sequence
 import torch
 
 from conduit_engine.core.scheduler_output import SchedulerOutput
-from conduit_engine.executor.step_batch import SeqStepResult, build_step, collect_passes, collect_results
+from conduit_engine.executor.draft_steps import propose_with_draft
+from conduit_engine.executor.step_batch import (
+    SeqStepResult,
+    build_step,
+    collect_passes,
+    collect_results,
+    mask_rows,
+)
 from conduit_engine.layers.decoder import KVCache
 from conduit_engine.models.base import CausalLM
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.structured.batch_mask import SequenceMasks
+from conduit_engine.worker.draft_runner import DraftRunner
 from conduit_engine.worker.model_runner import ModelRunner
 
 
@@ -36,7 +44,9 @@ class InProcessExecutor:
         max_num_seqs: int = 64,
         max_model_len: int = 2048,
         use_cuda_graphs: bool = False,
+        draft: DraftRunner | None = None,
     ) -> None:
+        """`draft`: speculative decoding's draft model (method draft_model), over the same KV blocks."""
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -52,16 +62,19 @@ class InProcessExecutor:
             use_cuda_graphs=use_cuda_graphs,
         )
         self._masks = SequenceMasks(config.vocab_size, device)
+        self.draft = draft
 
     @property
     def kv_caches(self) -> list[KVCache]:
         return self.runner.kv_caches
 
     def execute(self, out: SchedulerOutput) -> list[SeqStepResult]:
+        if self.draft is not None:
+            propose_with_draft(out, self.block_size, self.draft.greedy)
         batch, sampling_seqs = build_step(out, self.block_size, self.eos_token_ids)
         if out.num_passes > 1:
             return collect_passes(out, self.runner.run_passes(batch, out.num_passes))
-        step = self.runner.run(batch, self._masks.build(sampling_seqs))
+        step = self.runner.run(batch, self._masks.build(mask_rows(out, sampling_seqs)))
         assert step is not None  # the whole model samples
         return collect_results(out, batch, sampling_seqs, step)
 

@@ -22,7 +22,7 @@ import torch
 from conduit_engine.config import EngineConfig
 from conduit_engine.core.scheduler_output import SchedulerOutput
 from conduit_engine.errors import ModelLoadError, WorkerFailedError
-from conduit_engine.executor.step_batch import SeqStepResult, build_step, collect_results
+from conduit_engine.executor.step_batch import SeqStepResult, build_step, collect_results, mask_rows
 from conduit_engine.executor.worker_group import WorkerGroup
 from conduit_engine.models.facts import ModelFacts
 from conduit_engine.models.sharding import ShardPlan, check_tensor_parallel
@@ -78,7 +78,7 @@ class MultiprocExecutor:
 
     def execute(self, out: SchedulerOutput) -> list[SeqStepResult]:
         batch, sampling_seqs = build_step(out, self.block_size, self.eos_token_ids)
-        bitmask = self._masks.build(sampling_seqs)
+        bitmask = self._masks.build(mask_rows(out, sampling_seqs))
         with self._lock:
             started = time.perf_counter_ns()
             frame = encode_step(batch, bitmask)

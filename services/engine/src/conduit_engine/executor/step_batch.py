@@ -11,7 +11,7 @@ ModelRunner directly; the multi-process one sends it to the worker processes fir
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from conduit_engine.core.scheduler_output import SchedulerOutput
 from conduit_engine.core.sequence import Sequence
@@ -21,6 +21,7 @@ from conduit_engine.worker.step_inputs import PromptSpan, StepBatch, StepOutput
 
 if TYPE_CHECKING:
     from conduit_engine.sampling.logprobs import TokenLogprobs
+    from conduit_engine.structured.state import GrammarState
 
 
 @dataclass(slots=True)
@@ -45,18 +46,25 @@ def build_step(
     seq_lens: list[int] = []
     logits_rows: list[int] = []
     sampling_seqs: list[Sequence] = []
+    rows: list[SamplingRow] = []
     for item in out.scheduled:
         seq, start = item.seq, item.seq.num_computed_tokens
-        end = start + item.num_new_tokens
-        input_ids.extend(seq.token_ids[start:end])
+        spec = item.spec_token_ids
+        end = start + item.num_new_tokens + len(spec)
+        input_ids.extend(seq.token_ids[start : start + item.num_new_tokens])
+        input_ids.extend(spec)
         positions.extend(range(start, end))
         table = seq.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        query_lens.append(item.num_new_tokens)
+        query_lens.append(end - start)
         seq_lens.append(end)
         if item.samples:
-            logits_rows.append(len(input_ids) - 1)
-            sampling_seqs.append(seq)
+            # A proposal's k tokens: every position from the last real token on is sampled, as the
+            # non-speculative steps would sample it after the proposal tokens before it.
+            for j in range(len(spec) + 1):
+                logits_rows.append(len(input_ids) - 1 - len(spec) + j)
+                sampling_seqs.append(seq)
+                rows.append(_sampling_row(seq, eos_token_ids, spec[:j]))
     width = max((len(item.seq.block_table) for item in out.scheduled), default=0)
     tables: list[int] = []
     for item in out.scheduled:
@@ -64,18 +72,24 @@ def build_step(
         tables.extend([0] * (width - len(item.seq.block_table)))
     batch = StepBatch(input_ids, positions, slots, query_lens, seq_lens, tables, width, logits_rows)
     batch.prompt_spans = _prompt_spans(out)
-    if sampling_seqs:
-        batch.sampling = plan_sampling([_sampling_row(seq, eos_token_ids) for seq in sampling_seqs])
+    if rows:
+        batch.sampling = plan_sampling(rows)
     return batch, sampling_seqs
 
 
-def _sampling_row(seq: Sequence, eos_token_ids: tuple[int, ...]) -> SamplingRow:
+def _sampling_row(
+    seq: Sequence, eos_token_ids: tuple[int, ...], proposed: tuple[int, ...] = ()
+) -> SamplingRow:
+    """The row that samples `seq`'s next token, after the `proposed` tokens when it verifies a proposal."""
+    output = seq.output_token_ids
+    if proposed:
+        output = output + list(proposed)
     return SamplingRow(
         params=seq.params,
         prompt_token_ids=seq.prompt_token_ids,
-        output_token_ids=seq.output_token_ids,
+        output_token_ids=output,
         seed=seq.seed,
-        blocked_token_ids=blocked_token_ids(seq.params, eos_token_ids, seq.num_output_tokens),
+        blocked_token_ids=blocked_token_ids(seq.params, eos_token_ids, len(output)),
     )
 
 
@@ -93,6 +107,36 @@ def _prompt_spans(out: SchedulerOutput) -> list[PromptSpan]:
     return spans
 
 
+class _GrammarRow(NamedTuple):
+    grammar: GrammarState | None
+
+
+def mask_rows(out: SchedulerOutput, sampling_seqs: list[Sequence]) -> list[Sequence | _GrammarRow]:
+    """What the step's grammar bitmask reads per logits row (`structured.batch_mask.SequenceMasks`):
+    the sampled sequence, or for the k + 1 rows of a constrained sequence verifying a proposal, the
+    grammar state after the proposal's first j tokens (forks; a proposed token the grammar rejects
+    ends the forks there: the row before it cannot sample it, so the later rows are never kept)."""
+    if not any(item.spec_token_ids and item.seq.grammar is not None for item in out.scheduled):
+        return list(sampling_seqs)
+    rows: list[Sequence | _GrammarRow] = []
+    for item in out.scheduled:
+        if not item.samples:
+            continue
+        seq, spec = item.seq, item.spec_token_ids
+        if not spec or seq.grammar is None:
+            rows.extend([seq] * (len(spec) + 1))
+            continue
+        state = seq.grammar
+        rows.append(seq)
+        for token_id in spec:
+            twin = state.fork()
+            if twin.accept(token_id):
+                state = twin
+            rows.append(_GrammarRow(state))
+    assert len(rows) == len(sampling_seqs)
+    return rows
+
+
 def collect_results(
     out: SchedulerOutput, batch: StepBatch, sampling_seqs: list[Sequence], step: StepOutput
 ) -> list[SeqStepResult]:
@@ -106,7 +150,27 @@ def collect_results(
         result.token_ids.append(token_id)
         if logprobs is not None:
             result.logprobs.append(logprobs)
+    for item, result in zip(out.scheduled, results, strict=True):
+        if item.spec_token_ids and result.token_ids:
+            verify(result, item.spec_token_ids)
     return results
+
+
+def verify(result: SeqStepResult, proposal: tuple[int, ...]) -> None:
+    """Keep the tokens sampled at a proposal's k + 1 positions up to the first that differs from the
+    proposal (the sampled one replaces it), or all k + 1 when every proposed token was sampled.
+
+    Position j was sampled from the target's distribution p_j given the tokens before it (the proposal's
+    first j), so keeping proposed token x exactly when the draw is x accepts it with probability p_j(x),
+    and a differing draw is distributed as p_j without x, renormalised: the rejection sampling of the
+    speculative sampling papers for a deterministic proposal (q = one-hot), and, greedy, the argmax."""
+    keep = len(proposal) + 1
+    for j, token_id in enumerate(proposal):
+        if result.token_ids[j] != token_id:
+            keep = j + 1
+            break
+    del result.token_ids[keep:]
+    del result.logprobs[keep:]
 
 
 def collect_passes(out: SchedulerOutput, tokens: list[list[int]]) -> list[SeqStepResult]:

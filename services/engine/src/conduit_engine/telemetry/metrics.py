@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from conduit_common.metric_buckets import TOKEN_GAP_SECONDS
 from conduit_engine.core.sequence import FinishReason
+from conduit_engine.core.spec_decode import SpecDecodeCounters
 from conduit_engine.engine.llm_engine import EngineStats
 from conduit_engine.engine.observer import RequestRecord, StepRecord
 from conduit_engine.telemetry.weighted_histogram import WeightedHistogram
@@ -223,8 +224,13 @@ class EngineStateCollector(Collector):
             blocks.prefix_hits,
         )
         yield from _kv_transfers(stats)
+        if stats.spec_decode is not None:
+            yield from _spec_decode(stats.spec_decode, "conduit_engine_spec_decode_", [], [])
         if self.vllm_compat:
             yield from self._vllm(stats, usage)
+            if stats.spec_decode is not None:
+                labels = ["model_name", "engine"]
+                yield from _spec_decode(stats.spec_decode, "vllm:spec_decode_", labels, [self._model, "0"])
 
     def _vllm(self, stats: EngineStats, usage: float) -> Iterator[Metric]:
         # vLLM's names, help texts and labels (model_name, engine): what the Gateway API Inference
@@ -246,6 +252,28 @@ class EngineStateCollector(Collector):
         )
         info.add_metric([*self._cache_info.values(), "0"], 1)
         yield info
+
+
+def _spec_decode(
+    counters: SpecDecodeCounters, prefix: str, labels: list[str], values: list[str]
+) -> Iterator[Metric]:
+    """Speculative decoding's totals (vLLM's names and meanings under the vllm: prefix)."""
+    for name, doc, value in (
+        ("num_drafts", "Proposals verified by the target model.", counters.num_drafts),
+        ("num_draft_tokens", "Tokens proposed in those proposals.", counters.num_draft_tokens),
+        ("num_accepted_tokens", "Proposed tokens accepted.", counters.num_accepted_tokens),
+    ):
+        family = CounterMetricFamily(prefix + name, doc, labels=labels)
+        family.add_metric(values, value)
+        yield family
+    per_pos = CounterMetricFamily(
+        prefix + "num_accepted_tokens_per_pos",
+        "Proposed tokens accepted, by their position in the proposal (0: the first).",
+        labels=[*labels, "position"],
+    )
+    for position, value in enumerate(counters.accepted_per_pos):
+        per_pos.add_metric([*values, str(position)], value)
+    yield per_pos
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

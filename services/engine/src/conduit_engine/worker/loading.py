@@ -75,3 +75,11 @@ def set_cpu_threads(requested: int, model: torch.nn.Module, ranks: int = 1) -> N
         torch.set_num_threads(1)
     elif ranks > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+
+
+def load_draft_in_process(
+    folder: Path, arch: ArchConfig, config: EngineConfig, facts: ModelFacts
+) -> CausalLM:
+    """Speculative decoding's draft model, whole, beside the target (its dtype, device and CPU ops)."""
+    mc = config.model
+    return _timed_load(folder, arch, DTYPES[facts.dtype], mc.device, facts.max_model_len, mc.cpu_kernels)
