@@ -177,6 +177,10 @@ class MigratingStream:
         await self._move(failure)
         return self._relay(self._stream.first)
 
+    def ready(self) -> list[engine_pb2.GenerateResponse]:
+        """What the current engine's stream has ready, relayed (a failure is met by the next `read`)."""
+        return [self._relay(message) for message in self._stream.ready()]
+
     async def abort(self) -> None:
         self._aborted = True
         await self._stream.abort()

@@ -11,10 +11,29 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from conduit_gateway.errors import OpenAIError
+from conduit_gateway.http.protocol import BODY_WRITER, BodyWriter
 from conduit_gateway.race import finished_first
 
 DONE_EVENT = "data: [DONE]\n\n"
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+# The compact JSON of any value, as every chunk is encoded.
+json_value = _dumps
+# What `_dumps` makes of a string (the same C function it calls), for JSON written by hand.
+json_string = json.encoder.encode_basestring
+
+
+class RawJson(str):
+    """A value already encoded as JSON (a choice a handler renders itself): written as it is."""
+
+    __slots__ = ()
+
+
+def _choices_json(choices: list[Any]) -> str:
+    if len(choices) == 1 and type(choices[0]) is RawJson:
+        return f"[{choices[0]}]"
+    if not any(type(choice) is RawJson for choice in choices):
+        return _dumps(choices)
+    return "[" + ",".join(c if type(c) is RawJson else _dumps(c) for c in choices) + "]"
 
 
 class ChunkEncoder:
@@ -28,16 +47,27 @@ class ChunkEncoder:
         )
         self._usage_mode = usage_mode
 
-    def chunk(self, choices: list[dict[str, Any]], usage: Callable[[], dict[str, Any]]) -> str:
+    def chunk(self, choices: list[dict[str, Any] | RawJson], usage: Callable[[], dict[str, Any]]) -> str:
         """One event; `usage` is only called when running usage is on."""
         if self._usage_mode == "none":
-            return f"{self._head}{_dumps(choices)}}}\n\n"
+            return f"{self._head}{_choices_json(choices)}}}\n\n"
         usage_json = _dumps(usage()) if self._usage_mode == "running" else "null"
-        return f'{self._head}{_dumps(choices)},"usage":{usage_json}}}\n\n'
+        return f'{self._head}{_choices_json(choices)},"usage":{usage_json}}}\n\n'
 
     def usage_chunk(self, usage: dict[str, Any]) -> str:
         """The last chunk of `stream_options.include_usage`: no choices, the request's usage."""
         return f'{self._head}[],"usage":{_dumps(usage)}}}\n\n'
+
+
+class ClientPace:
+    """Shared by a streamed response and the source of its events: `behind` is True while the client
+    reads slower than events are written (the connection's buffer holds unsent bytes after a write), so
+    the source may merge what is pending into fewer events."""
+
+    __slots__ = ("behind",)
+
+    def __init__(self) -> None:
+        self.behind = False
 
 
 def error_event(error: OpenAIError) -> str:
@@ -55,15 +85,22 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        on_close: Callable[[], None] | None = None,
+        pace: ClientPace | None = None,
+    ) -> None:
         super().__init__(
             events, status_code=200, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         self._events = events
         self._on_close = on_close
+        self._pace = pace
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        producer = asyncio.create_task(self._produce(send))
+        writer = scope.get("extensions", {}).get(BODY_WRITER)
+        producer = asyncio.create_task(self._produce(send, writer))
         try:
             await finished_first(producer, wait_for_disconnect(receive))
         finally:
@@ -77,10 +114,18 @@ class EventStreamResponse(StreamingResponse):
             # OSError: the client went away mid-write, which is not the server's failure.
             raise outcome
 
-    async def _produce(self, send: Send) -> None:
+    async def _produce(self, send: Send, writer: BodyWriter | None) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async for event in self._events:
-            await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
+        if writer is not None and writer.usable:
+            # Events go straight onto the connection (http/protocol.py), the same bytes `send` writes.
+            pace = self._pace
+            async for event in self._events:
+                await writer.write(event.encode("utf-8"))
+                if pace is not None:
+                    pace.behind = writer.behind
+        else:
+            async for event in self._events:
+                await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
         # Done before the response ends, so a client that sends its next request on [DONE] finds the
         # slot already free.
         self._close()
