@@ -496,8 +496,7 @@ class ChunkedHandler(GenerationHandler):
                     )
                 # Closed when the client leaves, so that nothing reads the streams but their drain. While
                 # the client is behind, what has arrived meanwhile goes out merged (handlers/coalesce.py).
-                behind = lambda: pace.behind  # noqa: E731
-                async with contextlib.aclosing(read_batches(streams, self.unread, behind)) as batches:
+                async with contextlib.aclosing(read_batches(streams, self.unread, pace)) as batches:
                     async for batch in batches:
                         events = "".join(
                             self._message_events(encoder, choices, usage, prompt_index, message)

@@ -26,6 +26,7 @@ from prometheus_client import Histogram
 
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.errors import OpenAIError
+from conduit_gateway.http.sse import ClientPace
 from conduit_gateway.http.tracing import engine_trace_metadata
 from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.pool import EnginePool
@@ -377,22 +378,28 @@ Batch = list[tuple[int, engine_pb2.GenerateResponse]]
 
 
 async def read_batches(
-    streams: Sequence[EngineStream], unread: Unread | None, pending: Callable[[], bool]
+    streams: Sequence[EngineStream], unread: Unread | None, pace: ClientPace | None
 ) -> AsyncIterator[Batch]:
-    """`read_messages` in batches: each waits for one message, and while `pending()` says the client is
-    behind, takes along every message already there (handlers/coalesce.py merges them). The order of
-    each stream's messages is kept; a batch ends before a stream's end or error, which come after it."""
+    """`read_messages` in batches: each waits for one message; while the client is behind, it waits for
+    the client to catch up and takes along every message that arrived meanwhile (handlers/coalesce.py
+    merges them). Each stream's order is kept; its end or error comes after the batch. A request of
+    several prompts reads one message per batch."""
     if len(streams) == 1:
         stream = streams[0]
         yield [(stream.prompt_index, stream.first)]
         ready = getattr(stream, "ready", None)
         while (message := await stream.read()) is not None:
             batch = [(stream.prompt_index, message)]
-            if ready is not None and pending():
+            if ready is not None and pace is not None and pace.behind:
+                try:
+                    await pace.caught_up()
+                except BaseException:  # the client left: the drain counts the message
+                    if unread is not None:
+                        unread.extend(batch)
+                    raise
                 batch += [(stream.prompt_index, more) for more in ready()]
             yield batch
         return
-    # Several prompts: their readers put what they read on one queue; a batch takes what it holds.
     async with contextlib.aclosing(read_messages(streams, unread)) as messages:
         async for item in messages:
             yield [item]

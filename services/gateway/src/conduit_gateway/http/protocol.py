@@ -20,6 +20,9 @@ behind.
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import struct
+import termios
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
@@ -29,16 +32,32 @@ _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 BODY_WRITER = "conduit.body_writer"
 
+# Bytes of a connection the kernel holds that have not reached the client (Linux: the send queue less
+# what the peer acknowledged); past this the client is behind. A client that keeps up leaves it near 0.
+BEHIND_BYTES = 32 * 1024
+_OUTQ = getattr(termios, "TIOCOUTQ", None)
+
+
+def _unsent(fd: int) -> int:
+    if _OUTQ is None or fd < 0:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, _OUTQ, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
+
 
 class BodyWriter:
     """Writes the middle chunks of a started chunked response onto its connection, the bytes uvicorn's
     `send` writes for `{"type": "http.response.body", "body": ..., "more_body": True}`; the response's
     start and end still go through `send` (the middleware see both)."""
 
-    __slots__ = ("_cycle",)
+    __slots__ = ("_cycle", "_fd")
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
         self._cycle = cycle
+        sock = cycle.transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
 
     @property
     def usable(self) -> bool:
@@ -48,9 +67,13 @@ class BodyWriter:
 
     @property
     def behind(self) -> bool:
-        """Bytes wait in the connection's buffer: the socket took no more, the client reads slower."""
+        """The client reads slower than it is written to: bytes wait in the connection's buffer (the
+        socket took no more), or over BEHIND_BYTES wait in the kernel's. What is written now reaches
+        it only after those, so merging pending events into one costs it no time."""
         transport = self._cycle.transport
-        return not transport.is_closing() and transport.get_write_buffer_size() > 0
+        if transport.is_closing():
+            return False
+        return transport.get_write_buffer_size() > 0 or _unsent(self._fd) > BEHIND_BYTES
 
     async def write(self, body: bytes) -> None:
         """One chunk; waits while the connection's buffer is over its high-water mark, like `send`, and

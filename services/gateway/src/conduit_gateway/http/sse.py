@@ -60,14 +60,33 @@ class ChunkEncoder:
 
 
 class ClientPace:
-    """Shared by a streamed response and the source of its events: `behind` is True while the client
-    reads slower than events are written (the connection's buffer holds unsent bytes after a write), so
-    the source may merge what is pending into fewer events."""
+    """Shared by a streamed response and the source of its events: whether the client reads slower
+    than it is written to (http/protocol.py's BodyWriter.behind), so that the source merges what is
+    pending into fewer events. Never behind without a body writer (another server than ours)."""
 
-    __slots__ = ("behind",)
+    __slots__ = ("_writer",)
+
+    # While the client is behind, how often to look again, and for how long at most, before writing.
+    POLL_S = 0.002
+    WAIT_S = 0.1
 
     def __init__(self) -> None:
-        self.behind = False
+        self._writer: BodyWriter | None = None
+
+    def attach(self, writer: BodyWriter) -> None:
+        self._writer = writer
+
+    @property
+    def behind(self) -> bool:
+        return self._writer is not None and self._writer.behind
+
+    async def caught_up(self) -> None:
+        """Return once the client has read what it was behind on (WAIT_S at most): what arrives
+        meanwhile goes out with it in one event."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.WAIT_S
+        while self.behind and loop.time() < deadline:
+            await asyncio.sleep(self.POLL_S)
 
 
 def error_event(error: OpenAIError) -> str:
@@ -118,11 +137,10 @@ class EventStreamResponse(StreamingResponse):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         if writer is not None and writer.usable:
             # Events go straight onto the connection (http/protocol.py), the same bytes `send` writes.
-            pace = self._pace
+            if self._pace is not None:
+                self._pace.attach(writer)
             async for event in self._events:
                 await writer.write(event.encode("utf-8"))
-                if pace is not None:
-                    pace.behind = writer.behind
         else:
             async for event in self._events:
                 await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
