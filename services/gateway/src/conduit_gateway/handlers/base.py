@@ -212,7 +212,8 @@ class GenerationHandler(ABC):
     def _count(self, usage: UsageTotals, prompt_index: int, message: engine_pb2.GenerateResponse) -> None:
         """Take a message's usage into the request's totals and hold that much of the key's tokens."""
         usage.update(prompt_index, message.usage)
-        self._charge(usage.prompt_tokens + usage.completion_tokens)
+        if self.reservation is not None:
+            self._charge(usage.prompt_tokens + usage.completion_tokens)
 
     def _charge(self, tokens: int) -> None:
         """The request has used `tokens` (prompt + output) so far: hold at least that of the key's."""

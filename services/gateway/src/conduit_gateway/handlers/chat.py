@@ -151,7 +151,12 @@ class ChatHandler(ChunkedHandler):
     def delta_choice(
         self, choice: ChatChoiceState, text: str, logprobs: Sequence[engine_pb2.PositionLogprobs]
     ) -> dict[str, Any] | RawJson | None:
-        delta = delta_fields(choice.output.feed(text))
+        output = choice.output
+        if output.parses:
+            delta = delta_fields(output.feed(text))
+        else:
+            # Without parsers the text is the content as it comes (what feed() would return).
+            delta = {"content": text} if text else {}
         if not delta:
             if not logprobs:
                 return None  # held back by a parser

@@ -52,12 +52,14 @@ class BodyWriter:
     `send` writes for `{"type": "http.response.body", "body": ..., "more_body": True}`; the response's
     start and end still go through `send` (the middleware see both)."""
 
-    __slots__ = ("_cycle", "_fd")
+    __slots__ = ("_cycle", "_fd", "_written", "_behind")
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
         self._cycle = cycle
         sock = cycle.transport.get_extra_info("socket")
         self._fd = sock.fileno() if sock is not None else -1
+        self._written = 0  # bytes written since `behind` last looked
+        self._behind = False  # what it saw then
 
     @property
     def usable(self) -> bool:
@@ -69,11 +71,16 @@ class BodyWriter:
     def behind(self) -> bool:
         """The client reads slower than it is written to: bytes wait in the connection's buffer (the
         socket took no more), or over BEHIND_BYTES wait in the kernel's. What is written now reaches
-        it only after those, so merging pending events into one costs it no time."""
-        transport = self._cycle.transport
-        if transport.is_closing():
+        it only after those, so merging pending events into one costs it no time. Looked at again
+        (a system call) once a quarter of BEHIND_BYTES more is written, or at once while behind."""
+        if not self._behind and self._written < BEHIND_BYTES // 4:
             return False
-        return transport.get_write_buffer_size() > 0 or _unsent(self._fd) > BEHIND_BYTES
+        self._written = 0
+        transport = self._cycle.transport
+        self._behind = not transport.is_closing() and (
+            transport.get_write_buffer_size() > 0 or _unsent(self._fd) > BEHIND_BYTES
+        )
+        return self._behind
 
     async def write(self, body: bytes) -> None:
         """One chunk; waits while the connection's buffer is over its high-water mark, like `send`, and
@@ -83,6 +90,7 @@ class BodyWriter:
             await cycle.flow.drain()
         if cycle.disconnected or not body:
             return
+        self._written += len(body)
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
 
