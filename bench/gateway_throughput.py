@@ -2,7 +2,7 @@
 a cheap SSE client, each in its own process; the gateway's CPU-seconds say what each token costs it.
 
     .venv/bin/python bench/gateway_throughput.py [--baseline-commit REV | --baseline-path DIR]
-        [--streams 64,256,1024] [--tokens 128] [--step-ms 10] [--cases all|chat,chat-usage,...]
+        [--streams 64,256,1024] [--tokens 128] [--step-ms 10] [--cases all|chat,chat-usage,...] [--rounds 1]
 
 The fake engine (`engine` subcommand) answers Generate with pre-serialised GenerateResponse messages (one
 token each, text "§"): every stream gets its next token at each tick of a ticker shared by all streams of
@@ -15,7 +15,8 @@ Per case it prints: tokens/s delivered, SSE events/s, the gateway's CPU-seconds 
 from /proc/PID/stat, all its threads), tokens per gateway CPU-second, ITL p50/p99 at the client, the
 gateway's RSS after the run, and the client's own CPU-seconds (it is not the bottleneck while they stay
 well under the wall time). With a baseline, each case runs on the baseline gateway then on this one, side
-by side (same engine, same machine state), and the ratios are printed.
+by side (same engine, same machine state), and the ratios are printed: with `--rounds N`, the two
+alternate N times per case and the median of the rounds' ratios is printed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -355,15 +357,22 @@ def per_cpu_s(result: dict[str, float]) -> float:
     return result["tokens"] / result["gateway_cpu_s"] if result["gateway_cpu_s"] else float("nan")
 
 
-def ratios(before: dict[str, float], after: dict[str, float]) -> str:
-    """current / baseline: tokens/s, events/s, tokens per CPU-second, ITL p50 and p99."""
-    tps = (after["tokens"] / after["seconds"]) / (before["tokens"] / before["seconds"])
-    eps = (after["events"] / after["seconds"]) / (before["events"] / before["seconds"])
-    return (
-        f"{tps:9.2f} {eps:9.2f} {'':7} {per_cpu_s(after) / per_cpu_s(before):9.2f}"
-        f" {after['itl_p50_ms'] / before['itl_p50_ms']:7.2f}"
-        f" {after['itl_p99_ms'] / before['itl_p99_ms']:7.2f}"
-    )
+def median_ratios(pairs: list[tuple[dict[str, float], dict[str, float]]]) -> str:
+    """current / baseline of each round's pair, the median over rounds: tokens/s, events/s, tokens per
+    CPU-second, ITL p50 and p99."""
+
+    def median(values: list[float]) -> float:
+        return statistics.median(values)
+
+    def ratio(after: float, before: float) -> float:
+        return after / before if before else float("nan")
+
+    tps = median([(a["tokens"] / a["seconds"]) / (b["tokens"] / b["seconds"]) for b, a in pairs])
+    eps = median([(a["events"] / a["seconds"]) / (b["events"] / b["seconds"]) for b, a in pairs])
+    cpu = median([per_cpu_s(a) / per_cpu_s(b) for b, a in pairs])
+    p50 = median([ratio(a["itl_p50_ms"], b["itl_p50_ms"]) for b, a in pairs])
+    p99 = median([ratio(a["itl_p99_ms"], b["itl_p99_ms"]) for b, a in pairs])
+    return f"{tps:9.2f} {eps:9.2f} {'':7} {cpu:9.2f} {p50:7.2f} {p99:7.2f}"
 
 
 def fmt(result: dict[str, float]) -> str:
@@ -407,6 +416,7 @@ def main() -> None:
     )
     parser.add_argument("--baseline-commit", help="also run the gateway of this git revision, side by side")
     parser.add_argument("--baseline-path", help="also run the gateway of this checkout, side by side")
+    parser.add_argument("--rounds", type=int, default=1, help="runs per case and gateway, alternating")
     parser.add_argument("--gateway-args", default="", help="extra gateway flags (space-separated)")
     args = parser.parse_args()
     if args.command == "engine":
@@ -453,28 +463,31 @@ def main() -> None:
             print(HEADER)
             try:
                 for case, streams, step in plan:
-                    rows = {}
-                    for label, tree_path in variants:
-                        key = (label, case.secured)
-                        if key not in gateways:
-                            extra = base + (secured if case.secured else [])
-                            gateways[key] = start_gateway(engine.address, *extra, env=gateway_env(tree_path))
+                    runs: dict[str, list[dict[str, float]]] = {label: [] for label, _ in variants}
+                    for round_index in range(args.rounds):
+                        # Alternate which goes first, so that drift on a shared machine hits both.
+                        order = variants if round_index % 2 == 0 else variants[::-1]
+                        for label, tree_path in order:
+                            key = (label, case.secured)
+                            if key not in gateways:
+                                extra = base + (secured if case.secured else [])
+                                gw = start_gateway(engine.address, *extra, env=gateway_env(tree_path))
+                                gateways[key] = gw
+                                warm = Case("warm", case.api, secured=case.secured)
+                                run_client(gw.url, warm, 8, 8, 1, gw.process.pid)
                             gw = gateways[key]
-                            warm = Case("warm", case.api, secured=case.secured)
-                            run_client(gw.url, warm, 8, 8, 1, gw.process.pid)
-                        gw = gateways[key]
-                        rows[label] = run_client(gw.url, case, streams, args.tokens, step, gw.process.pid)
-                        name = f"{case.name}@{step}ms"
-                        print(f"{name:22} {streams:7} {label:9} {fmt(rows[label])}", flush=True)
-                    if "baseline" in rows:
-                        print(
-                            f"{'':22} {'':7} {'ratio':9} {ratios(rows['baseline'], rows['current'])}",
-                            flush=True,
-                        )
+                            result = run_client(gw.url, case, streams, args.tokens, step, gw.process.pid)
+                            runs[label].append(result)
+                            name = f"{case.name}@{step}ms"
+                            print(f"{name:22} {streams:7} {label:9} {fmt(result)}", flush=True)
+                    if "baseline" in runs:
+                        pairs = list(zip(runs["baseline"], runs["current"], strict=True))
+                        label = "ratio" if len(pairs) == 1 else "median"
+                        print(f"{'':22} {'':7} {label:9} {median_ratios(pairs)}", flush=True)
             finally:
                 for gw in gateways.values():
                     gw.stop()
-            print(f"load average {os.getloadavg()[0]:.2f} at end; one run per row")
+            print(f"load average {os.getloadavg()[0]:.2f} at end; one run per row, ratios current / baseline")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
