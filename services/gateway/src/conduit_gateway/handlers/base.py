@@ -29,6 +29,7 @@ from conduit_gateway.handlers.choices import (
     ending_error,
     prompt_logprobs_entries,
 )
+from conduit_gateway.handlers.coalesce import merge_batch
 from conduit_gateway.handlers.disaggregated import continuation_opener, stream_opener
 from conduit_gateway.handlers.drain import drain_later
 from conduit_gateway.handlers.migration import Migration, Migrations, migrating
@@ -38,10 +39,18 @@ from conduit_gateway.handlers.streams import (
     Unread,
     close_all,
     open_streams,
+    read_batches,
     read_messages,
 )
 from conduit_gateway.handlers.usage_bound import TokenBound
-from conduit_gateway.http.sse import DONE_EVENT, ChunkEncoder, EventStreamResponse, error_event
+from conduit_gateway.http.sse import (
+    DONE_EVENT,
+    ChunkEncoder,
+    ClientPace,
+    EventStreamResponse,
+    RawJson,
+    error_event,
+)
 from conduit_gateway.keys.keys_file import ApiKey
 from conduit_gateway.keys.priority import allowed_priority
 from conduit_gateway.keys.rate_limit import TokenReservation
@@ -204,7 +213,8 @@ class GenerationHandler(ABC):
     def _count(self, usage: UsageTotals, prompt_index: int, message: engine_pb2.GenerateResponse) -> None:
         """Take a message's usage into the request's totals and hold that much of the key's tokens."""
         usage.update(prompt_index, message.usage)
-        self._charge(usage.prompt_tokens + usage.completion_tokens)
+        if self.reservation is not None:
+            self._charge(usage.prompt_tokens + usage.completion_tokens)
 
     def _charge(self, tokens: int) -> None:
         """The request has used `tokens` (prompt + output) so far: hold at least that of the key's."""
@@ -387,9 +397,9 @@ class ChunkedHandler(GenerationHandler):
     @abstractmethod
     def delta_choice(
         self, choice: ChoiceState, text: str, logprobs: Sequence[engine_pb2.PositionLogprobs]
-    ) -> dict[str, Any] | None:
+    ) -> dict[str, Any] | RawJson | None:
         """The streamed choice for new text of `choice` (called before the text is added to it), or None
-        when nothing is to be sent yet (a parser holds the text back)."""
+        when nothing is to be sent yet (a parser holds the text back); RawJson: the choice already encoded."""
 
     def flush_choice(self, choice: ChoiceState) -> dict[str, Any] | None:
         """A streamed choice with what was held back until the choice's end, sent before its finish."""
@@ -417,8 +427,9 @@ class ChunkedHandler(GenerationHandler):
             usage = self._new_usage(len(requests))
             if self.body.stream:
                 streaming = True
-                events = self._events(streams, choices, usage)
-                response = EventStreamResponse(events, on_close=lambda: self._release(streams))
+                pace = ClientPace()
+                events = self._events(streams, choices, usage, pace)
+                response = EventStreamResponse(events, on_close=lambda: self._release(streams), pace=pace)
                 return self._with_limit_headers(response)
             return self._with_limit_headers(await self._accumulate(streams, choices, usage))
         finally:
@@ -462,7 +473,7 @@ class ChunkedHandler(GenerationHandler):
         return prompt_logprobs_entries(self.prompt_logprobs.get(prompt_index, ()))
 
     async def _events(
-        self, streams: list[EngineStream], choices: ChoiceSet, usage: UsageTotals
+        self, streams: list[EngineStream], choices: ChoiceSet, usage: UsageTotals, pace: ClientPace
     ) -> AsyncIterator[str]:
         options = self.body.stream_options
         include_usage = bool(options and options.include_usage)
@@ -485,10 +496,14 @@ class ChunkedHandler(GenerationHandler):
                             prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens
                         ),
                     )
-                # Closed when the client leaves, so that nothing reads the streams but their drain.
-                async with contextlib.aclosing(read_messages(streams, self.unread)) as messages:
-                    async for prompt_index, message in messages:
-                        events = self._message_events(encoder, choices, usage, prompt_index, message)
+                # Closed when the client leaves, so that nothing reads the streams but their drain. While
+                # the client is behind, what has arrived meanwhile goes out merged (handlers/coalesce.py).
+                async with contextlib.aclosing(read_batches(streams, self.unread, pace)) as batches:
+                    async for batch in batches:
+                        events = "".join(
+                            self._message_events(encoder, choices, usage, prompt_index, message)
+                            for prompt_index, message in merge_batch(batch)
+                        )
                         if events:
                             yield events
                 if include_usage:

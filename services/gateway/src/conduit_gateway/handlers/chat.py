@@ -13,6 +13,7 @@ from conduit_gateway.handlers.base import ChunkedHandler
 from conduit_gateway.handlers.chat_output import ChatChoiceState, delta_fields, message
 from conduit_gateway.handlers.choices import ChoiceState, UsageTotals, safe_logprob
 from conduit_gateway.handlers.sampling import sampling_params
+from conduit_gateway.http.sse import RawJson, json_string
 from conduit_gateway.parsers.chat_output import ChatOutputParser
 from conduit_gateway.parsers.reasoning import reasoning_parser_class
 from conduit_gateway.parsers.tool_calls import ToolCallParser, tool_call_parser_class
@@ -149,12 +150,26 @@ class ChatHandler(ChunkedHandler):
 
     def delta_choice(
         self, choice: ChatChoiceState, text: str, logprobs: Sequence[engine_pb2.PositionLogprobs]
-    ) -> dict[str, Any] | None:
-        delta = delta_fields(choice.output.feed(text))
+    ) -> dict[str, Any] | RawJson | None:
+        output = choice.output
+        if output.parses:
+            delta = delta_fields(output.feed(text))
+        else:
+            # Without parsers the text is the content as it comes (what feed() would return).
+            delta = {"content": text} if text else {}
         if not delta:
             if not logprobs:
                 return None  # held back by a parser
             delta["content"] = ""
+        if len(delta) == 1 and "content" in delta:
+            # The common delta, written by hand: the same JSON the dict below encodes to.
+            shaped = (
+                f'{{"content":[{_logprob_entries_json(logprobs)}],"refusal":null}}' if logprobs else "null"
+            )
+            return RawJson(
+                f'{{"index":{choice.index},"delta":{{"content":{json_string(delta["content"])}}},'
+                f'"logprobs":{shaped},"finish_reason":null}}'
+            )
         return {
             "index": choice.index,
             "delta": delta,
@@ -255,6 +270,23 @@ def _logprob_entries(logprobs: Sequence[engine_pb2.PositionLogprobs]) -> list[di
         }
         for position in logprobs
     ]
+
+
+def _logprob_entries_json(logprobs: Sequence[engine_pb2.PositionLogprobs]) -> str:
+    """`_logprob_entries` as JSON, comma-separated, without building the dicts."""
+    return ",".join(
+        f"{_top_json(position.token)[:-1]},"
+        f'"top_logprobs":[{",".join(_top_json(alternative) for alternative in position.top)}]}}'
+        for position in logprobs
+    )
+
+
+def _top_json(token: engine_pb2.TokenLogprob) -> str:
+    text = token.text
+    return (
+        f'{{"token":{json_string(text)},"logprob":{float.__repr__(safe_logprob(token.logprob))},'
+        f'"bytes":[{",".join(map(str, text.encode("utf-8")))}]}}'
+    )
 
 
 def _top(token: engine_pb2.TokenLogprob) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from conduit_gateway.handlers.choices import (
     token_offsets,
 )
 from conduit_gateway.handlers.sampling import sampling_params
+from conduit_gateway.http.sse import RawJson, json_string, json_value
 from conduit_gateway.prompt_limits import MAX_PROMPTS, PromptLimit, prompt_limit
 from conduit_gateway.schemas.completions import (
     Completion,
@@ -104,14 +105,18 @@ class CompletionsHandler(ChunkedHandler):
 
     def delta_choice(
         self, choice: ChoiceState, text: str, logprobs: Sequence[engine_pb2.PositionLogprobs]
-    ) -> dict[str, Any]:
+    ) -> RawJson:
         prefix = _unsent_prefix(choice)
-        shaped = None
+        shaped = "null"
         if self.body.logprobs is not None:
-            shaped = _logprobs(logprobs, token_offsets(choice.chars + len(prefix), text, logprobs))
+            offsets = token_offsets(choice.chars + len(prefix), text, logprobs)
+            shaped = json_value(_logprobs(logprobs, offsets))
         text = prefix + text
         choice.chars += len(text)
-        return {"index": choice.index, "text": text, "logprobs": shaped, "finish_reason": None}
+        # {"index", "text", "logprobs", "finish_reason": null}, written by hand.
+        return RawJson(
+            f'{{"index":{choice.index},"text":{json_string(text)},"logprobs":{shaped},"finish_reason":null}}'
+        )
 
     def finish_choice(self, choice: ChoiceState) -> dict[str, Any]:
         # A prompt echoed into a choice that produced no text at all still has to reach the client.

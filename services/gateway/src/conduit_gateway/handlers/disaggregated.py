@@ -144,6 +144,12 @@ class DisaggregatedStream:
         message = await self._decode.read()
         return None if message is None else self._from_decode(message)
 
+    def ready(self) -> list[engine_pb2.GenerateResponse]:
+        """The decode side's ready messages once it serves the stream (the prefill side: none)."""
+        if self._decode is None:
+            return []
+        return [self._from_decode(message) for message in self._decode.ready()]
+
     async def abort(self) -> None:
         """Abort on the engine serving the stream now; a prefill's hand-offs are then not decoded (close()
         releases their transfer)."""

@@ -36,6 +36,7 @@ from conduit_gateway.handlers.message_blocks import Event, MessageBlocks, sse
 from conduit_gateway.handlers.streams import EngineStream, read_messages
 from conduit_gateway.handlers.thinking_budget import BudgetedStream, ThinkingBudget
 from conduit_gateway.http.anthropic import stream_error_event
+from conduit_gateway.http.sse import ClientPace
 from conduit_gateway.keys.keys_file import ApiKey
 from conduit_gateway.parsers.chat_output import ChatOutputParser
 from conduit_gateway.parsers.reasoning import reasoning_parser_class
@@ -285,8 +286,9 @@ class MessagesHandler(ChunkedHandler):
     # -- streaming -------------------------------------------------------------------------------------
 
     async def _events(
-        self, streams: list[EngineStream], choices: ChoiceSet, usage: UsageTotals
+        self, streams: list[EngineStream], choices: ChoiceSet, usage: UsageTotals, pace: ClientPace
     ) -> AsyncIterator[str]:
+        # Each message is its own events here (content blocks, pings): `pace` is not used.
         (stream,) = streams
         first = stream.first.usage
         # message_start precedes every token: its usage counts the prompt only.

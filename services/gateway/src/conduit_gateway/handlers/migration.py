@@ -127,6 +127,7 @@ class MigratingStream:
         self._finished: set[int] = set()
         self._handed_back: _Failure | None = None  # a choice the engine handed back, moved at stream end
         self._usage = engine_pb2.Usage()  # the first engine's prompt and cached tokens, once moved
+        self._latest_usage = engine_pb2.Usage()  # the first engine's latest usage, until it moves
         self._moved = False
         self._carried = 0  # completion tokens of choices finished before the current engine took over
         self._token_gaps: Histogram | None = None
@@ -177,6 +178,10 @@ class MigratingStream:
         await self._move(failure)
         return self._relay(self._stream.first)
 
+    def ready(self) -> list[engine_pb2.GenerateResponse]:
+        """What the current engine's stream has ready, relayed (a failure is met by the next `read`)."""
+        return [self._relay(message) for message in self._stream.ready()]
+
     async def abort(self) -> None:
         self._aborted = True
         await self._stream.abort()
@@ -209,13 +214,16 @@ class MigratingStream:
             message.usage.CopyFrom(self._usage)
             message.usage.completion_tokens = completion
         else:
-            self._usage = engine_pb2.Usage(
-                prompt_tokens=message.usage.prompt_tokens, cached_tokens=message.usage.cached_tokens
-            )
+            self._latest_usage = message.usage  # its prompt and cached tokens are taken when it moves
         return message
 
     async def _move(self, failure: _Failure) -> None:
         """Continue the unfinished choices on another engine, or raise what the client gets instead."""
+        if not self._moved:
+            latest = self._latest_usage
+            self._usage = engine_pb2.Usage(
+                prompt_tokens=latest.prompt_tokens, cached_tokens=latest.cached_tokens
+            )
         old = self._stream
         source = getattr(old, "node", None)
         old.close()

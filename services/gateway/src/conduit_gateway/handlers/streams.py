@@ -26,6 +26,7 @@ from prometheus_client import Histogram
 
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.errors import OpenAIError
+from conduit_gateway.http.sse import ClientPace
 from conduit_gateway.http.tracing import engine_trace_metadata
 from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.pool import EnginePool
@@ -37,6 +38,10 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXH
 
 # How long the Abort RPC of a stream the client left may take.
 ABORT_TIMEOUT_S = 1.0
+
+# Messages a stream's reader task takes off its call ahead of the handler: what one merged event of a
+# client that reads slowly can carry beyond its first token (handlers/coalesce.py).
+READ_AHEAD = 64
 
 # Told the status of each refusal that is retried on another node (for metrics).
 OnRetry = Callable[[grpc.StatusCode], None]
@@ -69,6 +74,11 @@ class EngineStream(Protocol):
     async def read(self) -> engine_pb2.GenerateResponse | None:
         """The next message, or None at the end; engine errors propagate (AioRpcError). Cancelling a
         read loses nothing: the next read returns the message it was waiting for."""
+        ...
+
+    def ready(self) -> list[engine_pb2.GenerateResponse]:
+        """The messages that have arrived and can be read without waiting, in order (maybe none); the
+        end of the stream and errors are left for the next `read`."""
         ...
 
     async def abort(self) -> None:
@@ -107,9 +117,13 @@ class PromptStream:
     _last_token_at: dict[int, float] = field(default_factory=dict, init=False)
     lost: str | None = field(default=None, init=False)  # why the node was lost while this was open
     # One task reads the call for the stream's whole life and hands each message (or the read's error)
-    # over through a one-slot inbox, so that cancelling a reader never cancels the call.
+    # over through a bounded inbox, so that cancelling a reader never cancels the call; `ready()` takes
+    # what it holds without waiting.
     _reader: asyncio.Task[None] | None = field(default=None, init=False)
-    _inbox: asyncio.Queue[object] = field(default_factory=lambda: asyncio.Queue(maxsize=1), init=False)
+    _inbox: asyncio.Queue[object] = field(
+        default_factory=lambda: asyncio.Queue(maxsize=READ_AHEAD), init=False
+    )
+    _held: object = field(default=None, init=False)  # the end or an error `ready()` took off the inbox
 
     def __post_init__(self) -> None:
         self._last_token_at[self.first.index] = self.opened_at
@@ -128,7 +142,10 @@ class PromptStream:
         the drain that charges what the engine generated (handlers/drain.py)."""
         if self._reader is None:
             self._reader = asyncio.ensure_future(self._pump())
-        message = await self._inbox.get()  # cancelling this reader leaves the message for the next one
+        if self._held is not None:
+            message, self._held = self._held, None
+        else:
+            message = await self._inbox.get()  # cancelling this reader leaves the message for the next one
         try:
             if isinstance(message, BaseException):
                 raise message
@@ -150,6 +167,23 @@ class PromptStream:
             self.node.record_decode(now - self.opened_at, self.tokens_after_first)
             return None
         assert isinstance(message, engine_pb2.GenerateResponse)
+        return self._accept(message, now)
+
+    def ready(self) -> list[engine_pb2.GenerateResponse]:
+        messages: list[engine_pb2.GenerateResponse] = []
+        inbox = self._inbox
+        if self._held is not None or self.closed:
+            return messages
+        now = time.perf_counter()
+        while not inbox.empty():
+            item = inbox.get_nowait()
+            if not isinstance(item, engine_pb2.GenerateResponse):
+                self._held = item  # the end, or an error: read() hands it over as before
+                break
+            messages.append(self._accept(item, now))
+        return messages
+
+    def _accept(self, message: engine_pb2.GenerateResponse, now: float) -> engine_pb2.GenerateResponse:
         self.tokens_after_first += len(message.token_ids)
         if message.token_ids and self.token_gaps is not None:
             last = self._last_token_at.get(message.index)
@@ -337,6 +371,38 @@ async def read_messages(
             prompt_index, item = queue.get_nowait()
             if unread is not None and isinstance(item, engine_pb2.GenerateResponse):
                 unread.append((prompt_index, item))
+
+
+# A batch of messages read at once: (prompt index, message), in the order they were read.
+Batch = list[tuple[int, engine_pb2.GenerateResponse]]
+
+
+async def read_batches(
+    streams: Sequence[EngineStream], unread: Unread | None, pace: ClientPace | None
+) -> AsyncIterator[Batch]:
+    """`read_messages` in batches: each waits for one message; while the client is behind, it waits for
+    the client to catch up and takes along every message that arrived meanwhile (handlers/coalesce.py
+    merges them). Each stream's order is kept; its end or error comes after the batch. A request of
+    several prompts reads one message per batch."""
+    if len(streams) == 1:
+        stream = streams[0]
+        yield [(stream.prompt_index, stream.first)]
+        ready = getattr(stream, "ready", None)
+        while (message := await stream.read()) is not None:
+            batch = [(stream.prompt_index, message)]
+            if ready is not None and pace is not None and pace.behind:
+                try:
+                    await pace.caught_up()
+                except BaseException:  # the client left: the drain counts the message
+                    if unread is not None:
+                        unread.extend(batch)
+                    raise
+                batch += [(stream.prompt_index, more) for more in ready()]
+            yield batch
+        return
+    async with contextlib.aclosing(read_messages(streams, unread)) as messages:
+        async for item in messages:
+            yield [item]
 
 
 def close_all(streams: Sequence[EngineStream]) -> None:

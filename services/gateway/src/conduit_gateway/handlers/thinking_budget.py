@@ -88,6 +88,9 @@ class BudgetedStream:
             return None
         return self._from_answer(message) if self._answering else self._from_reasoning(message)
 
+    def ready(self) -> list[engine_pb2.GenerateResponse]:
+        return []  # each message is read through the budget's checks
+
     async def abort(self) -> None:
         self._aborted = True
         await self._stream.abort()

@@ -10,17 +10,88 @@ The size is checked twice, so that where the packets split the head changes noth
 still incomplete after a read (what httptools is buffering), and the parsed request line and headers as
 the parser hands them over (a whole head in one read, or the rest of one, is parsed within that read). A
 head over the limit never reaches the app: the connection answers 431 and closes.
+
+Each request's scope also carries a `BodyWriter` (extension "conduit.body_writer"): streamed responses
+write their body chunks through it straight onto the connection, as uvicorn's own `send` would write
+them, without a trip through every middleware's `send` per event, and can see whether the client is
+behind.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import struct
+import termios
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from conduit_gateway.errors import OpenAIError
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+BODY_WRITER = "conduit.body_writer"
+
+# Bytes of a connection the kernel holds that have not reached the client (Linux: the send queue less
+# what the peer acknowledged); past this the client is behind. A client that keeps up leaves it near 0.
+BEHIND_BYTES = 32 * 1024
+_OUTQ = getattr(termios, "TIOCOUTQ", None)
+
+
+def _unsent(fd: int) -> int:
+    if _OUTQ is None or fd < 0:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, _OUTQ, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
+
+
+class BodyWriter:
+    """Writes the middle chunks of a started chunked response onto its connection, the bytes uvicorn's
+    `send` writes for `{"type": "http.response.body", "body": ..., "more_body": True}`; the response's
+    start and end still go through `send` (the middleware see both)."""
+
+    __slots__ = ("_cycle", "_fd", "_written", "_behind")
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+        sock = cycle.transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
+        self._written = 0  # bytes written since `behind` last looked
+        self._behind = False  # what it saw then
+
+    @property
+    def usable(self) -> bool:
+        """The response has started, chunked, and has not ended: `write` may be used."""
+        cycle = self._cycle
+        return cycle.response_started and cycle.chunked_encoding is True and not cycle.response_complete
+
+    @property
+    def behind(self) -> bool:
+        """The client reads slower than it is written to: bytes wait in the connection's buffer (the
+        socket took no more), or over BEHIND_BYTES wait in the kernel's. What is written now reaches
+        it only after those, so merging pending events into one costs it no time. Looked at again
+        (a system call) once a quarter of BEHIND_BYTES more is written, or at once while behind."""
+        if not self._behind and self._written < BEHIND_BYTES // 4:
+            return False
+        self._written = 0
+        transport = self._cycle.transport
+        self._behind = not transport.is_closing() and (
+            transport.get_write_buffer_size() > 0 or _unsent(self._fd) > BEHIND_BYTES
+        )
+        return self._behind
+
+    async def write(self, body: bytes) -> None:
+        """One chunk; waits while the connection's buffer is over its high-water mark, like `send`, and
+        does nothing once the client has gone."""
+        cycle = self._cycle
+        if cycle.flow.write_paused and not cycle.disconnected:
+            await cycle.flow.drain()
+        if cycle.disconnected or not body:
+            return
+        self._written += len(body)
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
 
 class BoundedHttpProtocol(HttpToolsProtocol):
@@ -73,6 +144,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._cancel_head_timer()
         if not self._oversized:
             super().on_headers_complete()
+            if self.cycle is not None:
+                self.scope.setdefault("extensions", {})[BODY_WRITER] = BodyWriter(self.cycle)
 
     def on_body(self, body: bytes) -> None:
         if not self._oversized:

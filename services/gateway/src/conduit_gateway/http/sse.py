@@ -11,10 +11,29 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from conduit_gateway.errors import OpenAIError
+from conduit_gateway.http.protocol import BODY_WRITER, BodyWriter
 from conduit_gateway.race import finished_first
 
 DONE_EVENT = "data: [DONE]\n\n"
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+# The compact JSON of any value, as every chunk is encoded.
+json_value = _dumps
+# What `_dumps` makes of a string (the same C function it calls), for JSON written by hand.
+json_string = json.encoder.encode_basestring
+
+
+class RawJson(str):
+    """A value already encoded as JSON (a choice a handler renders itself): written as it is."""
+
+    __slots__ = ()
+
+
+def _choices_json(choices: list[Any]) -> str:
+    if len(choices) == 1 and type(choices[0]) is RawJson:
+        return f"[{choices[0]}]"
+    if not any(type(choice) is RawJson for choice in choices):
+        return _dumps(choices)
+    return "[" + ",".join(c if type(c) is RawJson else _dumps(c) for c in choices) + "]"
 
 
 class ChunkEncoder:
@@ -28,16 +47,46 @@ class ChunkEncoder:
         )
         self._usage_mode = usage_mode
 
-    def chunk(self, choices: list[dict[str, Any]], usage: Callable[[], dict[str, Any]]) -> str:
+    def chunk(self, choices: list[dict[str, Any] | RawJson], usage: Callable[[], dict[str, Any]]) -> str:
         """One event; `usage` is only called when running usage is on."""
         if self._usage_mode == "none":
-            return f"{self._head}{_dumps(choices)}}}\n\n"
+            return f"{self._head}{_choices_json(choices)}}}\n\n"
         usage_json = _dumps(usage()) if self._usage_mode == "running" else "null"
-        return f'{self._head}{_dumps(choices)},"usage":{usage_json}}}\n\n'
+        return f'{self._head}{_choices_json(choices)},"usage":{usage_json}}}\n\n'
 
     def usage_chunk(self, usage: dict[str, Any]) -> str:
         """The last chunk of `stream_options.include_usage`: no choices, the request's usage."""
         return f'{self._head}[],"usage":{_dumps(usage)}}}\n\n'
+
+
+class ClientPace:
+    """Shared by a streamed response and the source of its events: whether the client reads slower
+    than it is written to (http/protocol.py's BodyWriter.behind), so that the source merges what is
+    pending into fewer events. Never behind without a body writer (another server than ours)."""
+
+    __slots__ = ("_writer",)
+
+    # While the client is behind, how often to look again, and for how long at most, before writing.
+    POLL_S = 0.002
+    WAIT_S = 0.1
+
+    def __init__(self) -> None:
+        self._writer: BodyWriter | None = None
+
+    def attach(self, writer: BodyWriter) -> None:
+        self._writer = writer
+
+    @property
+    def behind(self) -> bool:
+        return self._writer is not None and self._writer.behind
+
+    async def caught_up(self) -> None:
+        """Return once the client has read what it was behind on (WAIT_S at most): what arrives
+        meanwhile goes out with it in one event."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.WAIT_S
+        while self.behind and loop.time() < deadline:
+            await asyncio.sleep(self.POLL_S)
 
 
 def error_event(error: OpenAIError) -> str:
@@ -55,15 +104,22 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        on_close: Callable[[], None] | None = None,
+        pace: ClientPace | None = None,
+    ) -> None:
         super().__init__(
             events, status_code=200, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         self._events = events
         self._on_close = on_close
+        self._pace = pace
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        producer = asyncio.create_task(self._produce(send))
+        writer = scope.get("extensions", {}).get(BODY_WRITER)
+        producer = asyncio.create_task(self._produce(send, writer))
         try:
             await finished_first(producer, wait_for_disconnect(receive))
         finally:
@@ -77,10 +133,17 @@ class EventStreamResponse(StreamingResponse):
             # OSError: the client went away mid-write, which is not the server's failure.
             raise outcome
 
-    async def _produce(self, send: Send) -> None:
+    async def _produce(self, send: Send, writer: BodyWriter | None) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async for event in self._events:
-            await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
+        if writer is not None and writer.usable:
+            # Events go straight onto the connection (http/protocol.py), the same bytes `send` writes.
+            if self._pace is not None:
+                self._pace.attach(writer)
+            async for event in self._events:
+                await writer.write(event.encode("utf-8"))
+        else:
+            async for event in self._events:
+                await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
         # Done before the response ends, so a client that sends its next request on [DONE] finds the
         # slot already free.
         self._close()

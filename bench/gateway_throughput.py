@@ -1,0 +1,496 @@
+"""Gateway throughput per token: a cheap fake engine streams tokens at a fixed rate through a real gateway to
+a cheap SSE client, each in its own process; the gateway's CPU-seconds say what each token costs it.
+
+    .venv/bin/python bench/gateway_throughput.py [--baseline-commit REV | --baseline-path DIR]
+        [--streams 64,256,1024] [--tokens 128] [--step-ms 10] [--cases all|chat,chat-usage,...] [--rounds 1]
+
+The fake engine (`engine` subcommand) answers Generate with pre-serialised GenerateResponse messages (one
+token each, text "§"): every stream gets its next token at each tick of a ticker shared by all streams of
+the same rate (a decode step); the request's `seed` is the tick in ms (so one engine serves every rate).
+The client (`client` subcommand) opens one raw asyncio connection per stream, sends the request and only
+finds event boundaries: it counts `data:` events, the "§" inside each event's delta text (tokens; several
+when events were coalesced), and the gap between a stream's content events as it reads them (ITL).
+
+Per case it prints: tokens/s delivered, SSE events/s, the gateway's CPU-seconds over the run (utime + stime
+from /proc/PID/stat, all its threads), tokens per gateway CPU-second, ITL p50/p99 at the client, the
+gateway's RSS after the run, and the client's own CPU-seconds (it is not the bottleneck while they stay
+well under the wall time). With a baseline, each case runs on the baseline gateway then on this one, side
+by side (same engine, same machine state), and the ratios are printed: with `--rounds N`, the two
+alternate N times per case and the median of the rounds' ratios is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # for tests.support
+
+WORD = "§"
+WORD_BYTES = WORD.encode()
+API_KEY = "sk-bench-throughput"
+
+
+# -- fake engine ---------------------------------------------------------------------------------------
+
+
+def run_engine(port: int) -> None:
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from conduit.engine.v1 import engine_pb2
+
+    prebuilt: dict[tuple[int, int], list[bytes]] = {}
+
+    def messages(max_tokens: int, top: int) -> list[bytes]:
+        """Serialised messages of one stream, without request_id (prepended per stream)."""
+        key = (max_tokens, top)
+        if key not in prebuilt:
+            out = []
+            for step in range(max_tokens):
+                last = step == max_tokens - 1
+                message = engine_pb2.GenerateResponse(
+                    index=0,
+                    text=WORD,
+                    token_ids=[100 + step % 100],
+                    usage=engine_pb2.Usage(prompt_tokens=4, completion_tokens=step + 1),
+                    finished=last,
+                    finish_reason=engine_pb2.FINISH_REASON_LENGTH if last else 0,
+                )
+                if step == 0:
+                    message.prompt_token_ids.extend([1, 2, 3, 4])
+                if top >= 0:
+                    chosen = engine_pb2.TokenLogprob(token_id=100, text=WORD, logprob=-0.25, rank=1)
+                    others = [
+                        engine_pb2.TokenLogprob(token_id=100 + k, text=f"a{k}", logprob=-1.5 * k, rank=k + 1)
+                        for k in range(1, top + 1)
+                    ]
+                    message.logprobs.append(engine_pb2.PositionLogprobs(token=chosen, top=others))
+                out.append(message.SerializeToString())
+            prebuilt[key] = out
+        return prebuilt[key]
+
+    class Ticker:
+        def __init__(self, interval_s: float) -> None:
+            self.interval_s = interval_s
+            self.tick: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.task = asyncio.create_task(self.run())
+
+        async def run(self) -> None:
+            loop = asyncio.get_running_loop()
+            next_at = loop.time()
+            while True:
+                next_at += self.interval_s
+                await asyncio.sleep(max(0.0, next_at - loop.time()))
+                tick, self.tick = self.tick, loop.create_future()
+                tick.set_result(None)
+
+    tickers: dict[int, Ticker] = {}
+
+    async def generate(request, context):
+        sampling = request.sampling
+        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 16
+        top = sampling.logprobs if sampling.HasField("logprobs") else -1
+        step_ms = sampling.seed if sampling.HasField("seed") and sampling.seed > 0 else 10
+        ticker = tickers.get(step_ms) or tickers.setdefault(step_ms, Ticker(step_ms / 1000))
+        head = engine_pb2.GenerateResponse(request_id=request.request_id).SerializeToString()
+        for body in messages(max_tokens, top):
+            await ticker.tick
+            await context.write(head + body)
+
+    async def model_info(request, context):
+        return engine_pb2.GetModelInfoResponse(
+            model="fake-model",
+            architecture="FakeForCausalLM",
+            vocab_size=512,
+            max_model_len=100000,
+            dtype="float32",
+            device="cpu",
+            block_size=16,
+            num_kv_blocks=100000,
+            max_num_seqs=4096,
+            eos_token_ids=[2],
+            has_chat_template=True,
+        )
+
+    async def get_load(request, context):
+        return engine_pb2.GetLoadResponse(kv_blocks_total=100000)
+
+    async def abort(request, context):
+        return engine_pb2.AbortResponse(aborted=False)
+
+    def unary(fn, request_type, response_type):
+        return grpc.unary_unary_rpc_method_handler(
+            fn,
+            request_deserializer=request_type.FromString,
+            response_serializer=response_type.SerializeToString,
+        )
+
+    handlers = {
+        # Responses go out as the bytes they were built as (no serialiser).
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            generate, request_deserializer=engine_pb2.GenerateRequest.FromString
+        ),
+        "GetModelInfo": unary(model_info, engine_pb2.GetModelInfoRequest, engine_pb2.GetModelInfoResponse),
+        "GetLoad": unary(get_load, engine_pb2.GetLoadRequest, engine_pb2.GetLoadResponse),
+        "Abort": unary(abort, engine_pb2.AbortRequest, engine_pb2.AbortResponse),
+    }
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("conduit.engine.v1.Engine", handlers),)
+        )
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+# -- client ------------------------------------------------------------------------------------------------
+
+
+class SseStream(asyncio.Protocol):
+    """One request on its own connection; finds event boundaries and the delta text of each event."""
+
+    def __init__(self, request: bytes, marker: bytes, done: asyncio.Future[None], gaps: list[float]) -> None:
+        self.request, self.marker, self.done, self.gaps = request, marker, done, gaps
+        self.buf = b""
+        self.events = self.tokens = self.errors = 0
+        self.last: float | None = None
+        self.status_ok: bool | None = None
+        self.loop = asyncio.get_running_loop()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        now = self.loop.time()
+        buf = self.buf + data
+        if self.status_ok is None:
+            self.status_ok = buf.startswith(b"HTTP/1.1 200")
+        start = 0
+        while (end := buf.find(b"\n\n", start)) >= 0:
+            event = buf[start:end]
+            start = end + 2
+            at = event.find(b"data: ")
+            if at < 0:
+                continue
+            if event.startswith(b"[DONE]", at + 6):
+                self.transport.close()
+                continue
+            self.events += 1
+            if b'"error"' in event:
+                self.errors += 1
+            text_at = event.find(self.marker, at)
+            if text_at >= 0:
+                text_at += len(self.marker)
+                tokens = event.count(WORD_BYTES, text_at, event.index(b'"', text_at))
+                if tokens:
+                    self.tokens += tokens
+                    if self.last is not None:
+                        self.gaps.append(now - self.last)
+                    self.last = now
+        self.buf = buf[start:]
+
+    def connection_lost(self, exc) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+async def client_main(args: argparse.Namespace) -> dict[str, float]:
+    body = json.loads(args.body)
+    payload = json.dumps(body).encode()
+    headers = [
+        f"POST {args.path} HTTP/1.1",
+        "Host: bench",
+        "Content-Type: application/json",
+        f"Content-Length: {len(payload)}",
+        "Connection: close",
+    ]
+    if args.api_key:
+        headers.append(f"Authorization: Bearer {args.api_key}")
+    request = ("\r\n".join(headers) + "\r\n\r\n").encode() + payload
+    marker = b'"content":"' if args.path.endswith("chat/completions") else b'"text":"'
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+    host, port = args.url.removeprefix("http://").split(":")
+    streams = []
+    started = time.perf_counter()
+
+    async def one() -> SseStream:
+        done = loop.create_future()
+        _, protocol = await loop.create_connection(
+            lambda: SseStream(request, marker, done, gaps), host, int(port)
+        )
+        await done
+        return protocol
+
+    streams = await asyncio.gather(*(one() for _ in range(args.streams)))
+    seconds = time.perf_counter() - started
+    gaps.sort()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "seconds": seconds,
+        "tokens": sum(s.tokens for s in streams),
+        "events": sum(s.events for s in streams),
+        "errors": sum(s.errors for s in streams) + sum(1 for s in streams if not s.status_ok),
+        "itl_p50_ms": 1000 * gaps[len(gaps) // 2] if gaps else float("nan"),
+        "itl_p99_ms": 1000 * gaps[int(len(gaps) * 0.99)] if gaps else float("nan"),
+        "client_cpu_s": usage.ru_utime + usage.ru_stime,
+    }
+
+
+# -- orchestration -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    api: str  # chat | completions
+    usage: bool = False
+    logprobs: bool = False
+    secured: bool = False  # API keys file + tracing on
+
+    def body(self, tokens: int, step_ms: int) -> dict:
+        body: dict = {"model": "fake-model", "max_tokens": tokens, "stream": True, "seed": step_ms}
+        if self.api == "chat":
+            body["messages"] = [{"role": "user", "content": "Once upon a time"}]
+            if self.logprobs:
+                body.update(logprobs=True, top_logprobs=2)
+        else:
+            body["prompt"] = "Once upon a time"
+            if self.logprobs:
+                body["logprobs"] = 2
+        if self.usage:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.api == "chat" else "/v1/completions"
+
+
+CASES = {
+    case.name: case
+    for case in (
+        Case("chat", "chat"),
+        Case("chat-usage", "chat", usage=True),
+        Case("chat-logprobs", "chat", logprobs=True),
+        Case("chat-keys-tracing", "chat", usage=True, secured=True),
+        Case("completions", "completions"),
+        Case("completions-usage", "completions", usage=True),
+        Case("completions-logprobs", "completions", logprobs=True),
+    )
+}
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_client(url: str, case: Case, streams: int, tokens: int, step_ms: int, pid: int) -> dict[str, float]:
+    args = [sys.executable, __file__, "client", "--url", url, "--path", case.path, "--streams", str(streams)]
+    args += ["--body", json.dumps(case.body(tokens, step_ms))]
+    if case.secured:
+        args += ["--api-key", API_KEY]
+    before = cpu_seconds(pid)
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    result = json.loads(out)
+    result["gateway_cpu_s"] = cpu_seconds(pid) - before
+    result["rss_mib"] = rss_mib(pid)
+    return result
+
+
+def baseline_tree(args: argparse.Namespace, scratch: Path) -> Path | None:
+    if args.baseline_path:
+        return Path(args.baseline_path).resolve()
+    if not args.baseline_commit:
+        return None
+    tree = scratch / "baseline"
+    tree.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", args.baseline_commit, "services"], check=True, capture_output=True
+    ).stdout
+    archive_path = scratch / "baseline.tar"
+    archive_path.write_bytes(archive)
+    with tarfile.open(archive_path) as tar:
+        tar.extractall(tree, filter="data")
+    return tree
+
+
+def gateway_env(tree: Path | None) -> dict[str, str]:
+    if tree is None:
+        return {}
+    paths = [tree / "services" / "gateway" / "src", tree / "services" / "common" / "src"]
+    paths.append(REPO / "protos" / "python" / "gen")  # generated, not in git; the proto is the same
+    return {"PYTHONPATH": os.pathsep.join(str(path) for path in paths)}
+
+
+def per_cpu_s(result: dict[str, float]) -> float:
+    return result["tokens"] / result["gateway_cpu_s"] if result["gateway_cpu_s"] else float("nan")
+
+
+def median_ratios(pairs: list[tuple[dict[str, float], dict[str, float]]]) -> str:
+    """current / baseline of each round's pair, the median over rounds: tokens/s, events/s, tokens per
+    CPU-second, ITL p50 and p99."""
+
+    def median(values: list[float]) -> float:
+        return statistics.median(values)
+
+    def ratio(after: float, before: float) -> float:
+        return after / before if before else float("nan")
+
+    tps = median([(a["tokens"] / a["seconds"]) / (b["tokens"] / b["seconds"]) for b, a in pairs])
+    eps = median([(a["events"] / a["seconds"]) / (b["events"] / b["seconds"]) for b, a in pairs])
+    cpu = median([per_cpu_s(a) / per_cpu_s(b) for b, a in pairs])
+    p50 = median([ratio(a["itl_p50_ms"], b["itl_p50_ms"]) for b, a in pairs])
+    p99 = median([ratio(a["itl_p99_ms"], b["itl_p99_ms"]) for b, a in pairs])
+    return f"{tps:9.2f} {eps:9.2f} {'':7} {cpu:9.2f} {p50:7.2f} {p99:7.2f}"
+
+
+def fmt(result: dict[str, float]) -> str:
+    tps = result["tokens"] / result["seconds"]
+    eps = result["events"] / result["seconds"]
+    return (
+        f"{tps:9.0f} {eps:9.0f} {result['gateway_cpu_s']:7.2f} {per_cpu_s(result):9.0f}"
+        f" {result['itl_p50_ms']:7.2f} {result['itl_p99_ms']:7.2f} {result['rss_mib']:6.0f}"
+        f" {result['client_cpu_s']:6.2f}/{result['seconds']:5.1f}"
+        + (f"  ERRORS {result['errors']}" if result["errors"] else "")
+    )
+
+
+HEADER = (
+    f"{'case':22} {'streams':>7} {'gateway':9} {'tok/s':>9} {'events/s':>9} {'gw cpu':>7} {'tok/cpu-s':>9}"
+    f" {'p50 ms':>7} {'p99 ms':>7} {'RSS MiB':>6} {'client cpu/wall':>12}"
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    engine = sub.add_parser("engine")
+    engine.add_argument("--port", type=int, required=True)
+    client = sub.add_parser("client")
+    client.add_argument("--url", required=True)
+    client.add_argument("--path", required=True)
+    client.add_argument("--streams", type=int, required=True)
+    client.add_argument("--body", required=True)
+    client.add_argument("--api-key")
+    parser.add_argument("--streams", default="64,256,1024", help="comma-separated concurrent streams")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per stream")
+    parser.add_argument(
+        "--step-ms", default="10", help="engine tick per stream, ms (comma-separated: several)"
+    )
+    parser.add_argument("--cases", default="all", help=f"comma-separated of {', '.join(CASES)}")
+    parser.add_argument(
+        "--full-matrix",
+        action="store_true",
+        help="every case at every stream count (default: every case at 256, chat at the others)",
+    )
+    parser.add_argument("--baseline-commit", help="also run the gateway of this git revision, side by side")
+    parser.add_argument("--baseline-path", help="also run the gateway of this checkout, side by side")
+    parser.add_argument("--rounds", type=int, default=1, help="runs per case and gateway, alternating")
+    parser.add_argument("--gateway-args", default="", help="extra gateway flags (space-separated)")
+    args = parser.parse_args()
+    if args.command == "engine":
+        run_engine(args.port)
+        return
+    if args.command == "client":
+        print(json.dumps(asyncio.run(client_main(args))))
+        return
+
+    from tests.support.otlp_receiver import OtlpReceiver
+    from tests.support.processes import ManagedProcess, free_port, start_gateway
+
+    names = list(CASES) if args.cases == "all" else args.cases.split(",")
+    counts = [int(n) for n in args.streams.split(",")]
+    steps = [int(s) for s in args.step_ms.split(",")]
+    plan = [
+        (CASES[name], streams, step)
+        for step in steps
+        for streams in counts
+        for name in names
+        if args.full_matrix or streams == 256 or name == "chat" or len(counts) == 1
+    ]
+    scratch = Path(tempfile.mkdtemp(prefix="conduit-gwtp-"))
+    keys_file = scratch / "keys.yaml"
+    keys_file.write_text(
+        f"keys:\n  - name: bench\n    key: {API_KEY}\n    limits:\n      requests_per_minute: 1000000\n"
+        "      tokens_per_minute: 1000000000\n"
+    )
+    try:
+        tree = baseline_tree(args, scratch)
+        port = free_port()
+        engine_args = [sys.executable, __file__, "engine", "--port", str(port)]
+        with ManagedProcess("throughput-engine", engine_args, port) as engine, OtlpReceiver() as otlp:
+            gateways: dict[tuple[str, bool], ManagedProcess] = {}
+            variants = [("baseline", tree)] if tree is not None else []
+            variants.append(("current", None))
+            base = ["--log-level", "warning", "--max-concurrent-requests", "4096", *args.gateway_args.split()]
+            secured = ["--api-keys-file", str(keys_file), "--otlp-endpoint", otlp.endpoint]
+            print(
+                f"fake engine: one token per message, text {WORD!r}, {args.tokens} tokens per stream, "
+                f"tick {args.step_ms} ms per stream; CPU: {os.cpu_count()} cores, "
+                f"load average {os.getloadavg()[0]:.2f} at start"
+            )
+            print(HEADER)
+            try:
+                for case, streams, step in plan:
+                    runs: dict[str, list[dict[str, float]]] = {label: [] for label, _ in variants}
+                    for round_index in range(args.rounds):
+                        # Alternate which goes first, so that drift on a shared machine hits both.
+                        order = variants if round_index % 2 == 0 else variants[::-1]
+                        for label, tree_path in order:
+                            key = (label, case.secured)
+                            if key not in gateways:
+                                extra = base + (secured if case.secured else [])
+                                gw = start_gateway(engine.address, *extra, env=gateway_env(tree_path))
+                                gateways[key] = gw
+                                warm = Case("warm", case.api, secured=case.secured)
+                                run_client(gw.url, warm, 8, 8, 1, gw.process.pid)
+                            gw = gateways[key]
+                            result = run_client(gw.url, case, streams, args.tokens, step, gw.process.pid)
+                            runs[label].append(result)
+                            name = f"{case.name}@{step}ms"
+                            print(f"{name:22} {streams:7} {label:9} {fmt(result)}", flush=True)
+                    if "baseline" in runs:
+                        pairs = list(zip(runs["baseline"], runs["current"], strict=True))
+                        label = "ratio" if len(pairs) == 1 else "median"
+                        print(f"{'':22} {'':7} {label:9} {median_ratios(pairs)}", flush=True)
+            finally:
+                for gw in gateways.values():
+                    gw.stop()
+            print(f"load average {os.getloadavg()[0]:.2f} at end; one run per row, ratios current / baseline")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
