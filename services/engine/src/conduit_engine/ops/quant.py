@@ -40,7 +40,8 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int_matmul(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """q [M, K] int8 @ w [N, K]ᵀ int8 → int32 [M, N], exactly."""
-    if q.device.type == "cpu" or q.shape[0] > 16:
+    # torch 2.13's CPU _int_mm returns garbage for K == 1: only shapes whose K is a multiple of 8
+    if q.shape[1] % 8 == 0 and (q.device.type == "cpu" or q.shape[0] > 16):
         try:
             return torch._int_mm(q.contiguous(), w.t().contiguous())
         except RuntimeError:  # shapes this build's _int_mm refuses (CUDA: multiples of 8)
