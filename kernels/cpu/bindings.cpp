@@ -132,5 +132,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (const KernelTable* table : {&conduit_cpu::avx512bf16_table, &conduit_cpu::avx512_table,
                                    &conduit_cpu::avx2_table, &conduit_cpu::scalar_table})
     add_isa(m, *table);
+  m.def(
+      "quantize_rows",
+      [](const at::Tensor& x) {
+        MaybeReleaseGil gil(x.numel());
+        return conduit_cpu::quantize_rows_int8(x);
+      },
+      "x [M, K] -> (int8 [M, K], float32 scales [M]), per row (ops/quant.py quantize_rows)");
   m.def("supported_isas", &supported_isas, "instruction sets this CPU runs, best first");
 }

@@ -194,11 +194,11 @@ void pack_int8_panels(const int8_t* w, int8_t* out, int32_t* comp, const float* 
   });
 }
 
-// x [M, K] float32 or bf16 -> int8 rows [M, 4 * K4] (ops/quant.py quantize_rows: scale max|x| / 127,
+// x [M, K] float32 or bf16 -> int8 rows [M, ldq >= K] (ops/quant.py quantize_rows: scale max|x| / 127,
 // q = round-half-even(x * (127 / max|x|)), |q| <= 127), biased by 128 when `biased`; scales [M]
 template <class T>
-void quantize_rows(const at::Tensor& x, int64_t K4, bool biased, int8_t* q, float* scales) {
-  const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0), ldq = 4 * K4;
+void quantize_rows(const at::Tensor& x, int64_t ldq, bool biased, int8_t* q, float* scales) {
+  const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0);
   const T* src = static_cast<const T*>(x.data_ptr());
   auto rows = [&](int64_t m0, int64_t m1) {
     std::vector<float> row(static_cast<size_t>(K));
@@ -246,6 +246,21 @@ PackedLinear::PackedLinear(const KernelTable& table, const at::Tensor& weight, c
                    scale.data_ptr<float>(), w_scale_.data_ptr<float>(), N_, K_, K4_);
 }
 
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
+  check_cpu(x, "quantize_rows: x", 2);
+  check_rows(x, "quantize_rows: x");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor s = at::empty({M}, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kFloat)
+    quantize_rows<float>(x, K, false, q.data_ptr<int8_t>(), s.data_ptr<float>());
+  else if (x.scalar_type() == at::kBFloat16)
+    quantize_rows<bf16>(x, K, false, q.data_ptr<int8_t>(), s.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "quantize_rows: x must be float32 or bfloat16, got ", x.scalar_type());
+  return {q, s};
+}
+
 at::Tensor PackedLinear::forward_int8(const at::Tensor& x, const void* bias) const {
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N_}, x.options());
@@ -254,9 +269,9 @@ at::Tensor PackedLinear::forward_int8(const at::Tensor& x, const void* bias) con
   at::Tensor xs = at::empty({M}, x.options().dtype(at::kFloat));
   const bool biased = table_.int8_unsigned_x;
   if (x.scalar_type() == at::kFloat)
-    quantize_rows<float>(x, K4_, biased, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+    quantize_rows<float>(x, 4 * K4_, biased, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
   else
-    quantize_rows<bf16>(x, K4_, biased, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+    quantize_rows<bf16>(x, 4 * K4_, biased, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
   const Int8LinearArgs args{xq.data_ptr<int8_t>(), 4 * K4_, xs.data_ptr<float>(), panels_.data_ptr(),
                             biased ? w_comp_.data_ptr<int32_t>() : nullptr, w_scale_.data_ptr<float>(), bias,
                             out.data_ptr(), N_, M, N_, K4_};

@@ -48,6 +48,10 @@ class PackedLinear {
   int64_t K4_ = 0;
 };
 
+// x [M, K] float32 or bf16 -> (int8 [M, K], float32 scales [M]): ops/quant.py quantize_rows, bit for bit
+// (weights at load: one scale per output channel).
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
+
 at::Tensor rms_norm(const KernelTable& table, const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const KernelTable& table, const at::Tensor& x,
                                                 const at::Tensor& residual, const at::Tensor& weight, double eps);

@@ -103,3 +103,17 @@ def test_decoder_stack_runs_int8_projections(ops):
     assert ops._packed_for(weight).is_int8
     with pytest.raises(ValueError, match="weight_scale"):
         ops._packed_for(weight.clone())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_quantize_at_load_is_the_reference_bit_for_bit(ops, dtype):
+    """CpuOps.quantize_weight (one threaded pass in C++) gives ops/quant.py's int8 values and scales,
+    ties included: bfloat16 rows hold values at exactly half their maximum, where x * (127 / max) lands
+    next to .5 and a reciprocal-then-multiply would round the other way."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(300, 130, generator=g).to(dtype)
+    weight[3] = 0.0
+    weight[4, :2] = torch.tensor([2.0, 1.0], dtype=dtype)
+    q, scale = ops.quantize_weight(weight)
+    ref_q, ref_scale = quant.quantize_weight(weight)
+    assert q.dtype == torch.int8 and torch.equal(q, ref_q) and torch.equal(scale, ref_scale)

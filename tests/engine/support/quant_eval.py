@@ -143,3 +143,8 @@ def story_prompts(tokenizer) -> list[list[int]]:
         for adj in _ADJECTIVES
         for noun in _NOUNS
     ]
+
+
+# The random test models (byte-level vocabulary): a text and prompts of bytes.
+RANDOM_TEXT = list(range(3, 259, 3))
+RANDOM_PROMPTS = [[1, *range(3 + 7 * i, 13 + 7 * i)] for i in range(5)]

@@ -23,7 +23,6 @@ from conduit_engine.models.quantization import QuantizationPlan
 from conduit_engine.models.registry import model_class
 from conduit_engine.models.sharding import ModelShard, ShardPlan, read_shard
 from conduit_engine.ops import Ops
-from conduit_engine.ops.quant import quantize_weight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -240,5 +239,5 @@ def _quantize_linears(model: CausalLM, lm_head: bool) -> None:
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or module.quantized or (name == "lm_head" and not lm_head):
             continue
-        q, scale = quantize_weight(module.weight.float())
+        q, scale = model.ops.quantize_weight(module.weight)
         module.quantize(q, scale)

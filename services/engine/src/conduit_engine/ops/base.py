@@ -142,6 +142,11 @@ class Ops(ABC):
         """Called once for every linear layer's weight when loading finishes: a backend may prepack it
         for `linear` (which still receives the weight itself). Default: nothing to prepare."""
 
+    def quantize_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A float linear weight [N, K] → (int8 [N, K], float32 per-output-channel scales [N]), at load
+        (`--quantization int8`): ops/quant.py's, which a backend may compute faster but never otherwise."""
+        return quant.quantize_weight(weight)
+
     def linear(
         self,
         x: torch.Tensor,

@@ -54,6 +54,11 @@ class CpuOps(TorchOps):
     def prepare_linear(self, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> None:
         self._packed_for(weight, weight_scale)
 
+    def quantize_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous():
+            return self._module.quantize_rows(weight.detach())  # the reference's bits, one pass, threaded
+        return super().quantize_weight(weight)
+
     def linear(
         self,
         x: torch.Tensor,

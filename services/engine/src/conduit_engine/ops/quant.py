@@ -28,7 +28,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any float dtype) → (int8 [M, K], float32 scales [M]): symmetric, one scale per row."""
     xf = x.float()
     amax = xf.abs().amax(dim=1)
-    inv = torch.where(amax > 0, QMAX / amax, torch.zeros_like(amax))
+    # a true float32 division (`QMAX / amax` is computed by torch as QMAX * (1 / amax): another rounding)
+    inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))
     q = torch.round(xf * inv[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, amax / QMAX
 
