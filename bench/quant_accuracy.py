@@ -4,7 +4,7 @@ greedy agreement (the share of the first N tokens before the first divergence, a
 tokens are all float32's), the largest logprob difference on float32's greedy path (all vocabulary
 entries, and the chosen tokens). tests/engine/test_quantization.py pins bounds on these.
 
-    .venv/bin/python bench/quant_accuracy.py [--cpu-kernels auto] [--lm-head] [--skip-random]
+    .venv/bin/python bench/quant_accuracy.py [--cpu-kernels auto] [--float-lm-head] [--skip-random]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def row(name: str, acc: quant_eval.Accuracy, prompts: int, tokens: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-kernels", default="auto")
-    parser.add_argument("--lm-head", action="store_true", help="quantize the LM head too")
+    parser.add_argument("--float-lm-head", action="store_true", help="--quantize-lm-head false")
     parser.add_argument("--skip-random", action="store_true")
     args = parser.parse_args()
     print(
@@ -45,7 +45,7 @@ def main() -> None:
     folder = stories_path()
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     ref = quant_eval.load(folder, "none", args.cpu_kernels)
-    int8 = quant_eval.load(folder, "int8", args.cpu_kernels, lm_head=args.lm_head)
+    int8 = quant_eval.load(folder, "int8", args.cpu_kernels, lm_head=not args.float_lm_head)
     prompts = quant_eval.story_prompts(tok)
     acc = quant_eval.compare(ref, int8, tok.encode(quant_eval.HELD_OUT).ids, prompts)
     print(row("stories260K, 50 prompts x 64 tokens", acc, len(prompts), 64), flush=True)
@@ -55,7 +55,7 @@ def main() -> None:
         for name, kw in sorted(ARCHS.items()):
             folder = make_tiny_model(Path(tmp) / name, **kw)
             ref = quant_eval.load(folder, "none", args.cpu_kernels)
-            int8 = quant_eval.load(folder, "int8", args.cpu_kernels, lm_head=args.lm_head)
+            int8 = quant_eval.load(folder, "int8", args.cpu_kernels, lm_head=not args.float_lm_head)
             acc = quant_eval.compare(ref, int8, quant_eval.RANDOM_TEXT, quant_eval.RANDOM_PROMPTS, 16)
             print(row(f"random {name}, 5 x 16", acc, len(quant_eval.RANDOM_PROMPTS), 16), flush=True)
 

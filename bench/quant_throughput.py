@@ -3,7 +3,7 @@ load time and output tokens/s at each concurrency, in interleaved rounds (on a b
 runs sees about the same load; compare the ratios, not the absolute figures).
 
     .venv/bin/python bench/quant_throughput.py [--model 110m|stories] [--concurrency 1 16] [--rounds 3]
-        [--tokens 128] [--quantize-lm-head]
+        [--tokens 128] [--float-lm-head]
 
 Prints every run, then per concurrency the best float32 and int8 rates and int8 ÷ float32.
 """
@@ -27,7 +27,7 @@ def make_engine(folder, quantization: str, seqs: int, lm_head: bool) -> tuple[LL
             model=ModelConfig(
                 path=str(folder),
                 quantization=quantization,
-                quantize_lm_head=lm_head and quantization == "int8",
+                quantize_lm_head=lm_head,
             ),
             cache=CacheConfig(num_blocks=16 * max(seqs, 4)),
             scheduler=SchedulerConfig(max_num_seqs=max(seqs, 1), max_num_batched_tokens=2048),
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128, help="output tokens per request")
-    parser.add_argument("--quantize-lm-head", action="store_true")
+    parser.add_argument("--float-lm-head", action="store_true", help="--quantize-lm-head false")
     args = parser.parse_args()
     folder = random_llama_110m() if args.model == "110m" else stories_path()
     vocab = 32000 if args.model == "110m" else 512
@@ -52,7 +52,7 @@ def main() -> None:
         for c in args.concurrency:
             requests = request_set(c, vocab, seed=c, output_range=(args.tokens, args.tokens + 1))
             for quant in ("none", "int8"):
-                engine, load_s = make_engine(folder, quant, c, args.quantize_lm_head)
+                engine, load_s = make_engine(folder, quant, c, not args.float_lm_head)
                 loads[quant].append(load_s)
                 try:
                     tokens, seconds, _ = run_engine(engine, requests)
@@ -62,7 +62,7 @@ def main() -> None:
                 best[(quant, c)] = max(best.get((quant, c), 0.0), rate)
                 line = f"round {r} c={c:<3} {quant:<5} {rate:8.1f} tok/s ({tokens} tokens)"
                 print(f"{line}, engine start {load_s:.2f} s")
-    print(f"\n{args.model}{' (LM head int8)' if args.quantize_lm_head else ''}: best of {args.rounds} rounds")
+    print(f"\n{args.model}{' (LM head float32)' if args.float_lm_head else ''}: best of {args.rounds} rounds")
     print(f"{'c':>4} {'float32 tok/s':>14} {'int8 tok/s':>11} {'int8/f32':>9}")
     for c in args.concurrency:
         f, q = best[("none", c)], best[("int8", c)]

@@ -1,6 +1,7 @@
 """`--quantization int8` (W8A8) and int8 compressed-tensors checkpoints, on real model folders.
 
-- flags: an unsupported --quantization value, or --quantize-lm-head without it, is refused naming the flag;
+- flags: an unsupported --quantization value is refused naming the flag; the LM head is int8 too unless
+  --quantize-lm-head false;
 - compressed-tensors: a checkpoint written here by hand (int8 `weight` + `weight_scale`, per channel or
   per tensor, the config.json of llm-compressor's W8A8 scheme) loads its int8 tensors as they are (no
   re-quantizing) and computes what quantizing the float checkpoint at load computes; unsupported
@@ -113,8 +114,6 @@ def tiny(tmp_path_factory) -> Path:
 def test_unknown_quantization_is_refused_naming_the_flag(tiny):
     with pytest.raises(ValueError, match=r"--quantization must be one of none, int8, got 'int4'"):
         ModelConfig(path="m", quantization="int4")
-    with pytest.raises(ValueError, match="--quantize-lm-head needs --quantization int8"):
-        ModelConfig(path="m", quantize_lm_head=True)
     with pytest.raises(ModelLoadError, match="--quantization"):
         plan_quantization(tiny, "fp4")
 
@@ -126,7 +125,16 @@ def test_engine_serves_int8_and_describes_it(stories_path):
     layer = engine.executor.model.layers[0] if hasattr(engine.executor, "model") else None
     if layer is not None:
         assert layer.mlp.down_proj.weight.dtype == torch.int8
-        assert not engine.executor.model.lm_head.quantized  # the LM head stays float by default
+        assert engine.executor.model.lm_head.quantized  # the LM head too, by default
+        assert engine.executor.model.embed_tokens.weight.dtype == torch.float32  # never the embedding
+
+
+def test_quantize_lm_head_false_keeps_the_head_float(stories_path):
+    model = quant_eval.load(stories_path, "int8", "auto", lm_head=False)
+    assert model.layers[0].self_attn.qkv_proj.quantized and not model.lm_head.quantized
+    assert model.lm_head.weight is model.embed_tokens.weight  # still tied
+    head = quant_eval.load(stories_path, "int8", "auto")
+    assert head.lm_head.quantized and head.embed_tokens.weight.dtype == torch.float32
 
 
 # ---- compressed-tensors --------------------------------------------------------------------------------
@@ -148,7 +156,7 @@ def test_compressed_tensors_loads_int8_without_requantizing(tiny, tmp_path, cpu_
     assert torch.equal(qkv.weight_scale, torch.cat(scales))
     assert model.lm_head.weight.dtype == torch.float32  # in `ignore`: stays float
     # the float checkpoint quantized at load: the same int8 weights and scales, the same logits
-    reference = quant_eval.load(tiny, "int8", cpu_kernels)
+    reference = quant_eval.load(tiny, "int8", cpu_kernels, lm_head=False)  # the checkpoint's head is float
     assert torch.equal(reference.layers[1].self_attn.qkv_proj.weight, qkv.weight)
     tokens = [1, 40, 50, 60, 70, 80, 90, 100]
     a = quant_eval.Sequence(model, 16).run(tokens)

@@ -30,7 +30,7 @@ HELD_OUT = (
 )
 
 
-def load(folder: Path, quantization: str, cpu_kernels: str = "torch", lm_head: bool = False) -> CausalLM:
+def load(folder: Path, quantization: str, cpu_kernels: str = "torch", lm_head: bool = True) -> CausalLM:
     arch = read_arch_config(folder)
     plan = plan_quantization(folder, quantization, lm_head)
     return load_model(folder, arch, get_ops("cpu", cpu_kernels), torch.float32, "cpu", 512, quantization=plan)

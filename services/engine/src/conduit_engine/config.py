@@ -39,7 +39,7 @@ class ModelConfig:
     generation_config: str = "auto"  # auto | vllm | none: what generation_config.json contributes
     cpu_kernels: str = "auto"  # auto | torch | avx512bf16 | avx512 | avx2 | scalar: the CPU ops backend
     quantization: str = "none"  # none | int8: projections quantized at load (W8A8, models/quantization.py)
-    quantize_lm_head: bool = False  # with --quantization int8: the LM head too
+    quantize_lm_head: bool = True  # with --quantization int8: the LM head too (false: compute dtype)
 
     def __post_init__(self) -> None:
         _require(self.num_threads >= 0, f"--num-threads must be >= 0, got {self.num_threads}")
@@ -63,10 +63,6 @@ class ModelConfig:
         _require(
             self.quantization in QUANTIZATION_CHOICES,
             f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}",
-        )
-        _require(
-            not self.quantize_lm_head or self.quantization == "int8",
-            "--quantize-lm-head needs --quantization int8",
         )
         _require(
             self.generation_config in GENERATION_CONFIG_MODES,

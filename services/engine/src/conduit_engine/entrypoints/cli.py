@@ -136,7 +136,12 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
         "none, or int8: projection weights quantized at load to int8 with per-channel scales, activations "
         "per token, int32 sums (W8A8); int8 compressed-tensors checkpoints load as int8 either way",
     ),
-    ("--quantize-lm-head", flag_bool, False, "with --quantization int8: quantize the LM head too"),
+    (
+        "--quantize-lm-head",
+        flag_bool,
+        True,
+        "with --quantization int8: the LM head in int8 too (false: the compute dtype, like the embedding)",
+    ),
     ("--log-level", str, "INFO", "logging level"),
     ("--log-format", str, "text", "text (one line per record) or json (one object per line)"),
     ("--log-prompts", flag_bool, False, "log prompt and completion text (never logged otherwise)"),
