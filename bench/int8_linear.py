@@ -29,9 +29,11 @@ def main() -> None:
     print(f"kernels: {isa}, torch threads {torch.get_num_threads()}")
     print(f"{'weight':<8} {'rows':>5} {'float32 ms':>11} {'int8 ms':>8} {'f32/int8':>9}")
     torch.manual_seed(0)
+    alive = []  # CpuOps finds prepacked weights by address: keep every weight alive, as a model does
     for name, (n, k) in SHAPES.items():
         weight = torch.randn(n, k)
         q, scale = quant.quantize_weight(weight)
+        alive += [weight, q, scale]
         ops.prepare_linear(weight)
         ops.prepare_linear(q, scale)
         for rows in args.rows:
