@@ -212,7 +212,9 @@ void quantize_rows(const at::Tensor& x, int64_t ldq, bool biased, int8_t* q, flo
       int8_t* dst = q + m * ldq;
       const int8_t bias = biased ? int8_t(-128) : int8_t(0);
       for (int64_t k = 0; k < K; ++k) {
-        const float v = std::min(127.0f, std::max(-127.0f, std::nearbyint(row[k] * inv)));
+        // round half to even by the 1.5 * 2^23 trick (exact for |v| < 2^22; here |v| <= 127): nearbyint's
+        // result without its library call, so the loop vectorizes
+        const float v = std::min(127.0f, std::max(-127.0f, (row[k] * inv + 12582912.0f) - 12582912.0f));
         dst[k] = static_cast<int8_t>(static_cast<int>(v) ^ (biased ? 0x80 : 0));
       }
       for (int64_t k = K; k < ldq; ++k) dst[k] = bias;  // q = 0 (its weights are zero anyway)
