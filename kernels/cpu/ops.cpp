@@ -182,10 +182,14 @@ void pack_int8_panels(const int8_t* w, int8_t* out, int32_t* comp, const float* 
       for (int64_t c = 0; c < kPanel; ++c) {
         const int64_t n = p * kPanel + c;
         int32_t sum = 0;
-        for (int64_t k = 0; k < K4 * 4; ++k) {
-          const int8_t v = (n < N && k < K) ? w[n * K + k] : int8_t{0};
-          dst[((k / 4) * kPanel + c) * 4 + k % 4] = v;
-          sum += v;
+        if (n < N) {
+          const int8_t* row = w + n * K;
+          for (int64_t k = 0; k < K; ++k) sum += row[k];
+          const int64_t whole = K / 4;  // quads copied as 4 bytes, the last one padded with zeros
+          for (int64_t q = 0; q < whole; ++q) std::memcpy(dst + (q * kPanel + c) * 4, row + 4 * q, 4);
+          for (int64_t k = 4 * whole; k < K4 * 4; ++k) dst[((k / 4) * kPanel + c) * 4 + k % 4] = k < K ? row[k] : 0;
+        } else {
+          for (int64_t q = 0; q < K4; ++q) std::memset(dst + (q * kPanel + c) * 4, 0, 4);
         }
         comp[n] = 128 * sum;
         scale_out[n] = n < N ? scale[n] : 0.0f;
