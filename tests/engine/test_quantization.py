@@ -118,6 +118,19 @@ def test_unknown_quantization_is_refused_naming_the_flag(tiny):
         plan_quantization(tiny, "fp4")
 
 
+def test_cli_flags_reach_the_model_config():
+    from conduit_engine.entrypoints.cli import build_parser, config_from_args
+
+    args = build_parser({}).parse_args(
+        ["--model", "m", "--quantization", "int8", "--quantize-lm-head", "false"]
+    )
+    model = config_from_args(args).model
+    assert model.quantization == "int8" and model.quantize_lm_head is False
+    env = build_parser({"CONDUIT_QUANTIZATION": "int4"}).parse_args(["--model", "m"])
+    with pytest.raises(ValueError, match="--quantization must be one of none, int8, got 'int4'"):
+        config_from_args(env)
+
+
 def test_engine_serves_int8_and_describes_it(stories_path):
     engine = make_engine(stories_path, quantization="int8")
     out = generate(engine, {"a": [1, 403, 407, 261, 378]}, greedy(16))["a"]
