@@ -44,6 +44,8 @@ class ServeJob:
     max_num_seqs: int
     context_per_seq: int
     threads: int
+    # "int8": Conduit --quantization int8, llama-server on a q8_0 GGUF of the same weights (vLLM: none)
+    quantization: str = "none"
 
 
 def run_script(script: str, *args: str) -> str:
@@ -67,15 +69,17 @@ def ensure_built(peers: list[str]) -> None:
         run_script("vllm_cpu.sh")
 
 
-def to_gguf(model_dir: Path, name: str, dtype: str) -> Path:
-    """The GGUF of `model_dir` in `dtype`, converted once by llama.cpp's converter and cached."""
-    out = PEERS_DIR / "gguf" / f"{name}-{GGUF_TYPES[dtype]}.gguf"
+def to_gguf(model_dir: Path, name: str, dtype: str, quantization: str = "none") -> Path:
+    """The GGUF of `model_dir` in `dtype` (q8_0 for --quantization int8), converted once by llama.cpp's
+    converter and cached."""
+    outtype = "q8_0" if quantization == "int8" else GGUF_TYPES[dtype]
+    out = PEERS_DIR / "gguf" / f"{name}-{outtype}.gguf"
     weights = max(p.stat().st_mtime for p in model_dir.glob("*.safetensors"))
     if out.is_file() and out.stat().st_mtime > weights:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"converting {model_dir} to {out.name} ...", flush=True)
-    run_script("to_gguf.sh", str(model_dir), str(out), GGUF_TYPES[dtype])
+    run_script("to_gguf.sh", str(model_dir), str(out), outtype)
     return out
 
 
@@ -94,12 +98,13 @@ def _conduit(job: ServeJob) -> tuple[list[str], dict[str, str], int]:
     args += ["--engine-port", str(free_port()), "--gateway-port", str(port)]
     # run_stack takes no engine flags: the engine reads these from its CONDUIT_* environment.
     env = {"CONDUIT_DTYPE": job.dtype, "CONDUIT_MAX_NUM_SEQS": str(job.max_num_seqs)}
+    env["CONDUIT_QUANTIZATION"] = job.quantization
     return args, env, port
 
 
 def _llama_cpp(job: ServeJob) -> tuple[list[str], dict[str, str], int]:
     port = free_port()
-    gguf = to_gguf(job.model_dir, job.name, job.dtype)
+    gguf = to_gguf(job.model_dir, job.name, job.dtype, job.quantization)
     args = [str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
     # -np slots share -c: each sequence gets context_per_seq tokens, as in the other servers.
     args += ["-np", str(job.max_num_seqs), "-c", str(job.max_num_seqs * job.context_per_seq)]

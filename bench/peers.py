@@ -4,6 +4,7 @@ ratio table of output tok/s (Conduit ÷ llama.cpp, Conduit ÷ vLLM).
 
     .venv/bin/python bench/peers.py                                   # the full table (f32)
     .venv/bin/python bench/peers.py --dtype bfloat16                  # bf16 rows, llama-server on a bf16 GGUF
+    .venv/bin/python bench/peers.py --quantization int8 --peers conduit llama.cpp  # int8 rows vs q8_0
     .venv/bin/python bench/peers.py --models stories --concurrency 1 64 --peers conduit llama.cpp
 
 Builds missing peers with ../shared/peers/*.sh (llama-server ~10 min, vLLM ~3 min, once). Workload:
@@ -116,11 +117,14 @@ def bench_model(key: str, args: argparse.Namespace, out: Path) -> list[TableRow]
         max_num_seqs=max(concurrencies),
         context_per_seq=args.prompt_len + args.output_len + CONTEXT_MARGIN,
         threads=os.cpu_count() or 1,
+        quantization=args.quantization,
     )
     plans = [(LoadPlan("concurrency", c), requests_for(spec, c, args.requests)) for c in concurrencies]
     tok_s: dict[tuple[str, int], float | None] = {}
     for peer in args.peers:
         refusal = vllm_refusal(folder) if peer == "vllm" else None
+        if peer == "vllm" and args.quantization != "none":
+            refusal = "no int8 rows for vLLM (its CPU build takes no W8A8 int8 for these models)"
         if refusal:
             print(f"-- {peer} on {job.name}: skipped, {refusal}", flush=True)
             continue
@@ -132,6 +136,8 @@ def bench_model(key: str, args: argparse.Namespace, out: Path) -> list[TableRow]
             ok = result.summary["failed"] == 0
             tok_s[(peer, int(plan.value))] = result.summary["output_tok_s"] if ok else None
     suffix = "" if args.dtype == "float32" else f", {args.dtype}"
+    if args.quantization == "int8":
+        suffix += ", Conduit --quantization int8 vs llama.cpp q8_0"
     return [
         TableRow(f"{spec.title}{suffix}", c, {p: tok_s.get((p, c)) for p in args.peers})
         for c in concurrencies
@@ -146,6 +152,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
     parser.add_argument("--concurrency", type=int, nargs="+", help="instead of each model's defaults")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--quantization",
+        choices=["none", "int8"],
+        default="none",
+        help="int8: Conduit --quantization int8 against llama-server on a q8_0 GGUF of the same weights",
+    )
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens, BOS included")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--requests", type=int, help="per concurrency (default: max(min, 2 x c))")

@@ -47,6 +47,26 @@ __device__ __forceinline__ void mma_m16n8k16<f16>(float (&d)[4], const unsigned 
 }
 #endif
 
+// D[16x8] += A[16x32] * B[32x8] in int8 with int32 accumulation (wrapping, no saturation), as PTX
+// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 (sm_80+), for the int8 linear (int8_gemm.cu). Each
+// 32-bit register holds four int8 elements, the lowest index in the low byte:
+//   A (row-major 16x32): a[0] = (g, 4t..4t+3), a[1] = (g + 8, 4t..), a[2] = (g, 4t + 16..), a[3] = (g + 8, 4t + 16..)
+//   B (32x8, k x n):     b[0] = (k 4t..4t+3, n g), b[1] = (k 4t + 16.., n g)
+//   C/D (16x8 int32):    as m16n8k16's float accumulator.
+#ifdef CONDUIT_EMULATION
+__device__ __forceinline__ void mma_m16n8k32_s8(int (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  conduit_emu_mma_m16n8k32_s8(d, a, b);
+}
+#else
+__device__ __forceinline__ void mma_m16n8k32_s8(int (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
 // Two adjacent 16-bit elements as one fragment register (the address must be 4-byte aligned).
 template <typename T>
 __device__ __forceinline__ unsigned load_pair(const T* p) {

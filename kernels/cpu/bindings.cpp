@@ -71,6 +71,9 @@ void add_isa(pybind11::module_& m, const KernelTable& table) {
     return conduit_cpu::attention(*t, q, kc, vc, qs, sl, bt, scale, window, softcap);
   });
   sub.def("pack_linear", [t](const at::Tensor& w) { return std::make_shared<conduit_cpu::PackedLinear>(*t, w); });
+  sub.def("pack_linear_int8", [t](const at::Tensor& w, const at::Tensor& scale) {
+    return std::make_shared<conduit_cpu::PackedLinear>(*t, w, scale);
+  });
   sub.def("decoder_stack", [t](std::vector<conduit_cpu::LayerWeights> layers) {
     return std::make_shared<conduit_cpu::DecoderStack>(*t, std::move(layers));
   });
@@ -82,7 +85,7 @@ std::vector<std::string> supported_isas() {
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                       __builtin_cpu_supports("fma");
-  if (avx512 && __builtin_cpu_supports("avx512bf16")) isas.emplace_back("avx512bf16");
+  if (avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni")) isas.emplace_back("avx512bf16");
   if (avx512) isas.emplace_back("avx512");
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isas.emplace_back("avx2");
   isas.emplace_back("scalar");
@@ -107,7 +110,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return w.forward(x, bias);
            })
       .def_property_readonly("out_features", &conduit_cpu::PackedLinear::out_features)
-      .def_property_readonly("in_features", &conduit_cpu::PackedLinear::in_features);
+      .def_property_readonly("in_features", &conduit_cpu::PackedLinear::in_features)
+      .def_property_readonly("is_int8", &conduit_cpu::PackedLinear::is_int8);
   py::class_<conduit_cpu::LayerWeights>(m, "LayerWeights", "one decoder layer's weights and shape")
       .def(py::init<>())
 #define CONDUIT_FIELD(name) .def_readwrite(#name, &conduit_cpu::LayerWeights::name)
@@ -128,5 +132,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (const KernelTable* table : {&conduit_cpu::avx512bf16_table, &conduit_cpu::avx512_table,
                                    &conduit_cpu::avx2_table, &conduit_cpu::scalar_table})
     add_isa(m, *table);
+  m.def(
+      "quantize_rows",
+      [](const at::Tensor& x) {
+        MaybeReleaseGil gil(x.numel());
+        return conduit_cpu::quantize_rows_int8(x);
+      },
+      "x [M, K] -> (int8 [M, K], float32 scales [M]), per row (ops/quant.py quantize_rows)");
   m.def("supported_isas", &supported_isas, "instruction sets this CPU runs, best first");
 }

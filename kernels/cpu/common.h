@@ -78,6 +78,23 @@ struct PackedLinearArgs {
   int64_t M, N, K;
 };
 
+// Int8 linear (W8A8, int8_impl.h): x quantized per row to int8 [M, ldx] (ldx = 4 * K4 bytes, zero
+// padded; biased by 128 where `int8_unsigned_x`), times int8 panels [ceil(N / kPanel)][K4][kPanel][4]
+// (k in quads: the operand layout of vpdpbusd, zero past N and K), summed in int32;
+// out[m, n] = float(acc - w_comp[n]) * (x_scale[m] * w_scale[n]) + bias[n].
+struct Int8LinearArgs {
+  const int8_t* xq;
+  int64_t ldx;
+  const float* x_scale;  // [M]
+  const void* w;  // the panels
+  const int32_t* w_comp;  // [panels * kPanel]: 128 * sum_k w[n, k] when x is biased, else nullptr
+  const float* w_scale;  // [panels * kPanel], zero past N
+  const void* bias;  // [N] in the output dtype, or nullptr
+  void* out;  // [M, N], row stride ldo
+  int64_t ldo;
+  int64_t M, N, K4;
+};
+
 // Row-wise ops over `rows` rows of `cols` values; strides in elements.
 struct RowArgs {
   const void* x;
@@ -146,6 +163,7 @@ struct AttentionArgs {
 
 using LinearFn = void (*)(const LinearArgs&, int64_t n_begin, int64_t n_end);
 using PackedLinearFn = void (*)(const PackedLinearArgs&, int64_t panel_begin, int64_t panel_end);
+using Int8LinearFn = void (*)(const Int8LinearArgs&, int64_t panel_begin, int64_t panel_end);
 using RowFn = void (*)(const RowArgs&, int64_t row_begin, int64_t row_end);
 using RotaryFn = void (*)(const RotaryArgs&, int64_t token_begin, int64_t token_end);
 using WriteKvFn = void (*)(const WriteKvArgs&, int64_t token_begin, int64_t token_end);
@@ -162,6 +180,7 @@ struct TypedKernels {
   RotaryFn rotary;
   WriteKvFn write_kv;
   AttentionFn attention;
+  Int8LinearFn int8_linear;  // output (and bias) in this dtype
 };
 
 // Everything one instruction set offers; `linear_rows` is the output-column granularity of `linear`
@@ -172,6 +191,7 @@ struct KernelTable {
   TypedKernels bf16;
   int64_t linear_rows;
   bool bf16_pairs;  // bf16 panels pair consecutive k (vdpbf16ps); else they are widened per value
+  bool int8_unsigned_x;  // the int8 linear takes x biased by 128 (vpdpbusd: unsigned times signed bytes)
 };
 
 extern const KernelTable avx512bf16_table;

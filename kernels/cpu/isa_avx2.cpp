@@ -6,6 +6,7 @@
 
 #pragma GCC target("avx2,fma")
 #define CONDUIT_ISA isa_avx2
+#define CONDUIT_INT8 1
 #define CONDUIT_BF16_DOT 0
 
 namespace conduit_cpu {

@@ -6,6 +6,7 @@
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
 #define CONDUIT_ISA isa_avx512
+#define CONDUIT_INT8 2
 #define CONDUIT_BF16_DOT 0
 
 namespace conduit_cpu {

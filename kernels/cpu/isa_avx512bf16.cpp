@@ -4,8 +4,9 @@
 #include "common.h"
 #include <immintrin.h>
 
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")
 #define CONDUIT_ISA isa_avx512bf16
+#define CONDUIT_INT8 3
 #define CONDUIT_BF16_DOT 1
 
 namespace conduit_cpu {

@@ -6,6 +6,7 @@
 
 // (no target pragma: the compiler's baseline)
 #define CONDUIT_ISA isa_scalar
+#define CONDUIT_INT8 0
 #define CONDUIT_BF16_DOT 0
 
 namespace conduit_cpu {

@@ -575,18 +575,23 @@ static void attention(const AttentionArgs& a, int64_t item_begin, int64_t item_e
   }
 }
 
+// ---- int8 linear ----------------------------------------------------------------------------------
+
+#include "int8_impl.h"
+
 // ---- the table ------------------------------------------------------------------------------------
 
 template <class T>
 static constexpr TypedKernels typed_kernels() {
   return TypedKernels{
       &linear<T>,      &packed_linear<T>, &rms_norm<T>, &add_rms_norm<T>, &act_and_mul<T, silu_vec>,
-      &act_and_mul<T, gelu_tanh_vec>, &rotary<T>, &write_kv<T>, &attention<T>,
+      &act_and_mul<T, gelu_tanh_vec>, &rotary<T>, &write_kv<T>, &attention<T>, &int8_linear<T>,
   };
 }
 
 static constexpr KernelTable make_table(const char* name) {
-  return KernelTable{name, typed_kernels<float>(), typed_kernels<bf16>(), Vec::kGemvRows, CONDUIT_BF16_DOT != 0};
+  return KernelTable{name, typed_kernels<float>(), typed_kernels<bf16>(), Vec::kGemvRows, CONDUIT_BF16_DOT != 0,
+                     CONDUIT_INT8 == 3};
 }
 
 }  // namespace CONDUIT_ISA

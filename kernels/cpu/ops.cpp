@@ -172,7 +172,120 @@ at::Tensor transpose_blocks(const at::Tensor& x, bool pairs) {
   return xt;
 }
 
+// int8 w [N, K] -> panels [P][K4][kPanel][4], the column sums (times 128) and the scales padded to P * kPanel
+void pack_int8_panels(const int8_t* w, int8_t* out, int32_t* comp, const float* scale, float* scale_out, int64_t N,
+                      int64_t K, int64_t K4) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      int8_t* dst = out + p * K4 * kPanel * 4;
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const int64_t n = p * kPanel + c;
+        int32_t sum = 0;
+        if (n < N) {
+          const int8_t* row = w + n * K;
+          for (int64_t k = 0; k < K; ++k) sum += row[k];
+          const int64_t whole = K / 4;  // quads copied as 4 bytes, the last one padded with zeros
+          for (int64_t q = 0; q < whole; ++q) std::memcpy(dst + (q * kPanel + c) * 4, row + 4 * q, 4);
+          for (int64_t k = 4 * whole; k < K4 * 4; ++k) dst[((k / 4) * kPanel + c) * 4 + k % 4] = k < K ? row[k] : 0;
+        } else {
+          for (int64_t q = 0; q < K4; ++q) std::memset(dst + (q * kPanel + c) * 4, 0, 4);
+        }
+        comp[n] = 128 * sum;
+        scale_out[n] = n < N ? scale[n] : 0.0f;
+      }
+    }
+  });
+}
+
+// x [M, K] float32 or bf16 -> int8 rows [M, ldq >= K] (ops/quant.py quantize_rows: scale max|x| / 127,
+// q = round-half-even(x * (127 / max|x|)), |q| <= 127), biased by 128 when `biased`; scales [M]
+template <class T>
+void quantize_rows(const at::Tensor& x, int64_t ldq, bool biased, int8_t* q, float* scales) {
+  const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0);
+  const T* src = static_cast<const T*>(x.data_ptr());
+  auto rows = [&](int64_t m0, int64_t m1) {
+    std::vector<float> row(static_cast<size_t>(K));
+    for (int64_t m = m0; m < m1; ++m) {
+      float amax = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        row[k] = to_float(src[m * ld + k]);
+        amax = std::max(amax, std::fabs(row[k]));
+      }
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* dst = q + m * ldq;
+      const int8_t bias = biased ? int8_t(-128) : int8_t(0);
+      for (int64_t k = 0; k < K; ++k) {
+        // round half to even by the 1.5 * 2^23 trick (exact for |v| < 2^22; here |v| <= 127): nearbyint's
+        // result without its library call, so the loop vectorizes
+        const float v = std::min(127.0f, std::max(-127.0f, (row[k] * inv + 12582912.0f) - 12582912.0f));
+        dst[k] = static_cast<int8_t>(static_cast<int>(v) ^ (biased ? 0x80 : 0));
+      }
+      for (int64_t k = K; k < ldq; ++k) dst[k] = bias;  // q = 0 (its weights are zero anyway)
+      scales[m] = amax / 127.0f;
+    }
+  };
+  if (M * K >= kMinParallelWork && !at::in_parallel_region())
+    at::parallel_for(0, M, std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, K)), rows);
+  else
+    rows(0, M);
+}
+
 }  // namespace
+
+PackedLinear::PackedLinear(const KernelTable& table, const at::Tensor& weight, const at::Tensor& scale)
+    : table_(table), int8_(true) {
+  check_cpu(weight, "pack_linear_int8: weight", 2);
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kChar,
+              "pack_linear_int8: weight must be contiguous int8");
+  N_ = weight.size(0);
+  K_ = weight.size(1);
+  TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.numel() == N_,
+              "pack_linear_int8: scale must be contiguous float32 [", N_, "]");
+  K4_ = (K_ + 3) / 4;
+  const int64_t panels = (N_ + kPanel - 1) / kPanel;
+  panels_ = at::empty({panels * K4_ * kPanel * 4}, weight.options());
+  w_comp_ = at::empty({panels * kPanel}, weight.options().dtype(at::kInt));
+  w_scale_ = at::empty({panels * kPanel}, scale.options());
+  pack_int8_panels(weight.data_ptr<int8_t>(), panels_.data_ptr<int8_t>(), w_comp_.data_ptr<int32_t>(),
+                   scale.data_ptr<float>(), w_scale_.data_ptr<float>(), N_, K_, K4_);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
+  check_cpu(x, "quantize_rows: x", 2);
+  check_rows(x, "quantize_rows: x");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor s = at::empty({M}, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kFloat)
+    quantize_rows<float>(x, K, false, q.data_ptr<int8_t>(), s.data_ptr<float>());
+  else if (x.scalar_type() == at::kBFloat16)
+    quantize_rows<bf16>(x, K, false, q.data_ptr<int8_t>(), s.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "quantize_rows: x must be float32 or bfloat16, got ", x.scalar_type());
+  return {q, s};
+}
+
+at::Tensor PackedLinear::forward_int8(const at::Tensor& x, const void* bias) const {
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N_}, x.options());
+  if (M == 0 || N_ == 0) return out;
+  at::Tensor xq = at::empty({M, 4 * K4_}, x.options().dtype(at::kChar));
+  at::Tensor xs = at::empty({M}, x.options().dtype(at::kFloat));
+  const bool biased = table_.int8_unsigned_x;
+  if (x.scalar_type() == at::kFloat)
+    quantize_rows<float>(x, 4 * K4_, biased, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+  else
+    quantize_rows<bf16>(x, 4 * K4_, biased, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+  const Int8LinearArgs args{xq.data_ptr<int8_t>(), 4 * K4_, xs.data_ptr<float>(), panels_.data_ptr(),
+                            biased ? w_comp_.data_ptr<int32_t>() : nullptr, w_scale_.data_ptr<float>(), bias,
+                            out.data_ptr(), N_, M, N_, K4_};
+  const auto fn = kernels_for(table_, x, "linear").int8_linear;
+  const int64_t panels = (N_ + kPanel - 1) / kPanel;
+  parallel_chunks(panels, grain(panels, kPanel * K_ * M), [&](int64_t b, int64_t e) { fn(args, b, e); });
+  return out;
+}
 
 PackedLinear::PackedLinear(const KernelTable& table, const at::Tensor& weight) : table_(table) {
   check_cpu(weight, "pack_linear: weight", 2);
@@ -195,8 +308,9 @@ PackedLinear::PackedLinear(const KernelTable& table, const at::Tensor& weight) :
 at::Tensor PackedLinear::forward(const at::Tensor& x, const std::optional<at::Tensor>& bias) const {
   check_cpu(x, "linear: x", 2);
   check_rows(x, "linear: x");
-  TORCH_CHECK(x.scalar_type() == panels_.scalar_type(), "linear: x is ", x.scalar_type(), ", the weight ",
-              panels_.scalar_type());
+  TORCH_CHECK(int8_ || x.scalar_type() == panels_.scalar_type(), "linear: x is ", x.scalar_type(),
+              ", the weight ", panels_.scalar_type());
+  kernels_for(table_, x, "linear");
   TORCH_CHECK(x.size(1) == K_, "linear: the weight is [", N_, ", ", K_, "], x has ", x.size(1), " columns");
   const void* bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -205,6 +319,7 @@ at::Tensor PackedLinear::forward(const at::Tensor& x, const std::optional<at::Te
     TORCH_CHECK(bias->size(0) == N_ && bias->is_contiguous(), "linear: bias must be contiguous [", N_, "]");
     bias_ptr = bias->data_ptr();
   }
+  if (int8_) return forward_int8(x, bias_ptr);
   const int64_t M = x.size(0);
   // From kTorchGemmRows rows of float32 (prefill chunks, large batches) torch's blocked GEMM beats the
   // panels (1.5x at 32 rows, 1.9x at 256 on AVX2: bench/cpu_linear.py); below, and in bf16 at every

@@ -27,18 +27,30 @@ at::Tensor linear(const KernelTable& table, const at::Tensor& x, const at::Tenso
 class PackedLinear {
  public:
   PackedLinear(const KernelTable& table, const at::Tensor& weight);
+  // int8 weight [N, K] with float32 per-output-channel scales [N] (W8A8: int8_impl.h)
+  PackedLinear(const KernelTable& table, const at::Tensor& weight, const at::Tensor& scale);
   // x [M, K] -> x @ weight^T + bias [M, N] in x's dtype
   at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& bias) const;
   int64_t out_features() const { return N_; }
   int64_t in_features() const { return K_; }
+  bool is_int8() const { return int8_; }
 
  private:
+  at::Tensor forward_int8(const at::Tensor& x, const void* bias) const;
+
   const KernelTable& table_;
   at::Tensor panels_;
   at::Tensor weight_;  // float32 weights as loaded (not a copy), for torch's GEMM on many rows
   int64_t N_, K_;
-  bool pairs_;  // bf16 panels of k pairs
+  bool pairs_ = false;  // bf16 panels of k pairs
+  bool int8_ = false;  // int8 panels, with w_comp_ and w_scale_
+  at::Tensor w_comp_, w_scale_;
+  int64_t K4_ = 0;
 };
+
+// x [M, K] float32 or bf16 -> (int8 [M, K], float32 scales [M]): ops/quant.py quantize_rows, bit for bit
+// (weights at load: one scale per output channel).
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
 
 at::Tensor rms_norm(const KernelTable& table, const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const KernelTable& table, const at::Tensor& x,

@@ -367,7 +367,35 @@ struct MmaLane {
   const uint32_t* b;
   float* d;
   bool bf16;
+  int32_t* di = nullptr;  // mma.m16n8k32 s8 (int32 accumulator) instead of d
 };
+
+// m16n8k32 s8: A 16x32 and B 32x8 of int8, four per register (lowest index in the low byte), g and t as
+// above: a[0] = row g, cols 4t..4t+3; a[1] = row g + 8; a[2] = row g, cols 4t + 16..; a[3] = row g + 8,
+// cols 4t + 16..; b[0] = k 4t..4t+3, col g; b[1] = k 4t + 16.., col g; D as m16n8k16's. int32 sums wrap.
+inline int32_t mma_byte(uint32_t reg, int index) { return static_cast<int8_t>((reg >> (8 * index)) & 0xffu); }
+
+inline void resolve_mma_s8(const MmaLane* lanes) {
+  int32_t out[32][4];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4, t = l % 4;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + (i >= 2 ? 8 : 0);
+      const int col = 2 * t + (i & 1);
+      uint32_t acc = static_cast<uint32_t>(lanes[l].di[i]);
+      for (int k = 0; k < 32; ++k) {
+        const MmaLane& a = lanes[4 * (row % 8) + (k % 16) / 4];
+        const MmaLane& b = lanes[4 * col + (k % 16) / 4];
+        const int32_t x = mma_byte(a.a[(row >= 8 ? 1 : 0) + (k >= 16 ? 2 : 0)], k % 4);
+        const int32_t y = mma_byte(b.b[k >= 16 ? 1 : 0], k % 4);
+        acc += static_cast<uint32_t>(x * y);
+      }
+      out[l][i] = static_cast<int32_t>(acc);
+    }
+  }
+  for (int l = 0; l < 32; ++l)
+    for (int i = 0; i < 4; ++i) lanes[l].di[i] = out[l][i];
+}
 
 inline float mma_element(uint32_t reg, int half, bool bf16) {
   const uint32_t bits = half ? reg >> 16 : reg & 0xffffu;
@@ -383,6 +411,14 @@ inline float mma_element(uint32_t reg, int half, bool bf16) {
 inline void resolve_mma(Fiber* fibers, size_t base) {
   MmaLane lanes[32];
   for (int l = 0; l < 32; ++l) lanes[l] = *reinterpret_cast<const MmaLane*>(fibers[base + l].value);
+  for (int l = 0; l < 32; ++l) {
+    if ((lanes[l].di == nullptr) != (lanes[0].di == nullptr)) {
+      rt().aborted = true;
+      rt().error = "lanes of one warp reached mma.sync with different shapes (m16n8k16 and m16n8k32 s8)";
+      return;
+    }
+  }
+  if (lanes[0].di != nullptr) return resolve_mma_s8(lanes);
   float out[32][4];
   for (int l = 0; l < 32; ++l) {
     if (lanes[l].bf16 != lanes[0].bf16) {
@@ -715,6 +751,21 @@ inline unsigned __ballot_sync(unsigned mask, int p) {
 inline void conduit_emu_mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, bool bf16) {
   emu::MmaLane lane{a, b, d, bf16};
   emu::warp_op(emu::WarpKind::Mma, 0xffffffffu, reinterpret_cast<uint64_t>(&lane), 0, 32);
+}
+
+inline void conduit_emu_mma_m16n8k32_s8(int* d, const uint32_t* a, const uint32_t* b) {
+  emu::MmaLane lane{a, b, nullptr, false, d};
+  emu::warp_op(emu::WarpKind::Mma, 0xffffffffu, reinterpret_cast<uint64_t>(&lane), 0, 32);
+}
+
+// Round-to-nearest float arithmetic as separate operations (the host compiler must not contract them).
+inline float __fmul_rn(float a, float b) {
+  volatile float r = a * b;
+  return r;
+}
+inline float __fadd_rn(float a, float b) {
+  volatile float r = a + b;
+  return r;
 }
 
 // Fibers never run concurrently, so a plain read-modify-write is atomic.

@@ -49,6 +49,7 @@ def make_engine(
     max_decode_steps: int = 8,
     decode_burst_ms: float = 5.0,
     speculative: SpeculativeConfig | None = None,
+    quantization: str = "none",
 ) -> LLMEngine:
     """An engine on `model`; with tensor_parallel_size > 1 or worker_process, its worker processes run
     until `engine.shutdown()`."""
@@ -60,6 +61,7 @@ def make_engine(
                 generation_config=generation_config,
                 max_model_len=max_model_len,
                 cpu_kernels=cpu_kernels,
+                quantization=quantization,
             ),
             cache=CacheConfig(
                 block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching

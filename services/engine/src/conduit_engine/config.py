@@ -15,6 +15,8 @@ GENERATION_CONFIG_MODES = ("auto", "vllm", "none")
 ROLES = ("both", "prefill", "decode")
 # the CPU ops backend: the best instruction set of kernels/cpu, the torch reference, or one set
 CPU_KERNEL_CHOICES = ("auto", "torch", "avx512bf16", "avx512", "avx2", "scalar")
+# --quantization: float weights as the checkpoint has them, or int8 projections (W8A8)
+QUANTIZATION_CHOICES = ("none", "int8")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -37,6 +39,8 @@ class ModelConfig:
     download_dir: str | None = None  # Hub ids: the cache to download into (None → huggingface_hub's)
     generation_config: str = "auto"  # auto | vllm | none: what generation_config.json contributes
     cpu_kernels: str = "auto"  # auto | torch | avx512bf16 | avx512 | avx2 | scalar: the CPU ops backend
+    quantization: str = "none"  # none | int8: projections quantized at load (W8A8, models/quantization.py)
+    quantize_lm_head: bool = True  # with --quantization int8: the LM head too (false: compute dtype)
 
     def __post_init__(self) -> None:
         _require(self.num_threads >= 0, f"--num-threads must be >= 0, got {self.num_threads}")
@@ -56,6 +60,10 @@ class ModelConfig:
         _require(
             self.cpu_kernels in CPU_KERNEL_CHOICES,
             f"--cpu-kernels must be one of {', '.join(CPU_KERNEL_CHOICES)}, got {self.cpu_kernels!r}",
+        )
+        _require(
+            self.quantization in QUANTIZATION_CHOICES,
+            f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}",
         )
         _require(
             self.generation_config in GENERATION_CONFIG_MODES,

@@ -137,6 +137,19 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
         "on cpu: auto (kernels/cpu for the best instruction set, else torch ops), torch, avx512bf16, "
         "avx512, avx2 or scalar",
     ),
+    (
+        "--quantization",
+        str,
+        "none",
+        "none, or int8: projection weights quantized at load to int8 with per-channel scales, activations "
+        "per token, int32 sums (W8A8); int8 compressed-tensors checkpoints load as int8 either way",
+    ),
+    (
+        "--quantize-lm-head",
+        flag_bool,
+        True,
+        "with --quantization int8: the LM head in int8 too (false: the compute dtype, like the embedding)",
+    ),
     ("--log-level", str, "INFO", "logging level"),
     ("--log-format", str, "text", "text (one line per record) or json (one object per line)"),
     ("--log-prompts", flag_bool, False, "log prompt and completion text (never logged otherwise)"),
@@ -191,6 +204,8 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
         download_dir=args.download_dir,
         generation_config=args.generation_config,
         cpu_kernels=args.cpu_kernels,
+        quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
     )
 
 

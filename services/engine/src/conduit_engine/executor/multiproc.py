@@ -144,6 +144,8 @@ def start_workers(group: WorkerGroup, config: EngineConfig, facts: ModelFacts) -
         "folder": str(facts.folder),
         "device": config.model.device,
         "cpu_kernels": config.model.cpu_kernels,
+        "quantization": config.model.quantization,
+        "quantize_lm_head": config.model.quantize_lm_head,
         "dtype": facts.dtype,
         "max_model_len": facts.max_model_len,
         "seed": config.model.seed,

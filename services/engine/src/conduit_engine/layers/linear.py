@@ -8,6 +8,11 @@ then the bias is added once; without a communicator (the model runs whole) it is
 
 Parameters are named and shaped as nn.Linear's (`weight` [out, in], optional `bias` [out]), so
 checkpoints load into them unchanged; TorchOps computes them with F.linear, the reference.
+
+Quantized (`--quantization int8`, or an int8 checkpoint), `weight` is int8 [out, in] and `weight_scale`
+float32 [out] (`quantize`); the layer hands both to the ops, which alone know how to multiply them
+(ops/quant.py), and the output is in the input's dtype either way, so whatever runs after a projection
+(an all-reduce, a bias, an adapter's delta) never sees the weight's format.
 """
 
 from __future__ import annotations
@@ -34,13 +39,27 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features))
         else:
             self.register_parameter("bias", None)
+        self.register_parameter("weight_scale", None)
+
+    @property
+    def quantized(self) -> bool:
+        return self.weight_scale is not None
+
+    def quantize(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        """Hold int8 `weight` [out, in] with per-output-channel float32 `scale` [out] instead."""
+        if weight.dtype != torch.int8 or tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"int8 weight [{self.out_features}, {self.in_features}] expected")
+        self._parameters["weight"] = nn.Parameter(weight.contiguous(), requires_grad=False)
+        scale = scale.to(device=weight.device, dtype=torch.float32).reshape(-1).contiguous()
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias, self.weight_scale)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+            + (", int8" if self.quantized else "")
         )
 
 
@@ -53,8 +72,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm is None:
-            return self.ops.linear(x, self.weight, self.bias)
-        out = self.ops.linear(x, self.weight)
+            return self.ops.linear(x, self.weight, self.bias, self.weight_scale)
+        out = self.ops.linear(x, self.weight, None, self.weight_scale)
         self.comm.all_reduce(out)
         if self.bias is not None:
             out += self.bias

@@ -54,7 +54,7 @@ class ParallelLMHead(Linear):
         self.comm = comm
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        logits = self.ops.linear(hidden, self.weight)
+        logits = self.ops.linear(hidden, self.weight, None, self.weight_scale)
         if self.comm is None:
             return logits
         parts = self.comm.gather(logits)

@@ -67,7 +67,7 @@ class CausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.fold_offset()
             elif isinstance(module, Linear):
-                self.ops.prepare_linear(module.weight)
+                self.ops.prepare_linear(module.weight, module.weight_scale)
         scale = self.config.embed_scale
         if scale is not None:
             self._embed_scale = float(torch.tensor(scale, dtype=self.embed_tokens.weight.dtype))

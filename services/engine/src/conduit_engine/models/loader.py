@@ -19,6 +19,7 @@ from safetensors import safe_open
 from conduit_engine.errors import ModelLoadError
 from conduit_engine.models.base import CausalLM
 from conduit_engine.models.config import ArchConfig
+from conduit_engine.models.quantization import QuantizationPlan
 from conduit_engine.models.registry import model_class
 from conduit_engine.models.sharding import ModelShard, ShardPlan, read_shard
 from conduit_engine.ops import Ops
@@ -75,8 +76,11 @@ def load_model(
     device: str,
     max_positions: int,
     shard: ModelShard | None = None,
+    quantization: QuantizationPlan | None = None,
 ) -> CausalLM:
-    """The model (or with `shard` one rank's part of it) on `device` in `dtype`."""
+    """The model (or with `shard` one rank's part of it) on `device` in `dtype`; with `quantization`,
+    projections as int8 (models/quantization.py)."""
+    quant = quantization or QuantizationPlan()
     files = safetensors_files(folder)
     with torch.device("meta"):
         model = model_class(config.architecture)(config, ops, max_positions, shard)
@@ -88,9 +92,12 @@ def load_model(
         del slots["lm_head.weight"]
     pending: dict[str, list[torch.Tensor | None]] = {}
     loaded: set[str] = set()
+    int8 = _Int8Weights()
     for raw_name, tensor in iter_checkpoint(files, None if shard is None else shard.plan):
         name = raw_name.removeprefix("model.")
         if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        if int8.take(name, tensor):
             continue
         fused = _fused_target(name)
         if fused is not None:
@@ -104,11 +111,14 @@ def load_model(
             continue
         _place(slots, name, tensor, dtype, device)
         loaded.add(name)
+    loaded |= int8.place(slots, device)
     missing = sorted(set(slots) - loaded)
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks weights: {', '.join(missing[:5])}")
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    if quant.quantize_float:
+        _quantize_linears(model, quant.quantize_lm_head)
     model.finish_loading()
     model.eval()
     return model
@@ -149,3 +159,85 @@ def _place(
     # A no-op (the mapped view itself) when dtype and device already match.
     value = tensor.to(device=device, dtype=dtype).contiguous()
     module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+
+
+class _Int8Weights:
+    """A quantized checkpoint's int8 projection weights and their scales, gathered while the files are
+    read (a scale may come before or after its weight, in another file) and placed once all are in.
+    q/k/v and gate/up parts fuse as the float ones do; a per-tensor scale becomes one per row first."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}  # checkpoint name (without .weight) → int8 [N, K]
+        self.scales: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, tensor: torch.Tensor) -> bool:
+        if name.endswith(".weight_scale"):
+            self.scales[name.removesuffix(".weight_scale")] = tensor
+            return True
+        if name.endswith(".weight") and tensor.dtype == torch.int8:
+            self.weights[name.removesuffix(".weight")] = tensor
+            return True
+        return False
+
+    def place(
+        self, slots: dict[str, tuple[torch.nn.Module, str, torch.nn.Parameter]], device: str
+    ) -> set[str]:
+        missing = sorted(set(self.weights) - set(self.scales))
+        if missing:
+            raise ModelLoadError(f"int8 weight {missing[0]}.weight has no {missing[0]}.weight_scale")
+        stray = sorted(set(self.scales) - set(self.weights))
+        if stray:
+            raise ModelLoadError(f"{stray[0]}.weight_scale belongs to no int8 weight")
+        fused: dict[str, list[tuple[int, str] | None]] = {}
+        targets: dict[str, list[str]] = {}
+        for prefix in self.weights:
+            target = _fused_target(prefix + ".weight")
+            if target is None:
+                targets[prefix + ".weight"] = [prefix]
+            else:
+                parts = fused.setdefault(target[0], [None] * target[2])
+                parts[target[1]] = (target[1], prefix)
+        for target, parts in fused.items():
+            if any(p is None for p in parts):
+                raise ModelLoadError(f"{target}: the checkpoint has only some of its int8 parts")
+            targets[target] = [p[1] for p in parts if p is not None]
+        placed = set()
+        for target, prefixes in targets.items():
+            slot = slots.get(target)
+            if slot is None or not hasattr(slot[0], "quantize"):
+                raise ModelLoadError(f"int8 weight {target!r} is not a projection Conduit can run in int8")
+            module, _, meta = slot
+            weight = torch.cat([self.weights[p] for p in prefixes]).to(device)
+            if tuple(weight.shape) != tuple(meta.shape):
+                raise ModelLoadError(
+                    f"weight {target!r} has shape {tuple(weight.shape)}, expected {tuple(meta.shape)}"
+                )
+            scale = torch.cat([_row_scales(p, self.scales[p], self.weights[p].shape[0]) for p in prefixes])
+            module.quantize(weight, scale.to(device))  # type: ignore[operator]
+            placed.add(target)
+        return placed
+
+
+def _row_scales(prefix: str, scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint's weight_scale, per tensor ([] or [1]) or per channel ([N, 1] or [N]), as [N] float32."""
+    flat = scale.float().reshape(-1)
+    if flat.numel() == 1:
+        return flat.expand(rows).clone()
+    if flat.numel() != rows or (scale.dim() == 2 and scale.shape[1] != 1):
+        raise ModelLoadError(
+            f"{prefix}.weight_scale has shape {tuple(scale.shape)}: expected per-tensor [1] or per-channel "
+            f"[{rows}, 1] (group-wise scales are not supported)"
+        )
+    return flat
+
+
+def _quantize_linears(model: CausalLM, lm_head: bool) -> None:
+    """--quantization int8: every float projection to int8 with per-output-channel scales (the LM head
+    only with --quantize-lm-head; the embedding never)."""
+    from conduit_engine.layers.linear import Linear
+
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or module.quantized or (name == "lm_head" and not lm_head):
+            continue
+        q, scale = model.ops.quantize_weight(module.weight)
+        module.quantize(q, scale)

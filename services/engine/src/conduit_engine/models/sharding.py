@@ -10,7 +10,10 @@ Megatron-style, as vLLM shards the Llama family:
   rank 0 gathers the logits;
 - KV heads are split like the query heads; when a model has fewer KV heads than ranks, each KV head
   is replicated on N / num_key_value_heads consecutive ranks (the ranks whose query heads read it);
-- norms, biases of row-parallel layers and the RoPE table are replicated.
+- norms, biases of row-parallel layers and the RoPE table are replicated;
+- int8 weights (a compressed-tensors checkpoint) shard as float ones; their per-output-channel scales
+  ([N, 1]) follow the weight's rows: sliced like them for column-parallel and vocabulary-parallel
+  layers, whole for row-parallel ones (each rank holds every output row); per-tensor scales are whole.
 
 `read_shard` reads a rank's slices of a checkpoint tensor straight from safetensors (`get_slice`), so a
 worker never reads the other ranks' weights. Plain arithmetic apart from `read_shard`, which receives
@@ -180,6 +183,8 @@ def read_shard(plan: ShardPlan, name: str, handle: Any) -> torch.Tensor:
     bytes are read). Vocabulary shards are zero-padded to `plan.vocab_shard` rows."""
     import torch
 
+    if name.endswith(".weight_scale"):
+        return _read_scale_shard(plan, name, handle)
     if plan.is_vocab_parallel(name):
         start = plan.vocab_start
         rows = handle[start : start + plan.vocab_rows]
@@ -193,3 +198,25 @@ def read_shard(plan: ShardPlan, name: str, handle: Any) -> torch.Tensor:
     dim, ranges = pieces
     parts = [handle[a:b] if dim == 0 else handle[:, a:b] for a, b in ranges]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _read_scale_shard(plan: ShardPlan, name: str, handle: Any) -> torch.Tensor:
+    """The rows of a `weight_scale` that go with this rank's rows of its weight."""
+    import torch
+
+    shape = tuple(handle.get_shape())
+    if len(shape) == 0 or shape[0] == 1:
+        return handle[:]  # per tensor
+    weight = name.removesuffix("_scale")
+    if plan.is_vocab_parallel(weight):
+        start = plan.vocab_start
+        rows = handle[start : start + plan.vocab_rows]
+        padding = plan.vocab_shard - rows.shape[0]
+        if padding:
+            rows = torch.cat((rows, rows.new_ones((padding, *rows.shape[1:]))))
+        return rows
+    pieces = plan.pieces(weight)
+    if pieces is None or pieces[0] == 1:
+        return handle[:]  # replicated or row-parallel: every output channel
+    parts = [handle[a:b] for a, b in pieces[1]]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from conduit_engine.ops import quant
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
@@ -134,15 +136,35 @@ class Ops(ABC):
         loading); None (the default) runs the layers one by one, op by op, through this interface."""
         return None
 
-    def prepare_linear(self, weight: torch.Tensor) -> None:  # noqa: B027
+    def prepare_linear(  # noqa: B027
+        self, weight: torch.Tensor, weight_scale: torch.Tensor | None = None
+    ) -> None:
         """Called once for every linear layer's weight when loading finishes: a backend may prepack it
         for `linear` (which still receives the weight itself). Default: nothing to prepare."""
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, K] @ weight[N, K]ᵀ + bias [N] → [T, N] in x.dtype (weight and bias share x's dtype).
+    def quantize_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A float linear weight [N, K] → (int8 [N, K], float32 per-output-channel scales [N]), at load
+        (`--quantization int8`): ops/quant.py's, which a backend may compute faster but never otherwise."""
+        return quant.quantize_weight(weight)
 
-        The default is torch's (oneDNN/MKL on the CPU, cuBLAS on CUDA); a backend overrides it where it
-        has a faster kernel for some shapes."""
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        weight_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [T, K] @ weight[N, K]ᵀ + bias [N] → [T, N] in x.dtype.
+
+        A float weight shares x's dtype (as does the bias). With `weight_scale` [N] float32 the weight
+        is int8 (`--quantization int8`): x is quantized per token and multiplied in int32 (ops/quant.py,
+        the reference); the bias stays in x's dtype. Callers only pass what the layer holds, so the
+        weight's format stays between the layer and the backend.
+
+        The default is torch's (oneDNN/MKL on the CPU, cuBLAS on CUDA) and ops/quant.py's int8
+        reference; a backend overrides it where it has a faster kernel for some shapes."""
+        if weight_scale is not None:
+            return quant.int8_linear(x, weight, weight_scale, bias)
         return F.linear(x, weight, bias)
 
     @abstractmethod

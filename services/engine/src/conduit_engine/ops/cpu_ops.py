@@ -2,7 +2,8 @@
 and the start-up choice between it and the torch reference (`select_cpu_ops`).
 
 `CpuOps` is `TorchOps` with the step's hot ops replaced: linear on weights prepacked at load (tiles that
-stream each weight once per call, at any batch size), RMSNorm with and without the residual add, rotary,
+stream each weight once per call, at any batch size; int8 weights as W8A8 panels multiplied with VNNI,
+AVX-512 BW, AVX2 or portable integer tiles), RMSNorm with and without the residual add, rotary,
 the gated activations, KV-cache writes, and paged attention that reads the KV blocks in place (decode and
 prefill chunks, sliding windows, soft-capping). `compile_decoder` runs all decoder layers of a step as
 one C++ call composed of the same kernels, so a small model pays no Python per op. KV transfer and
@@ -50,20 +51,41 @@ class CpuOps(TorchOps):
         stack = self._k.decoder_stack([self._layer_weights(spec) for spec in layers])
         return _CompiledDecoder(self._module, stack)
 
-    def prepare_linear(self, weight: torch.Tensor) -> None:
-        self._packed_for(weight)
+    def prepare_linear(self, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> None:
+        self._packed_for(weight, weight_scale)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def quantize_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous():
+            return self._module.quantize_rows(weight.detach())  # the reference's bits, one pass, threaded
+        return super().quantize_weight(weight)
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        weight_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         packed = self._packed.get(weight.data_ptr())
         if packed is not None:
             return packed.forward(x, bias)
+        if weight_scale is not None:  # int8 weights: packed on first use (the tiles need panels)
+            return self._packed_for(weight, weight_scale).forward(x, bias)
         # unprepared weights: the unpacked tiles for small batches, else torch's GEMM (ops.cpp)
         return self._k.linear(x, weight, bias)
 
-    def _packed_for(self, weight: torch.Tensor) -> object:
+    def _packed_for(self, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> object:
+        """The prepacked weight; an int8 one (W8A8, kernels/cpu/int8_impl.h) must come with its scales
+        the first time (prepare_linear), after which the decoder stack finds it by the weight alone."""
         packed = self._packed.get(weight.data_ptr())
         if packed is None:
-            packed = self._packed[weight.data_ptr()] = self._k.pack_linear(weight.detach())
+            if weight.dtype == torch.int8:
+                if weight_scale is None:
+                    raise ValueError("an int8 linear weight needs its weight_scale")
+                packed = self._k.pack_linear_int8(weight.detach(), weight_scale.detach())
+            else:
+                packed = self._k.pack_linear(weight.detach())
+            self._packed[weight.data_ptr()] = packed
         return packed
 
     def _layer_weights(self, spec: DecoderLayerSpec) -> object:

@@ -39,6 +39,12 @@ from conduit_engine.ops.kernel_loader import KernelArg, KernelLauncher, KernelRe
 _DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 _PREFILL_THREADS = 128
 _TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
+# The int8 GEMM (int8_gemm.cu): k per mma step, columns per block, rows per block (4 warps x 16).
+_INT8_K_STEP = 32
+_INT8_TILE_N = 32
+_INT8_TILE_M = 64
+_INT8_GEMM_THREADS = 128
+_INT8_QUANT_THREADS = 256
 # Blocks per masked row: enough to fill the GPU at small batches; larger vocabularies loop in the kernel.
 _BITMASK_MAX_BLOCKS_PER_ROW = 64
 
@@ -164,6 +170,8 @@ class CudaOps(Ops):
         # Split-K decode's arrival counters (zero between launches: the combining block resets its own).
         self._counters: torch.Tensor | None = None
         self._retired: list[torch.Tensor] = []
+        # int8 weights padded to whole k32 steps of the int8 GEMM, by the address of the weight's data
+        self._int8: dict[int, torch.Tensor] = {}
 
     def _launch(
         self,
@@ -174,6 +182,80 @@ class CudaOps(Ops):
         shared_mem: int = 0,
     ) -> None:
         self._launcher.launch(kernel, grid, block, args, shared_mem)
+
+    # ---- linear ---------------------------------------------------------------------------------------
+
+    def prepare_linear(self, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> None:
+        if weight_scale is not None:
+            self._int8_weight(weight)
+
+    def _int8_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] int8 as the GEMM reads it: [N, ldq], K zero-padded to a multiple of 32."""
+        padded = self._int8.get(weight.data_ptr())
+        if padded is None:
+            n, k = weight.shape
+            ldq = _round_up(max(k, 1), _INT8_K_STEP)
+            padded = (
+                weight.contiguous()
+                if ldq == k
+                else torch.zeros((n, ldq), dtype=torch.int8, device=weight.device)
+            )
+            if ldq != k:
+                padded[:, :k] = weight
+            self._int8[weight.data_ptr()] = padded
+        return padded
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        weight_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if weight_scale is None:
+            return super().linear(x, weight, bias)
+        return self._int8_linear(x, weight, weight_scale, bias)
+
+    def _int8_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """W8A8 (ops/quant.py): x quantized per token (quantize_rows_int8_kernel), then the tensor-core
+        int8 GEMM with the scales and bias applied as it stores (int8_gemm.cu)."""
+        rows = _as_rows("x", x)
+        m, k = rows.shape
+        n = weight.shape[0]
+        check(weight.dtype == torch.int8 and weight.shape[1] == k, f"weight: expected int8 [{n}, {k}]")
+        w = self._int8_weight(weight)
+        ldq = w.shape[1]
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        if m == 0 or n == 0:
+            return out
+        q = torch.empty((m, ldq), dtype=torch.int8, device=x.device)
+        x_scale = torch.empty(m, dtype=torch.float32, device=x.device)
+        self._launch(
+            kl.quantize_rows_int8_kernel(x.dtype),
+            (m, 1, 1),
+            (_INT8_QUANT_THREADS, 1, 1),
+            [q, x_scale, rows, np.int32(k), np.int64(rows.stride(0)), np.int32(ldq)],
+        )
+        self._launch(
+            kl.int8_gemm_kernel(x.dtype),
+            (math.ceil(n / _INT8_TILE_N), math.ceil(m / _INT8_TILE_M), 1),
+            (_INT8_GEMM_THREADS, 1, 1),
+            [
+                out,
+                q,
+                x_scale,
+                w,
+                weight_scale.to(torch.float32).contiguous(),
+                None if bias is None else bias.contiguous(),
+                np.int32(m),
+                np.int32(n),
+                np.int32(ldq),
+                np.int64(n),
+            ],
+        )
+        return out
 
     # ---- once per step, once per cache ----------------------------------------------------------------
 

@@ -30,6 +30,7 @@ KERNEL_SOURCES = (
     "prefill_attention.cu",
     "bitmask.cu",
     "kv_transfer.cu",
+    "int8_gemm.cu",
 )
 
 _CTYPES = {torch.float32: "float", torch.float16: "conduit::f16", torch.bfloat16: "conduit::bf16"}
@@ -155,6 +156,15 @@ def scatter_kv_blocks_kernel(dtype: torch.dtype) -> KernelRef:
     return KernelRef("kv_transfer.cu", f"scatter_kv_blocks_kernel<{ctype(dtype)}>")
 
 
+def quantize_rows_int8_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("int8_gemm.cu", f"quantize_rows_int8_kernel<{ctype(dtype)}>")
+
+
+def int8_gemm_kernel(dtype: torch.dtype) -> KernelRef:
+    """The int8 tensor-core GEMM (mma.sync m16n8k32 s8) of `--quantization int8`, output in `dtype`."""
+    return KernelRef("int8_gemm.cu", f"int8_gemm_mma_kernel<{ctype(dtype)}>")
+
+
 def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int]) -> list[KernelRef]:
     """Every specialisation the CUDA ops may launch for these model dtypes and head sizes."""
     refs: list[KernelRef] = []
@@ -170,6 +180,8 @@ def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int])
             *(decode_attention_kernel(dtype, chunks, group) for chunks, group in DECODE_VARIANTS),
             gather_kv_blocks_kernel(dtype),
             scatter_kv_blocks_kernel(dtype),
+            quantize_rows_int8_kernel(dtype),
+            int8_gemm_kernel(dtype),
         ]
         refs += [prefill_attention_kernel(dtype, head_dim) for head_dim in head_dims]
         if dtype in (torch.float16, torch.bfloat16):

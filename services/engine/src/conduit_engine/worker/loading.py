@@ -16,6 +16,7 @@ from conduit_engine.models.base import CausalLM
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.models.facts import ModelFacts
 from conduit_engine.models.loader import DTYPES, load_model
+from conduit_engine.models.quantization import QuantizationPlan, plan_quantization
 from conduit_engine.ops import get_ops
 
 log = logging.getLogger(__name__)
@@ -29,20 +30,29 @@ def load_in_process(config: EngineConfig, facts: ModelFacts) -> CausalLM:
     mc = config.model
     torch.manual_seed(mc.seed)
     dtype = DTYPES[facts.dtype]
-    model = _timed_load(facts.folder, facts.arch, dtype, mc.device, facts.max_model_len, mc.cpu_kernels)
+    quant = plan_quantization(facts.folder, mc.quantization, mc.quantize_lm_head)
+    model = _timed_load(
+        facts.folder, facts.arch, dtype, mc.device, facts.max_model_len, mc.cpu_kernels, quant
+    )
     set_cpu_threads(mc.num_threads, model)
     return model
 
 
 def _timed_load(
-    folder: Path, arch: ArchConfig, dtype: torch.dtype, device: str, max_len: int, cpu_kernels: str
+    folder: Path,
+    arch: ArchConfig,
+    dtype: torch.dtype,
+    device: str,
+    max_len: int,
+    cpu_kernels: str,
+    quant: QuantizationPlan,
 ) -> CausalLM:
     """load_model, then one line: the time it took and the peak memory (device memory on CUDA, the
     process's peak resident memory on the CPU)."""
     started = time.monotonic()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    model = load_model(folder, arch, get_ops(device, cpu_kernels), dtype, device, max_len)
+    model = load_model(folder, arch, get_ops(device, cpu_kernels), dtype, device, max_len, quantization=quant)
     seconds = time.monotonic() - started
     params = sum(p.numel() for p in model.parameters())
     if device == "cuda":
@@ -50,10 +60,11 @@ def _timed_load(
     else:  # ru_maxrss is in KiB on Linux
         peak = f"peak process memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
     log.info(
-        "loaded %s (%.1fM parameters, %s) in %.1f s; %s; runs on %s",
+        "loaded %s (%.1fM parameters, %s, %s) in %.1f s; %s; runs on %s",
         arch.architecture,
         params / 1e6,
         str(dtype).removeprefix("torch."),
+        quant.describe(),
         seconds,
         peak,
         model.describe_ops(),

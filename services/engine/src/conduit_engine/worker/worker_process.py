@@ -29,6 +29,7 @@ from conduit_common import logs
 from conduit_engine.layers.collectives import Communicator
 from conduit_engine.models.architectures import read_arch_config
 from conduit_engine.models.loader import DTYPES, load_model
+from conduit_engine.models.quantization import plan_quantization
 from conduit_engine.models.sharding import ModelShard, ShardPlan
 from conduit_engine.models.source import quiet_progress_bars
 from conduit_engine.ops import get_ops
@@ -126,6 +127,7 @@ class Worker:
             str(self.device),
             init["max_model_len"],
             shard,
+            plan_quantization(Path(init["folder"]), init["quantization"], init["quantize_lm_head"]),
         )
         set_cpu_threads(init["num_threads"], self.model, world_size)
         params = sum(p.numel() for p in self.model.parameters())
