@@ -91,6 +91,10 @@ def set_cpu_threads(requested: int, model: torch.nn.Module, ranks: int = 1) -> N
 def load_draft_in_process(
     folder: Path, arch: ArchConfig, config: EngineConfig, facts: ModelFacts
 ) -> CausalLM:
-    """Speculative decoding's draft model, whole, beside the target (its dtype, device and CPU ops)."""
+    """Speculative decoding's draft model, whole, beside the target (its dtype, device, CPU ops and
+    --quantization)."""
     mc = config.model
-    return _timed_load(folder, arch, DTYPES[facts.dtype], mc.device, facts.max_model_len, mc.cpu_kernels)
+    quant = plan_quantization(folder, mc.quantization, mc.quantize_lm_head)
+    return _timed_load(
+        folder, arch, DTYPES[facts.dtype], mc.device, facts.max_model_len, mc.cpu_kernels, quant
+    )
