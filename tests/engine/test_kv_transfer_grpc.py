@@ -35,7 +35,7 @@ from conduit_engine.kv_transfer.transport import KvPullSpec
 from conduit_engine.ops.torch_ops import TorchOps
 from conduit_engine.sampling_params import SamplingParams
 from tests.support.clock import ManualClock
-from tests.support.kv_blocks import LocalKvBlocks, layout_of, pull_spec_for
+from tests.support.kv_blocks import LocalKvBlocks, layout_of, nixl_endpoint_or_skip, pull_spec_for
 
 pytestmark = pytest.mark.integration
 
@@ -72,19 +72,25 @@ def caches(dtype: torch.dtype, seed: int | None) -> list[tuple[torch.Tensor, tor
 class Source:
     """A prefill engine's transfer side: BlockManager, registry, caches, and PullKv on a real server."""
 
-    def __init__(self, dtype: torch.dtype, chunk_blocks: int = 2, security=None) -> None:
-        """`security`: a ServerSecurity for the port (TLS, token); None is plaintext."""
+    def __init__(
+        self, dtype: torch.dtype, chunk_blocks: int = 2, security=None, transport: str = "grpc"
+    ) -> None:
+        """`security`: a ServerSecurity for the port (TLS, token); None is plaintext. `transport`: what it
+        serves besides gRPC (shm, or nixl: an agent over its caches; skips where NIXL cannot start)."""
         self.clock = ManualClock()
         self.bm = BlockManager(NUM_BLOCKS, BLOCK)
         self.registry = KvTransferRegistry(self.bm, LEASE, self.clock)
         self.kv = caches(dtype, seed=7)
         self.layout = layout_of("stories-test", self.kv)
+        self.nixl = nixl_endpoint_or_skip(self.kv) if transport == "nixl" else None
         self.service = KvTransferService(
             self.registry,
             LocalKvBlocks(TorchOps(), self.kv),
             self.layout,
             on_this_thread,
             chunk_bytes=chunk_blocks * self.layout.block_bytes,
+            serve_shm=transport == "shm",
+            nixl=self.nixl,
         )
         self.server = grpc.aio.server(interceptors=security.interceptors() if security else [])
         pb_grpc.add_EngineServicer_to_server(self.servicer(), self.server)

@@ -199,7 +199,9 @@ class EngineServicer(pb_grpc.EngineServicer):
             raise
 
     def _handle(self, transfer: KvTransfer) -> pb.KvHandle:
-        return handle_to_pb(transfer, self.advertise_address, self.core.kv_layout)
+        return handle_to_pb(
+            transfer, self.advertise_address, self.core.kv_layout, self.core.kv_transports.offered
+        )
 
     @property
     def kv_service(self) -> KvTransferService:
@@ -294,6 +296,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             role=_ROLES[core.config.disaggregation.role],
             kv_layout=layout_to_pb(core.kv_layout),
             advertise_address=self.advertise_address,
+            kv_transport=core.kv_transports.kind,
             max_prompt_bytes=core.prompt_bound.max_bytes,
         )
 
@@ -314,6 +317,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             kv_blocks_pinned=stats.blocks.pinned,
             kv_bytes_pulled=stats.kv_bytes_pulled,
             kv_bytes_saved=stats.kv_bytes_saved,
+            kv_pulls_by_transport=self.async_engine.kv_pulls_by_transport,
         )
 
     async def SubscribeKvEvents(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from conduit_engine.kv_transfer.layout import KvLayoutSpec
+from conduit_engine.kv_transfer.params import SourceTransports
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,7 @@ class KvPullSpec:
     start_block: int  # first transfer block to fetch
     total_blocks: int  # blocks of the whole transfer
     layout: KvLayoutSpec
+    transports: SourceTransports = SourceTransports()  # what the source serves besides gRPC
 
     def __post_init__(self) -> None:
         if not 0 <= self.start_block <= self.total_blocks:
@@ -62,8 +64,20 @@ class KvPullResult:
 class KvBlockSink(Protocol):
     """Receives a pull's blocks: runs of consecutive transfer blocks, in order, each exactly once."""
 
-    async def write(self, first_block: int, num_blocks: int, data: bytes) -> None:
+    async def write(self, first_block: int, num_blocks: int, data: bytes | memoryview) -> None:
         """Store transfer blocks [first_block, first_block + num_blocks) from one payload."""
+        ...
+
+
+class DirectKvBlockSink(KvBlockSink, Protocol):
+    """A sink whose cache blocks a transport may write itself (NIXL reads straight into the cache)."""
+
+    def destination_blocks(self) -> list[int]:
+        """The cache block receiving each pulled block, from spec.start_block on."""
+        ...
+
+    def written_directly(self, num_blocks: int) -> None:
+        """The transport stored `num_blocks` more blocks into destination_blocks() itself."""
         ...
 
 
