@@ -97,8 +97,9 @@ class NixlKvEndpoint:
         layout: KvLayoutSpec,
     ) -> int:
         """Read the remote blocks into cache blocks `dest_block_ids` (pairwise); returns the bytes read.
-        KvTransportUnavailableError when the source's agent cannot be loaded (pull over gRPC instead);
-        KvTransferError for a description that does not fit the pull or a failed transfer."""
+        KvTransportUnavailableError when the source's agent cannot be loaded or the read fails (pull over
+        gRPC instead: the transfer is still pinned there); KvTransferError for a description that does not
+        fit the pull."""
         self._check(remote, len(dest_block_ids), layout)
         agent_name = self._load_remote(source_address, remote)
         local, remote_descs = self._descriptors(remote, dest_block_ids)
@@ -113,10 +114,12 @@ class NixlKvEndpoint:
         finally:
             self._agent.release_xfer_handle(handle)
         if state != "DONE":
-            self._remote.pop(
-                source_address, None
-            )  # reload the metadata next time (the source may have moved)
-            raise KvTransferError(f"NIXL read from {agent_name} at {source_address} ended {state}")
+            # UCX could not reach the source (no common transport, a blocked port): the puller uses
+            # gRPC, and this agent reloads the source's metadata next time (it may have moved).
+            self._remote.pop(source_address, None)
+            raise KvTransportUnavailableError(
+                f"NIXL read from {agent_name} at {source_address} ended {state}"
+            )
         return len(dest_block_ids) * len(self.regions) * self.block_stride
 
     def close(self) -> None:
