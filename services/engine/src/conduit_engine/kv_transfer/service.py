@@ -54,6 +54,9 @@ class NixlBlocksSource(Protocol):
 
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+# A shared-memory chunk's payload is in the segment, not the message: larger chunks, fewer messages
+# (still several per long prompt, so the puller scatters one while the source gathers the next).
+SHM_CHUNK_BYTES = 32 * 1024 * 1024
 _MESSAGE_OVERHEAD = 64  # KvChunk's fields besides the payload, rounded up
 
 
@@ -84,6 +87,7 @@ class KvTransferService:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         serve_shm: bool = False,
         nixl: NixlBlocksSource | None = None,
+        shm_chunk_bytes: int = SHM_CHUNK_BYTES,
     ) -> None:
         """`serve_shm`: answer KV_TRANSPORT_SHM pulls (write into the puller's segment); `nixl`: this
         engine's registered cache, to answer KV_TRANSPORT_NIXL pulls with its blocks' descriptors."""
@@ -102,6 +106,7 @@ class KvTransferService:
         self._nixl = nixl
         limit = (max_message_bytes - _MESSAGE_OVERHEAD) // layout.block_bytes
         self.blocks_per_chunk = min(blocks_per_chunk(layout.block_bytes, chunk_bytes), limit)
+        self.blocks_per_shm_chunk = blocks_per_chunk(layout.block_bytes, shm_chunk_bytes)
 
     async def pull_kv(
         self, request: pb.PullKvRequest, context: grpc.aio.ServicerContext
@@ -170,8 +175,9 @@ class KvTransferService:
                 f"shm_segment: cannot open {request.shm_segment}: {exc}"
             ) from None
         try:
-            for first in range(start, total, self.blocks_per_chunk):
-                ids = transfer.block_ids[first : first + self.blocks_per_chunk]
+            step = self.blocks_per_shm_chunk
+            for first in range(start, total, step):
+                ids = transfer.block_ids[first : first + step]
                 offset = (first - start) * block_bytes
                 out = segment.view[offset : offset + len(ids) * block_bytes]
                 await asyncio.to_thread(self._store.gather_kv_blocks_into, ids, out)
