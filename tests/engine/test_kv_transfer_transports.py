@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -35,7 +36,7 @@ from conduit_engine.kv_transfer.nixl_agent import NixlKvEndpoint
 from conduit_engine.kv_transfer.nixl_transport import NixlKvTransport
 from conduit_engine.kv_transfer.params import SourceTransports
 from conduit_engine.kv_transfer.puller import KvPuller
-from conduit_engine.kv_transfer.setup import KvTransports
+from conduit_engine.kv_transfer.setup import KvTransports, start_transports
 from conduit_engine.kv_transfer.shm_segment import shm_host_id
 from conduit_engine.kv_transfer.shm_transport import ShmKvTransport
 from conduit_engine.kv_transfer.transport import KvPullSpec
@@ -353,3 +354,34 @@ async def test_a_lease_ending_during_a_nixl_read_fails_the_pull(monkeypatch):
         assert p.source.bm.stats().used == 0 and p.source.registry.num_pending == 0
     finally:
         await p.close()
+
+
+def test_a_transport_that_cannot_start_is_logged_with_its_reason_and_the_engine_runs_grpc(
+    monkeypatch, caplog
+):
+    from conduit_engine.kv_transfer import nixl_agent
+
+    caplog.set_level("INFO", logger="conduit_engine.kv_transfer.setup")
+    kv = caches(torch.float32, seed=None)
+    assert start_transports("grpc", SimpleNamespace(kv_caches=kv), 30).kind == "grpc"
+    workers = start_transports("nixl", object(), 30)  # tensor parallelism: no cache in this process
+    assert (workers.kind, workers.offered, workers.nixl) == ("grpc", SourceTransports(), None)
+
+    def missing():
+        raise ImportError("NIXL is not importable (pip install --no-deps nixl-cu12): no module")
+
+    monkeypatch.setattr(nixl_agent, "load_nixl", missing)
+    assert start_transports("nixl", SimpleNamespace(kv_caches=kv), 30).kind == "grpc"
+    monkeypatch.setattr("conduit_engine.kv_transfer.setup.shm_host_id", lambda: None)
+    assert start_transports("shm", SimpleNamespace(kv_caches=kv), 30).kind == "grpc"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "--kv-transport nixl: the KV cache lives in worker processes (tensor parallelism); "
+        "KV transfers use gRPC",
+        "--kv-transport nixl: NIXL cannot start here: NIXL is not importable (pip install --no-deps "
+        "nixl-cu12): no module; KV transfers use gRPC",
+        "--kv-transport shm: no /dev/shm or no boot id on this host; KV transfers use gRPC",
+    ]
+    monkeypatch.undo()
+    shm = start_transports("shm", SimpleNamespace(kv_caches=kv), 30)
+    assert shm.kind == "shm" and shm.offered.shm_host == shm_host_id()
