@@ -125,3 +125,24 @@ def test_a_transfer_gone_before_the_pull_is_recomputed_and_the_stream_goes_on(
     assert rest[-2]["choices"][0]["finish_reason"] == "length"
     assert load(fleet.addresses[decode]).kv_bytes_pulled == pulled  # nothing came over: it recomputed
     assert pulls(fleet, decode) == before
+
+
+def test_a_client_gone_mid_pull_frees_the_decode_engines_blocks_and_the_transfer(
+    fleet, make_gateway, healthy, kind
+):
+    """The pull is held open by stopping the source (SIGSTOP) once the decode engine started it: the
+    decode engine has planned its blocks (and, for shm, made its segment). The client leaving cancels the
+    pull: the decode engine frees its blocks, the segment is gone, and the transfer ends on the source."""
+    prefill, decode = engines_of(kind)
+    gateway = make_gateway(prefill=[prefill], decode=[decode])
+    fleet.pause(decode)
+    events = SseReader(gateway.url, 30)
+    events.next()  # the first token, from the prefill engine
+    wait_for(lambda: load(fleet.addresses[prefill]).kv_transfers_pending == 1, "the produced transfer")
+    fleet.pause(prefill)
+    fleet.resume(decode)
+    wait_for(lambda: load(fleet.addresses[decode]).kv_blocks_used > 0, "the decode engine to plan its pull")
+    events.close()
+    wait_idle(fleet, [decode])
+    fleet.resume(prefill)
+    wait_idle(fleet, [prefill])  # released by the gateway, or by its lease
