@@ -208,6 +208,7 @@ def transfer_rate(kind: str, model: Path, args: argparse.Namespace) -> TransferR
     from conduit_engine.ops.torch_ops import TorchOps
     from tests.support.kv_blocks import LocalKvBlocks, pull_spec_for
 
+    torch.set_num_threads(1)  # as the engines here (--num-threads 1): the copies are memory-bound anyway
     blocks_needed = -(-args.transfer_prompt_len // 16) + 4
     flags = [
         ("--role", "prefill", "--kv-transport", kind, "--max-model-len", str(args.transfer_prompt_len + 8))

@@ -385,3 +385,23 @@ def test_a_transport_that_cannot_start_is_logged_with_its_reason_and_the_engine_
     monkeypatch.undo()
     shm = start_transports("shm", SimpleNamespace(kv_caches=kv), 30)
     assert shm.kind == "shm" and shm.offered.shm_host == shm_host_id()
+
+
+async def test_each_shm_pull_uses_a_fresh_segment_made_ahead_and_close_leaves_none():
+    before = shm_segments()
+    p = Pair("shm")
+    await p.source.server.start()
+    try:
+        seen: list[set[str]] = []
+        for n in range(3):
+            transfer = p.source.produce(list(range(300 + 20 * n, 312 + 20 * n)))  # 3 blocks
+            assert (await p.transport.pull(p.spec(transfer), p.writer([1, 2, 3], 0))).num_blocks == 3
+            assert_blocks_equal(p.source.kv, transfer.block_ids, p.dst_kv, [1, 2, 3])
+            await until(lambda: len(shm_segments() - before) == 1, "the next pull's segment")
+            seen.append(shm_segments() - before)
+        # One segment waits for the next pull at a time, and each pull took the one made before it.
+        assert len(set().union(*seen)) == 3
+        assert p.source.bm.stats().used == 0
+    finally:
+        await p.close()
+    assert shm_segments() - before == set()

@@ -4,8 +4,9 @@ A pull's segment belongs to the puller: it creates it (its whole size reserved u
 /dev/shm is an error at creation, not a SIGBUS while writing), names it in its PullKv request, reads each
 chunk out of it into its cache and unlinks it when the pull ends, however it ends (completed, failed,
 cancelled). The source only opens an existing segment by name and writes into it; the name must match
-`conduit-kv-<32 hex digits>` (no path, no other file). So a segment lives as long as one pull, and no
-transfer's lease, release or expiry can leave one behind.
+`conduit-kv-<32 hex digits>` (no path, no other file). So a segment serves one pull, and no transfer's
+lease, release or expiry can leave one behind (ShmKvTransport makes the next pull's segment ahead, named
+to no source until that pull).
 
 `shm_host_id` is how two engines agree they share that memory: the host's boot id (unique per host and
 boot) plus the device and inode of the /dev/shm mount (containers on one host each get their own unless
