@@ -14,6 +14,7 @@ The NIXL cases skip where NIXL cannot start (the reason is printed), except in C
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from types import SimpleNamespace
 
@@ -405,3 +406,37 @@ async def test_each_shm_pull_uses_a_fresh_segment_made_ahead_and_close_leaves_no
     finally:
         await p.close()
     assert shm_segments() - before == set()
+
+
+async def test_a_nixl_read_that_fails_is_pulled_again_over_grpc(monkeypatch):
+    """Fault injection: the source describes addresses outside its registered cache, so UCX cannot
+    read them; the puller pulls the same (still pinned) transfer over gRPC."""
+    p = Pair("nixl")
+    await p.source.server.start()
+    puller = KvPuller(
+        LocalKvBlocks(TorchOps(), p.dst_kv),
+        30,
+        None,
+        PLAINTEXT,
+        KvTransports("nixl", SourceTransports(nixl=True), p.dst_nixl),
+    )
+    describe = p.source.nixl.describe
+
+    def off_the_registered_memory(block_ids, known_agent):
+        blocks = describe(block_ids, known_agent)
+        blocks.region_addresses[:] = [address + (1 << 40) for address in blocks.region_addresses]
+        return blocks
+
+    monkeypatch.setattr(p.source.nixl, "describe", off_the_registered_memory)
+    try:
+        transfer = p.source.produce(list(range(50, 62)))  # 3 blocks
+        spec = dataclasses.replace(p.spec(transfer), transports=SourceTransports(nixl=True))
+        assert puller.choose(spec) == "nixl"
+        result = await puller.pull(spec, [4, 5, 6])
+        assert result is not None and result.num_blocks == 3
+        assert puller.pulls_by_transport == {"grpc": 1}
+        assert_blocks_equal(p.source.kv, transfer.block_ids, p.dst_kv, [4, 5, 6])
+        assert p.source.bm.stats().used == 0 and p.source.registry.num_pending == 0
+    finally:
+        await puller.close()
+        await p.close()

@@ -103,14 +103,21 @@ class NixlKvEndpoint:
         self._check(remote, len(dest_block_ids), layout)
         agent_name = self._load_remote(source_address, remote)
         local, remote_descs = self._descriptors(remote, dest_block_ids)
-        handle = self._agent.initialize_xfer(
-            "READ",
-            self._agent.get_xfer_descs(local, self.memory),
-            self._agent.get_xfer_descs(remote_descs, remote.memory),
-            agent_name,
-        )
+        try:  # NIXL refuses descriptors outside the source's registered memory here
+            handle = self._agent.initialize_xfer(
+                "READ",
+                self._agent.get_xfer_descs(local, self.memory),
+                self._agent.get_xfer_descs(remote_descs, remote.memory),
+                agent_name,
+            )
+        except Exception as exc:
+            raise KvTransportUnavailableError(f"NIXL cannot read from {agent_name}: {exc!r}") from None
         try:
-            state = await self._wait(handle, self._agent.transfer(handle))
+            try:
+                posted = self._agent.transfer(handle)
+            except Exception as exc:
+                raise KvTransportUnavailableError(f"NIXL cannot read from {agent_name}: {exc!r}") from None
+            state = await self._wait(handle, posted)
         finally:
             self._agent.release_xfer_handle(handle)
         if state != "DONE":
