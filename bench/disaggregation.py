@@ -3,6 +3,7 @@ one prefill engine plus one decode engine, on the same machine in the same run.
 
     .venv/bin/python bench/disaggregation.py [--model random-110m|stories260K|PATH] [--streams 4]
         [--stream-tokens 96] [--long-prompts 6] [--long-prompt-len 384] [--interval 2] [--no-pin]
+        [--transfer-only] [--transports grpc,shm,nixl] [--transfer-prompt-len 1024] [--transfer-repeats 5]
 
 Three configurations, each with fresh engines of one CPU thread (--num-threads 1), each engine pinned to
 its own core when there are enough (taskset), behind a fresh gateway:
@@ -15,10 +16,13 @@ The workload: `streams` clients each stream short-prompt completions of `stream-
 back; meanwhile `long-prompts` requests with prompts of `long-prompt-len` tokens (and 16 output tokens)
 arrive every `interval` seconds. Printed per configuration: the inter-token latency p50/p90/p99 of the
 decode streams (the gaps between their SSE chunks), TTFT p50/p99 of the decode streams and of the long
-prompts, and for 1P+1D the KV bytes moved per request; then the ratios against 1P+1D; then the KV transfer
-time per block, measured by pulling transfers from a prefill engine with the real gRPC transport into a
-cache in this process. DistServe's claim is that decode latency stops suffering from prefill interference
-once the two run apart; two cores shared with a gateway and the clients may not be able to show it.
+prompts, and for 1P+1D the KV bytes moved per request; then the ratios against 1P+1D. Then the KV transfer
+rate per transport (--transports grpc,shm,nixl; --transfer-only for just these): for each, a fresh prefill
+engine with `--kv-transport` that transport produces transfers of --transfer-prompt-len tokens, pulled with
+the engine's own puller and transport into a cache in this process (the best of --transfer-repeats; the
+"moved by" column shows a fallback to gRPC, e.g. where NIXL cannot start). DistServe's claim is that
+decode latency stops suffering from prefill interference once the two run apart; two cores shared with
+a gateway and the clients may not be able to show it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # for tests.support and bench.common
@@ -171,53 +176,111 @@ def run_config(name: str, model: Path, args: argparse.Namespace) -> tuple[Result
     return result, engines
 
 
-def transfer_time_per_block(prefill: str, repeats: int, prompt_len: int) -> tuple[int, int, float]:
-    """(blocks, bytes per block, seconds per block): transfers produced on `prefill` pulled with the real
-    gRPC transport into a cache in this process (the decode side's gather → gRPC → scatter path)."""
+TRANSPORTS = ("grpc", "shm", "nixl")
+
+
+@dataclass
+class TransferRate:
+    """One transport's pulls: what moved them (after any fallback), blocks and bytes, and the time."""
+
+    transport: str
+    moved_by: str  # the transport the pulls went over (gRPC when the asked one could not start)
+    blocks: int
+    block_bytes: int
+    seconds_per_pull: float
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.blocks * self.block_bytes / self.seconds_per_pull
+
+
+def transfer_rate(kind: str, model: Path, args: argparse.Namespace) -> TransferRate:
+    """Transfers produced on a fresh prefill engine started with `--kv-transport kind`, pulled with that
+    transport into a KV cache in this process (the decode side: gRPC: gather → PullKv bytes → scatter;
+    shm: gather into this process's segment → scatter from it; nixl: UCX reads from the engine's cache
+    straight into this cache). The best of `transfer_repeats` pulls (the machine may be loaded)."""
     import torch
 
     from conduit_engine.kv_transfer.cache_io import CacheBlockWriter
-    from conduit_engine.kv_transfer.grpc_transport import GrpcKvTransport
     from conduit_engine.kv_transfer.layout import KvLayoutSpec
+    from conduit_engine.kv_transfer.puller import KvPuller
+    from conduit_engine.kv_transfer.setup import start_transports
     from conduit_engine.ops.torch_ops import TorchOps
     from tests.support.kv_blocks import LocalKvBlocks, pull_spec_for
 
-    pb = model_info(prefill).kv_layout
-    layout = KvLayoutSpec(pb.model, pb.dtype, pb.block_size, pb.num_layers, pb.num_kv_heads, pb.head_dim)
-    blocks = layout.num_blocks(prompt_len)
-    shape = (blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    dtype = getattr(torch, layout.dtype)
-    store = LocalKvBlocks(
-        TorchOps(),
-        [
+    torch.set_num_threads(1)  # as the engines here (--num-threads 1): the copies are memory-bound anyway
+    blocks_needed = -(-args.transfer_prompt_len // 16) + 4
+    flags = [
+        ("--role", "prefill", "--kv-transport", kind, "--max-model-len", str(args.transfer_prompt_len + 8))
+    ]
+    (engine,) = launch(
+        model,
+        flags,
+        argparse.Namespace(
+            **{**vars(args), "pin": False, "kv_cache_blocks": max(args.kv_cache_blocks, blocks_needed)}
+        ),
+    )
+    try:
+        info = model_info(engine.address)
+        pb = info.kv_layout
+        layout = KvLayoutSpec(pb.model, pb.dtype, pb.block_size, pb.num_layers, pb.num_kv_heads, pb.head_dim)
+        blocks = layout.num_blocks(args.transfer_prompt_len)
+        shape = (blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        dtype = getattr(torch, layout.dtype)
+        caches = [
             (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
             for _ in range(layout.num_layers)
-        ],
+        ]
+        store = LocalKvBlocks(TorchOps(), caches)
+        local = start_transports(kind, SimpleNamespace(kv_caches=caches), 60)
+        rng = random.Random(1)
+
+        async def pulls() -> tuple[float, str]:
+            from conduit_common.engine_dialer import PLAINTEXT
+
+            puller = KvPuller(store, 60, None, PLAINTEXT, local)
+            best = float("inf")
+            with grpc.insecure_channel(engine.address) as channel:
+                stub = engine_pb2_grpc.EngineStub(channel)
+                for _ in range(args.transfer_repeats):
+                    ids = [1, *(rng.randrange(3, 500) for _ in range(args.transfer_prompt_len - 1))]
+                    request = engine_pb2.GenerateRequest(
+                        token_ids=engine_pb2.TokenIds(ids=ids),
+                        sampling=engine_pb2.SamplingParams(max_tokens=4, temperature=0),
+                        kv_transfer=engine_pb2.KvTransferParams(produce=engine_pb2.KvProduce()),
+                    )
+                    (message,) = list(stub.Generate(request, timeout=120))
+                    spec = pull_spec_for(message.kv_handle, layout, 0)
+                    chosen = puller.choose(spec)
+                    started = time.perf_counter()
+                    result = await puller.transport_for(chosen).pull(
+                        spec, CacheBlockWriter(store, layout.block_bytes, range(blocks), 0)
+                    )
+                    best = min(best, time.perf_counter() - started)
+                    assert result.num_blocks == blocks
+            await puller.close()
+            return best, chosen
+
+        seconds, moved_by = asyncio.run(pulls())
+        if local.nixl is not None:
+            local.nixl.close()
+        return TransferRate(kind, moved_by, blocks, layout.block_bytes, seconds)
+    finally:
+        engine.stop()
+
+
+def report_transfers(rates: list[TransferRate]) -> None:
+    grpc_rate = next((r.bytes_per_second for r in rates if r.moved_by == "grpc"), None)
+    print(
+        f"{'KV transport':<13} {'moved by':<9} {'blocks x bytes':>18} {'ms/pull':>9} {'GB/s':>7}"
+        f" {'vs gRPC':>8}"
     )
-    rng = random.Random(1)
-
-    async def pulls() -> float:
-        transport = GrpcKvTransport(timeout_s=60)
-        seconds = 0.0
-        with grpc.insecure_channel(prefill) as channel:
-            stub = engine_pb2_grpc.EngineStub(channel)
-            for _ in range(repeats):
-                request = engine_pb2.GenerateRequest(
-                    token_ids=engine_pb2.TokenIds(
-                        ids=[1, *(rng.randrange(3, 500) for _ in range(prompt_len - 1))]
-                    ),
-                    sampling=engine_pb2.SamplingParams(max_tokens=4, temperature=0),
-                    kv_transfer=engine_pb2.KvTransferParams(produce=engine_pb2.KvProduce()),
-                )
-                (message,) = list(stub.Generate(request, timeout=60))
-                spec = pull_spec_for(message.kv_handle, layout, 0)
-                started = time.perf_counter()
-                await transport.pull(spec, CacheBlockWriter(store, layout.block_bytes, range(blocks), 0))
-                seconds += time.perf_counter() - started
-        await transport.close()
-        return seconds / (repeats * blocks)
-
-    return blocks, layout.block_bytes, asyncio.run(pulls())
+    for r in rates:
+        ratio = f"{r.bytes_per_second / grpc_rate:7.1f}x" if grpc_rate else "      -"
+        print(
+            f"{r.transport:<13} {r.moved_by:<9} {f'{r.blocks} x {r.block_bytes:,}':>18} "
+            f"{r.seconds_per_pull * 1000:9.2f} {r.bytes_per_second / 1e9:7.2f} {ratio:>8}"
+        )
 
 
 def quantiles(values: list[float]) -> tuple[float, float, float]:
@@ -262,6 +325,13 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--kv-cache-blocks", type=int, default=256)
     parser.add_argument("--transfer-repeats", type=int, default=5)
+    parser.add_argument("--transfer-prompt-len", type=int, default=1024, help="tokens of each measured pull")
+    parser.add_argument(
+        "--transports", default=",".join(TRANSPORTS), help="KV transports to measure, comma-separated"
+    )
+    parser.add_argument(
+        "--transfer-only", action="store_true", help="only the KV transfer rates, not the serving runs"
+    )
     parser.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin engines to cores")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -271,26 +341,20 @@ def main() -> None:
         f"{args.long_prompts} prompts of {args.long_prompt_len} tokens every {args.interval} s; "
         f"{os.cpu_count()} CPUs; engines pinned: {args.pin}"
     )
-    results: dict[str, Result] = {}
-    transfer = None
-    for name in CONFIGS:
-        result, engines = run_config(name, model, args)
-        results[name] = result
-        try:
-            if name == "1P+1D":
-                transfer = transfer_time_per_block(
-                    engines[0].address, args.transfer_repeats, args.long_prompt_len
-                )
-        finally:
+    if not args.transfer_only:
+        results: dict[str, Result] = {}
+        for name in CONFIGS:
+            result, engines = run_config(name, model, args)
+            results[name] = result
             for engine in engines:
                 engine.stop()
-    report(results)
-    if transfer is not None:
-        blocks, block_bytes, seconds = transfer
-        print(
-            f"KV transfer (gRPC on loopback, gather → PullKv → scatter): {blocks} blocks of {block_bytes:,} "
-            f"bytes per pull, {seconds * 1000:.3f} ms per block ({block_bytes / seconds / 1e6:,.0f} MB/s)"
-        )
+        report(results)
+    rates = [transfer_rate(kind, model, args) for kind in args.transports.split(",")]
+    print(
+        f"KV transfers of {args.transfer_prompt_len}-token prompts, "
+        f"best of {args.transfer_repeats} pulls each:"
+    )
+    report_transfers(rates)
 
 
 if __name__ == "__main__":

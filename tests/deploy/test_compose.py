@@ -21,10 +21,10 @@ PROFILES = {"cpu": "engine", "gpu": "engine-gpu"}
 PD_ENGINES = ("prefill", "decode")
 
 
-def _compose(*args: str, env_set: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    # Variables of the caller's shell must not leak into what is being checked (only `env_set` does).
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CONDUIT_", "COMPOSE_", "DOCKER_"))}
-    env.update(env_set or {})
+def _compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    # Variables of the caller's shell must not leak into what is being checked (`env`: the test's own).
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("CONDUIT_", "COMPOSE_", "DOCKER_"))}
+    env = {**clean, **(env or {})}
     return subprocess.run(
         [str(tool("docker-compose")), "--project-directory", str(REPO), "-f", str(COMPOSE_FILE), *args],
         capture_output=True,
@@ -134,9 +134,7 @@ def test_gateway_reaches_the_engine_the_profile_started(project):
 
 
 def test_gateway_workers_come_from_the_callers_environment():
-    result = _compose(
-        "--profile", "cpu", "config", "--format", "json", env_set={"CONDUIT_GATEWAY_WORKERS": "2"}
-    )
+    result = _compose("--profile", "cpu", "config", "--format", "json", env={"CONDUIT_GATEWAY_WORKERS": "2"})
     assert result.returncode == 0, result.stderr
     gateway = json.loads(result.stdout)["services"]["gateway"]
     assert gateway_cli.config_from_args(gateway["command"], gateway["environment"]).workers == 2
@@ -225,6 +223,22 @@ def test_pd_engines_run_their_role_and_advertise_their_service_name(pd_project, 
     assert config.disaggregation.role == role
     assert config.disaggregation.advertise_address == f"{role}:{config.server.port}"
     assert service["command"][: len(cpu_engine["command"])] == cpu_engine["command"]
+
+
+@pytest.mark.parametrize("transport", [None, "shm", "nixl"])
+def test_pd_engines_move_kv_over_the_transport_of_conduit_kv_transport(transport):
+    """Default gRPC; CONDUIT_KV_TRANSPORT reaches both engines, and the decode engine shares the prefill
+    engine's IPC namespace and /dev/shm (what --kv-transport shm needs to find the same host)."""
+    env = {} if transport is None else {"CONDUIT_KV_TRANSPORT": transport}
+    result = _compose("--profile", "pd", "config", "--format", "json", env=env)
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    for role in PD_ENGINES:
+        service = services[role]
+        parser = engine_cli.build_parser(service["environment"])
+        config = engine_cli.config_from_args(parser.parse_args(service["command"]))
+        assert config.disaggregation.kv_transport == (transport or "grpc"), role
+    assert services["prefill"]["ipc"] == "shareable" and services["decode"]["ipc"] == "service:prefill"
 
 
 def test_pd_gateway_pairs_the_two_engines_and_stands_in_for_the_gateway(pd_project):

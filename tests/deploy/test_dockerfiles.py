@@ -159,6 +159,20 @@ def test_engine_image_cuda_by_default_with_a_cpu_variant():
     assert [d.split("==")[0] for d in engine["optional-dependencies"]["cuda12"]] == ["cupy-cuda12x"]
 
 
+def test_engine_image_installs_nixl_as_the_make_targets_do():
+    """--kv-transport nixl needs the NIXL wheel in the image: the pin of requirements-nodeps.txt, with
+    --no-deps (its torch requirement would replace the variant's torch)."""
+    nodeps = [
+        line
+        for line in (REPO / "requirements-nodeps.txt").read_text().splitlines()
+        if not line.startswith("#")
+    ]
+    pin = _pin(nodeps, "nixl-cu12")
+    build = dockerfiles.parse(ENGINE_DOCKERFILE).stage("build")
+    (line,) = [line for line in build.run_lines() if "nixl-cu12" in line]
+    assert pin in line and "--no-deps" in line
+
+
 def test_engine_image_carries_the_kernels_and_mounts_the_model():
     final = dockerfiles.parse(ENGINE_DOCKERFILE).final
     env = final.env()

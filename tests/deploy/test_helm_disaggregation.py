@@ -79,6 +79,7 @@ def test_each_pool_runs_its_role_and_advertises_its_pod_address(objects, pool):
     assert config.disaggregation.role == pool
     assert config.disaggregation.advertise_address == "10.1.2.3:50051"
     assert config.disaggregation.lease_seconds == 45
+    assert config.disaggregation.kv_transport == "nixl"
     assert config.model.device == "cuda" and config.cache.enable_prefix_caching
     if pool == "prefill":
         assert config.scheduler.max_num_batched_tokens == 8192
@@ -138,11 +139,22 @@ def test_values_file_satisfies_the_schema_and_bad_pools_are_refused(values):
         for overrides, message in [
             ({"disaggregation": {"prefill": {"replicas": 0}}}, "/disaggregation/prefill/replicas"),
             ({"disaggregation": {"leaseSeconds": 0}}, "/disaggregation/leaseSeconds"),
+            ({"disaggregation": {"kvTransport": "rdma"}}, "/disaggregation/kvTransport"),
             ({"disaggregation": {"decode": {"replica": 2}}}, "replica"),
             ({"disaggregation": {"enabled": "yes"}}, "/disaggregation/enabled"),
         ]:
             with pytest.raises(helm.HelmValuesError, match=message):
                 chart.validate_schema(overrides)
+
+
+def test_the_kv_transport_defaults_to_grpc_on_both_pools_with_grpc_only_network_rules():
+    values = {"disaggregation": {"enabled": True}}
+    objects = chart_render.manifests(chart_render.render(values))
+    for pool in POOLS:
+        statefulset = component(objects, "StatefulSet", pool)
+        assert _engine_config(statefulset).disaggregation.kv_transport == "grpc"
+        policy = find(objects, "NetworkPolicy", statefulset["metadata"]["name"])
+        assert [rule["ports"][0]["port"] for rule in policy["spec"]["ingress"]] == ["grpc", "metrics"]
 
 
 def test_every_pod_meets_the_restricted_pod_security_standard(objects):
@@ -158,7 +170,7 @@ def test_each_pool_accepts_grpc_from_the_gateway_envoy_and_both_pools(objects, p
     policy = find(objects, "NetworkPolicy", statefulset["metadata"]["name"])
     pods = statefulset["spec"]["template"]["metadata"]["labels"]
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= pods.items()
-    grpc_rule, metrics_rule = policy["spec"]["ingress"]
+    grpc_rule, metrics_rule, ucx_rule = policy["spec"]["ingress"]  # the values run NIXL
     peers = {peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in grpc_rule["from"]}
     # Decode engines pull from prefill engines (PullKv) and release on them (ReleaseKv).
     assert peers == {"gateway", "envoy", "prefill", "decode"}
@@ -169,6 +181,12 @@ def test_each_pool_accepts_grpc_from_the_gateway_envoy_and_both_pools(objects, p
         "from": [{"namespaceSelector": monitoring}],
         "ports": [{"port": "metrics", "protocol": "TCP"}],
     }
+    # NIXL: UCX's connections, on any port, from the engine pools only.
+    assert "ports" not in ucx_rule
+    ucx_peers = {
+        peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in ucx_rule["from"]
+    }
+    assert ucx_peers == {"prefill", "decode"}
 
 
 @pytest.mark.parametrize("pool", sorted(POOLS))

@@ -44,6 +44,9 @@ def test_engine_flags_and_environment_map_onto_the_config():
     assert config == DisaggregationConfig("prefill", "engine-0.engines:50051", 5.0, 65536, 9.0)
     assert (config.produces, config.consumes) == (True, False)
     assert engine_config([], {"CONDUIT_ROLE": "decode"}).role == "decode"
+    assert engine_config([]).kv_transport == "grpc"
+    assert engine_config(["--kv-transport", "nixl"]).kv_transport == "nixl"
+    assert engine_config([], {"CONDUIT_KV_TRANSPORT": "shm"}).kv_transport == "shm"
     assert (DisaggregationConfig("both").produces, DisaggregationConfig("both").consumes) == (True, True)
 
 
@@ -56,6 +59,7 @@ def test_engine_flags_and_environment_map_onto_the_config():
         ({"lease_seconds": 0}, "--kv-transfer-lease-seconds must be > 0, got 0"),
         ({"chunk_bytes": 0}, "--kv-transfer-chunk-bytes must be >= 1, got 0"),
         ({"pull_timeout_seconds": -1}, "--kv-transfer-timeout must be > 0, got -1"),
+        ({"kv_transport": "rdma"}, "--kv-transport must be grpc, shm or nixl, got 'rdma'"),
     ],
 )
 def test_engine_settings_that_cannot_work_name_the_flag(kwargs, message):

@@ -1,7 +1,8 @@
 """Disaggregation across runners of different tensor-parallel sizes (stories260K, gloo on the CPU): a
 prefill engine whose model runs in two worker processes hands its KV to an in-process decode engine, and
 the other way round. Each KV shard lives in a worker; the runner assembles (or splits) the whole model's
-payload, so both engines have one layout and the tokens equal a colocated engine's."""
+payload, so both engines have one layout and the tokens equal a colocated engine's; as bytes (gRPC) and
+through a shared-memory segment (the shm transport's gather into / scatter from the segment)."""
 
 from __future__ import annotations
 
@@ -31,14 +32,17 @@ def engines(stories_path):
             engine.shutdown()
 
 
+@pytest.mark.parametrize("via_shm", [False, True], ids=["bytes", "shm"])
 @pytest.mark.parametrize(("prefill", "decode"), [("prefill-tp2", "decode"), ("prefill", "decode-tp2")])
-def test_a_transfer_between_tensor_parallel_sizes_gives_the_colocated_tokens(engines, prefill, decode):
+def test_a_transfer_between_tensor_parallel_sizes_gives_the_colocated_tokens(
+    engines, prefill, decode, via_shm
+):
     assert engines[prefill].kv_layout == engines[decode].kv_layout
     for name, params in [
         ("greedy", greedy(20, ignore_eos=True)),
         ("seeded", SamplingParams(max_tokens=12, temperature=1.0, seed=5, n=2)),
     ]:
-        pd = disaggregated(engines[prefill], engines[decode], name, PROMPT, params)
+        pd = disaggregated(engines[prefill], engines[decode], name, PROMPT, params, via_shm=via_shm)
         assert_same(pd, colocated_run(engines["colocated"], name, PROMPT, params))
     for engine in (engines[prefill], engines[decode]):
         engine.check_integrity()

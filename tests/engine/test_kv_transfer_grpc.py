@@ -10,6 +10,7 @@ fail gives its status code and leaves the source's blocks accounted for.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -35,7 +36,7 @@ from conduit_engine.kv_transfer.transport import KvPullSpec
 from conduit_engine.ops.torch_ops import TorchOps
 from conduit_engine.sampling_params import SamplingParams
 from tests.support.clock import ManualClock
-from tests.support.kv_blocks import LocalKvBlocks, layout_of, pull_spec_for
+from tests.support.kv_blocks import LocalKvBlocks, layout_of, nixl_endpoint_or_skip, pull_spec_for
 
 pytestmark = pytest.mark.integration
 
@@ -69,22 +70,60 @@ def caches(dtype: torch.dtype, seed: int | None) -> list[tuple[torch.Tensor, tor
     ]
 
 
+class GatedKvBlocks(LocalKvBlocks):
+    """Fault injection: every gather after the first waits for `gate` (so a pull broken after its first
+    chunk cannot have been sent whole before the puller went away)."""
+
+    def __init__(self, ops, kv_caches, gate: threading.Event) -> None:
+        super().__init__(ops, kv_caches)
+        self._gate = gate
+        self._gathers = 0
+
+    def _wait(self) -> None:
+        self._gathers += 1
+        if self._gathers > 1:
+            assert self._gate.wait(30), "the gate was never opened"
+
+    def gather_kv_blocks(self, block_ids):
+        self._wait()
+        return super().gather_kv_blocks(block_ids)
+
+    def gather_kv_blocks_into(self, block_ids, out) -> None:
+        self._wait()
+        super().gather_kv_blocks_into(block_ids, out)
+
+
 class Source:
     """A prefill engine's transfer side: BlockManager, registry, caches, and PullKv on a real server."""
 
-    def __init__(self, dtype: torch.dtype, chunk_blocks: int = 2, security=None) -> None:
-        """`security`: a ServerSecurity for the port (TLS, token); None is plaintext."""
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        chunk_blocks: int = 2,
+        security=None,
+        transport: str = "grpc",
+        gate: threading.Event | None = None,
+    ) -> None:
+        """`security`: a ServerSecurity for the port (TLS, token); None is plaintext. `transport`: what it
+        serves besides gRPC (shm, or nixl: an agent over its caches; skips where NIXL cannot start)."""
         self.clock = ManualClock()
         self.bm = BlockManager(NUM_BLOCKS, BLOCK)
         self.registry = KvTransferRegistry(self.bm, LEASE, self.clock)
         self.kv = caches(dtype, seed=7)
         self.layout = layout_of("stories-test", self.kv)
+        self.nixl = nixl_endpoint_or_skip(self.kv) if transport == "nixl" else None
+        store = (
+            LocalKvBlocks(TorchOps(), self.kv) if gate is None else GatedKvBlocks(TorchOps(), self.kv, gate)
+        )
         self.service = KvTransferService(
             self.registry,
-            LocalKvBlocks(TorchOps(), self.kv),
+            store,
             self.layout,
             on_this_thread,
             chunk_bytes=chunk_blocks * self.layout.block_bytes,
+            shm_chunk_bytes=chunk_blocks * self.layout.block_bytes,
+            serve_shm=transport == "shm",
+            nixl=self.nixl,
         )
         self.server = grpc.aio.server(interceptors=security.interceptors() if security else [])
         pb_grpc.add_EngineServicer_to_server(self.servicer(), self.server)
@@ -288,17 +327,31 @@ class FailingWriter(CacheBlockWriter):
         raise RuntimeError("destination failed")
 
 
-async def test_a_pull_broken_midway_leaves_the_transfer_pullable_then_it_completes(source, transport):
+async def test_a_pull_broken_midway_leaves_the_transfer_pullable_then_it_completes(transport):
+    gate = threading.Event()
+    source = Source(torch.float32, gate=gate)  # the source's second chunk waits for the gate
+    await source.server.start()
+    try:
+        await broken_midway_then_complete(source, transport, gate)
+    finally:
+        gate.set()
+        await source.server.stop(None)
+    source.registry.check_integrity()
+    source.bm.check_integrity([])
+
+
+async def broken_midway_then_complete(source, transport, gate: threading.Event) -> None:
     prompt = list(range(200, 220))  # 5 blocks, chunks of 2
     transfer = source.produce(prompt)
     dst_kv = caches(torch.float32, seed=None)
     spec = pull_spec_for(source.handle(transfer), source.layout, 0)
     with pytest.raises(RuntimeError, match="destination failed"):
         await transport.pull(spec, FailingWriter(store(dst_kv), source.layout.block_bytes, range(5), 0))
-    for _ in range(500):  # the server sees the cancellation on its own loop turn
+    for _ in range(3000):  # the server sees the cancellation on its own loop turn
         if source.registry.transfer(transfer.transfer_id).active_pulls == 0:
             break
         await asyncio.sleep(0.01)
+    gate.set()  # the second gather (its await was cancelled) may end now
     assert source.registry.num_pending == 1 and source.bm.stats().pinned == 5
     source.registry.check_integrity()
     writer = writer_for(dst_kv, range(5), 0)

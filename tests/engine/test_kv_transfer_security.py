@@ -1,5 +1,6 @@
-"""Engine to engine: GrpcKvTransport pulls KV blocks through the EngineDialer of a decode engine's
---engine-tls-* / --engine-auth-token-file flags, from a source behind mTLS and a token."""
+"""Engine to engine: each KV transport (gRPC bytes, shared memory, NIXL) pulls KV blocks through the
+EngineDialer of a decode engine's --engine-tls-* / --engine-auth-token-file flags, from a source behind
+mTLS and a token; without the token or the client certificate the pull is refused before it starts."""
 
 from __future__ import annotations
 
@@ -11,18 +12,22 @@ from conduit_engine.entrypoints.security import ServerSecurity, engine_dialer
 from conduit_engine.kv_transfer.cache_io import CacheBlockWriter
 from conduit_engine.kv_transfer.errors import KvSourceUnavailableError, KvTransferError
 from conduit_engine.kv_transfer.grpc_transport import GrpcKvTransport
+from conduit_engine.kv_transfer.nixl_transport import NixlKvTransport
+from conduit_engine.kv_transfer.shm_transport import ShmKvTransport
 from conduit_engine.ops.torch_ops import TorchOps
 from tests.engine.test_kv_transfer_grpc import Source, assert_blocks_equal, caches
 from tests.support.certs import make_pki
-from tests.support.kv_blocks import LocalKvBlocks, layout_of, pull_spec_for
+from tests.support.kv_blocks import LocalKvBlocks, layout_of, nixl_endpoint_or_skip, pull_spec_for
 
 pytestmark = pytest.mark.integration
 
 TOKEN = "engine-to-engine"
 
 
-@pytest.fixture
-async def secured(tmp_path):
+@pytest.fixture(params=["grpc", "shm", "nixl"])
+async def secured(tmp_path, request):
+    """A source behind mTLS and a token serving the transport of the parameter (its control path is the
+    same PullKv call, so the same refusals hold, before any segment is written or NIXL metadata sent)."""
     pki = make_pki(tmp_path / "pki")
     (tmp_path / "token").write_text(TOKEN)
     security = ServerSecurity(
@@ -33,11 +38,14 @@ async def secured(tmp_path):
             auth_token_file=str(tmp_path / "token"),
         )
     )
-    source = Source(torch.float32, security=security)
+    source = Source(torch.float32, security=security, transport=request.param)
+    source.kind = request.param
     await source.server.start()
     yield source, pki, tmp_path
     await source.server.stop(None)
     source.registry.check_integrity()
+    if source.nixl is not None:
+        source.nixl.close()
 
 
 async def _pull(source, dialer_config: SecurityConfig):
@@ -45,11 +53,18 @@ async def _pull(source, dialer_config: SecurityConfig):
     spec = pull_spec_for(source.handle(transfer), source.layout, 0)
     dest = caches(torch.float32, seed=None)
     writer = CacheBlockWriter(LocalKvBlocks(TorchOps(), dest), layout_of("m", dest).block_bytes, [5, 6, 7], 0)
-    transport = GrpcKvTransport(timeout_s=30, dialer=engine_dialer(dialer_config))
+    options = {"timeout_s": 30, "dialer": engine_dialer(dialer_config)}
+    endpoint = nixl_endpoint_or_skip(dest) if source.kind == "nixl" else None
+    if endpoint is not None:
+        transport = NixlKvTransport(endpoint, **options)
+    else:
+        transport = ShmKvTransport(**options) if source.kind == "shm" else GrpcKvTransport(**options)
     try:
         return await transport.pull(spec, writer), transfer, dest
     finally:
         await transport.close()
+        if endpoint is not None:
+            endpoint.close()
 
 
 async def test_a_pull_over_mtls_with_the_token_copies_the_blocks(secured):

@@ -522,6 +522,21 @@ def test_gather_kv_blocks_matches_reference_and_the_chunk_layout(launcher, dtype
             assert torch.equal(want[layer, 0, j], k[block]) and torch.equal(want[layer, 1, j], v[block])
 
 
+def test_gather_kv_blocks_writes_into_out_such_as_a_shared_memory_buffer(launcher):
+    """`out` (here a tensor over a writable bytearray, as over a mapped segment) receives the payload."""
+    gen = torch.Generator().manual_seed(5)
+    caches = _kv_caches(gen, (2, 6, 4, 2, 8), torch.float32)
+    ids = torch.tensor([4, 0, 5], dtype=torch.int64)
+    want = REF.gather_kv_blocks(caches, ids)
+    for ops in (REF, _ops(launcher)):
+        memory = bytearray(want.numel() * 4)
+        out = torch.frombuffer(memory, dtype=torch.float32).view(want.shape)
+        assert ops.gather_kv_blocks(caches, ids, out=out) is out
+        assert torch.equal(out, want) and bytes(memory) == want.numpy().tobytes()
+        with pytest.raises(ValueError, match=r"out: expected shape \(2, 2, 3, 4, 2, 8\)"):
+            ops.gather_kv_blocks(caches, ids, out=out[:, :, :2])
+
+
 @kv_transfer_cases
 def test_scatter_kv_blocks_matches_reference_and_touches_only_its_blocks(launcher, dtype, shape, blocks):
     gen = torch.Generator().manual_seed(len(blocks) * 17 + shape[1])

@@ -3,9 +3,11 @@ their KvLayoutSpec, and the pull spec of a handle, which the engine itself build
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -55,7 +57,14 @@ class LocalKvBlocks:
         buffer = self._ops.gather_kv_blocks(self._kv_caches, ids)
         return buffer.cpu().view(torch.uint8).numpy().tobytes()
 
-    def scatter_kv_blocks(self, block_ids: Sequence[int], data: bytes) -> None:
+    def gather_kv_blocks_into(self, block_ids: Sequence[int], out: memoryview) -> None:
+        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self._device)
+        shape = (len(self._kv_caches), 2, len(block_ids), *self._block_shape)
+        self._ops.gather_kv_blocks(
+            self._kv_caches, ids, out=torch.frombuffer(out, dtype=self._dtype).view(shape)
+        )
+
+    def scatter_kv_blocks(self, block_ids: Sequence[int], data: bytes | memoryview) -> None:
         shape = (len(self._kv_caches), 2, len(block_ids), *self._block_shape)
         buffer = _view_bytes(data, self._dtype).view(shape)
         if self._device.type != "cpu":
@@ -66,7 +75,7 @@ class LocalKvBlocks:
             torch.cuda.current_stream(self._device).synchronize()
 
 
-def _view_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+def _view_bytes(data: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
     """A tensor over `data`'s memory (no copy). torch warns that bytes are read-only; the scatter only
     reads its source, so the warning is silenced here."""
     with warnings.catch_warnings():
@@ -83,9 +92,30 @@ def pull_spec(handle: KvHandleRef, layout: KvLayoutSpec, start_block: int) -> Kv
         start_block=start_block,
         total_blocks=layout.num_blocks(handle.num_tokens),
         layout=layout,
+        transports=handle.transports,
     )
 
 
 def pull_spec_for(handle: pb.KvHandle, layout: KvLayoutSpec, start_block: int) -> KvPullSpec:
     """`pull_spec` of a KvHandle message."""
     return pull_spec(handle_from_pb(handle), layout, start_block)
+
+
+def nixl_endpoint_or_skip(kv_caches: KVCaches):
+    """A NixlKvEndpoint over `kv_caches`; where NIXL cannot start the test skips saying why, except in CI
+    (CI=true), whose install has the wheel: there it fails."""
+    import pytest
+
+    from conduit_engine.kv_transfer.nixl_agent import NixlKvEndpoint
+
+    try:
+        return NixlKvEndpoint(kv_caches, timeout_s=30)
+    except Exception as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"NIXL must start in CI: {exc}")
+        pytest.skip(f"NIXL cannot start here: {exc}")
+
+
+def shm_segments() -> set[str]:
+    """The KV transfer segments in /dev/shm now (none may outlive a pull)."""
+    return {p.name for p in Path("/dev/shm").glob("conduit-kv-*")}

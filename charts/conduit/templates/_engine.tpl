@@ -138,6 +138,8 @@ spec:
             - {{ printf "$(POD_IP):%d" (int $e.port) | quote }}
             - --kv-transfer-lease-seconds
             - {{ $root.Values.disaggregation.leaseSeconds | quote }}
+            - --kv-transport
+            - {{ $root.Values.disaggregation.kvTransport | quote }}
             {{- end }}
             {{- range $p.extraArgs }}
             - {{ . | quote }}

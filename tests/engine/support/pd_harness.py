@@ -7,6 +7,7 @@ from __future__ import annotations
 from conduit_engine.core.sequence import FinishReason
 from conduit_engine.engine.request import GenerationRequest, RequestOutput
 from conduit_engine.kv_transfer.params import KvConsume, KvFirstToken, KvHandleRef
+from conduit_engine.kv_transfer.shm_segment import ShmSegment
 from conduit_engine.kv_transfer.transport import KvPullResult
 from tests.engine.support.harness import Collected, run_to_completion
 
@@ -37,24 +38,38 @@ def consume_request(rid, prompt, params, firsts: dict[int, RequestOutput], layou
     return GenerationRequest(rid, params, token_ids=prompt, kv_consume=KvConsume(handle, first_tokens))
 
 
-def transfer_blocks(source, destination, rid: str) -> KvPullResult:
-    """What a transport does: the pull plan's blocks from the source's store into the destination's."""
+def transfer_blocks(source, destination, rid: str, via_shm: bool = False) -> KvPullResult:
+    """What a transport does: the pull plan's blocks from the source's store into the destination's
+    (`via_shm`: as the shm transport, gathered into a shared-memory segment and scattered from it)."""
     pending = destination.kv_consumer.pending(rid)
     spec = pending.spec
     transfer = source.kv_registry.start_pull(spec.transfer_id)
-    data = source.executor.gather_kv_blocks(transfer.block_ids[spec.start_block :])
-    destination.executor.scatter_kv_blocks(pending.dest_block_ids, data)
+    ids = transfer.block_ids[spec.start_block :]
+    if via_shm:
+        segment = ShmSegment.create(len(ids) * spec.layout.block_bytes)
+        try:
+            source.executor.gather_kv_blocks_into(ids, segment.view)
+            destination.executor.scatter_kv_blocks(pending.dest_block_ids, segment.view)
+            size = segment.size
+        finally:
+            segment.close()
+    else:
+        data = source.executor.gather_kv_blocks(ids)
+        destination.executor.scatter_kv_blocks(pending.dest_block_ids, data)
+        size = len(data)
     source.kv_registry.finish_pull(spec.transfer_id, completed=True)
-    return KvPullResult(spec.num_blocks, len(data))
+    return KvPullResult(spec.num_blocks, size)
 
 
-def disaggregated(prefill, decode, rid, prompt, params, pull: bool = True) -> dict[int, Collected]:
+def disaggregated(
+    prefill, decode, rid, prompt, params, pull: bool = True, via_shm: bool = False
+) -> dict[int, Collected]:
     """Run `rid` prefill → decode; per choice, what the client receives (prefill's message, then decode's)."""
     firsts = produce(prefill, rid, prompt, params)
     combined = {index: Collected([*out.token_ids], out.text, [out]) for index, out in firsts.items()}
     if any(out.finish_reason is FinishReason.KV_HANDOFF for out in firsts.values()):
         decode.add_request(consume_request(rid, prompt, params, firsts, decode.kv_layout))
-        result = transfer_blocks(prefill, decode, rid) if pull else None
+        result = transfer_blocks(prefill, decode, rid, via_shm) if pull else None
         if not pull:
             prefill.kv_registry.release(decode.kv_consumer.pending(rid).spec.transfer_id)
         decode.finish_pull(rid, result)

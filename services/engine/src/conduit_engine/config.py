@@ -174,6 +174,9 @@ class TelemetryConfig:
         )
 
 
+KV_TRANSPORTS = ("grpc", "shm", "nixl")
+
+
 @dataclass(frozen=True, slots=True)
 class DisaggregationConfig:
     """This engine's side of prefill/decode disaggregation (KV transfers between engines)."""
@@ -183,9 +186,14 @@ class DisaggregationConfig:
     lease_seconds: float = 30.0  # how long a produced transfer stays pinned when nobody pulls it
     chunk_bytes: int = 4 * 1024 * 1024  # KV payload per PullKv message (whole blocks, at least one)
     pull_timeout_seconds: float = 60.0  # deadline of one pull from a source engine
+    kv_transport: str = "grpc"  # grpc | shm | nixl: how KV blocks move (grpc is always the fallback)
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, f"--role must be both, prefill or decode, got {self.role!r}")
+        _require(
+            self.kv_transport in KV_TRANSPORTS,
+            f"--kv-transport must be grpc, shm or nixl, got {self.kv_transport!r}",
+        )
         if self.advertise_address is not None:
             host, sep, port = self.advertise_address.rpartition(":")
             _require(

@@ -67,7 +67,7 @@ class AsyncEngine:
         self._on_fatal = on_fatal
         self.failure: str | None = None
         timeout = core.config.disaggregation.pull_timeout_seconds
-        self._puller = KvPuller(core.kv_store, timeout, max_message_bytes, dialer)
+        self._puller = KvPuller(core.kv_store, timeout, max_message_bytes, dialer, core.kv_transports)
         self._pulls: dict[str, asyncio.Task[None]] = {}  # request id → its running pull (event loop)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -231,6 +231,11 @@ class AsyncEngine:
             result = await self._puller.pull(spec, pending.dest_block_ids, span_metadata(span))
             end_kv_transfer(span, *((result.num_blocks, result.num_bytes) if result else (None, None)))
         return result
+
+    @property
+    def kv_pulls_by_transport(self) -> dict[str, int]:
+        """Pulls completed since start, by transport (read on the event loop that runs them)."""
+        return dict(self._puller.pulls_by_transport)
 
     async def close_transport(self) -> None:
         """Close the KV transport's channels (at shutdown, on the loop that used them)."""

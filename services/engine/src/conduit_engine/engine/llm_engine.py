@@ -42,6 +42,7 @@ from conduit_engine.kv_transfer.layout import KvLayoutSpec
 from conduit_engine.kv_transfer.producer import KvProducer
 from conduit_engine.kv_transfer.registry import KvTransferRegistry
 from conduit_engine.kv_transfer.service import KvTransferService, RunOnEngine
+from conduit_engine.kv_transfer.setup import start_transports
 from conduit_engine.kv_transfer.transport import KvPullResult
 from conduit_engine.models.facts import ModelFacts, describe
 from conduit_engine.models.prompt_bound import prompt_bound
@@ -154,6 +155,7 @@ class LLMEngine:
         self.kv_registry = KvTransferRegistry(self.block_manager, config.lease_seconds)
         self.kv_producer = KvProducer(self.kv_registry)
         self.kv_consumer = KvConsumer(self.block_manager, self.kv_layout)
+        self.kv_transports = start_transports(config.kv_transport, self.executor, config.pull_timeout_seconds)
         window = self.arch.uniform_window
         self.kv_limits = KvTransferLimits(config, self.kv_layout, self.arch.vocab_size, window)
 
@@ -328,6 +330,8 @@ class LLMEngine:
             run_on_engine=run_on_engine,
             chunk_bytes=self.config.disaggregation.chunk_bytes,
             max_message_bytes=max_message_bytes,
+            serve_shm=bool(self.kv_transports.offered.shm_host),
+            nixl=self.kv_transports.nixl,
         )
 
     @property

@@ -118,6 +118,13 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--kv-transfer-lease-seconds", float, 30.0, "how long a prefill's KV stays pinned for a decode engine"),
     ("--kv-transfer-chunk-bytes", int, 4 * 1024 * 1024, "KV bytes per PullKv message (whole blocks)"),
     ("--kv-transfer-timeout", float, 60.0, "deadline of one KV pull from a prefill engine, seconds"),
+    (
+        "--kv-transport",
+        str,
+        "grpc",
+        "grpc | shm (shared memory with engines on this host) | nixl (NIXL/UCX one-sided reads): how KV "
+        "blocks move between engines; both engines of a pull must name it, else gRPC",
+    ),
     ("--tls-cert", str, None, "PEM server certificate (chain): serve gRPC over TLS (with --tls-key)"),
     ("--tls-key", str, None, "PEM private key of --tls-cert"),
     ("--tls-client-ca", str, None, "PEM CA: require client certificates it signed (mTLS)"),
@@ -248,6 +255,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             lease_seconds=args.kv_transfer_lease_seconds,
             chunk_bytes=args.kv_transfer_chunk_bytes,
             pull_timeout_seconds=args.kv_transfer_timeout,
+            kv_transport=args.kv_transport,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size, worker_process=args.worker_process

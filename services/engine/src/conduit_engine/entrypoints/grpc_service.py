@@ -199,7 +199,9 @@ class EngineServicer(pb_grpc.EngineServicer):
             raise
 
     def _handle(self, transfer: KvTransfer) -> pb.KvHandle:
-        return handle_to_pb(transfer, self.advertise_address, self.core.kv_layout)
+        return handle_to_pb(
+            transfer, self.advertise_address, self.core.kv_layout, self.core.kv_transports.offered
+        )
 
     @property
     def kv_service(self) -> KvTransferService:
@@ -294,6 +296,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             role=_ROLES[core.config.disaggregation.role],
             kv_layout=layout_to_pb(core.kv_layout),
             advertise_address=self.advertise_address,
+            kv_transport=core.kv_transports.kind,
             max_prompt_bytes=core.prompt_bound.max_bytes,
         )
 
@@ -318,6 +321,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             spec_decode_acceptance_rate=0.0 if spec is None else spec.acceptance_rate,
             spec_decode_draft_tokens=0 if spec is None else spec.num_draft_tokens,
             spec_decode_accepted_tokens=0 if spec is None else spec.num_accepted_tokens,
+            kv_pulls_by_transport=self.async_engine.kv_pulls_by_transport,
         )
 
     async def SubscribeKvEvents(

@@ -30,7 +30,11 @@ class Executor(Protocol):
         [layer][k, v][block][block_size][num_kv_heads][head_dim] over all of the model's KV heads."""
         ...
 
-    def scatter_kv_blocks(self, block_ids: Sequence[int], data: bytes) -> None:
+    def gather_kv_blocks_into(self, block_ids: Sequence[int], out: memoryview) -> None:
+        """Write that payload into `out` (writable, exactly its size: shared memory)."""
+        ...
+
+    def scatter_kv_blocks(self, block_ids: Sequence[int], data: bytes | memoryview) -> None:
         """Write a payload of that layout into cache blocks `block_ids` (distinct)."""
         ...
 

@@ -82,7 +82,10 @@ class InProcessExecutor:
         buffer = self.runner.gather_kv_blocks(block_ids)
         return buffer.cpu().view(torch.uint8).numpy().tobytes()
 
-    def scatter_kv_blocks(self, block_ids: Sequence[int], data: bytes) -> None:
+    def gather_kv_blocks_into(self, block_ids: Sequence[int], out: memoryview) -> None:
+        self.runner.gather_kv_blocks_into(block_ids, out)
+
+    def scatter_kv_blocks(self, block_ids: Sequence[int], data: bytes | memoryview) -> None:
         first = self.kv_caches[0][0]
         buffer = bytes_to_tensor(data, first.dtype).view(
             len(self.kv_caches), 2, len(block_ids), *first.shape[1:]
@@ -100,5 +103,8 @@ class InProcessExecutor:
 
 
 def bytes_to_tensor(data: bytes | bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
-    """A flat tensor of `dtype` over a copy of `data` (writable, so no read-only warning)."""
+    """A flat tensor of `dtype` over `data`: its own memory for a writable memoryview (a shared-memory
+    segment: no copy), else over a copy (writable, so no read-only warning)."""
+    if isinstance(data, memoryview) and not data.readonly:
+        return torch.frombuffer(data, dtype=dtype)
     return torch.frombuffer(bytearray(data), dtype=dtype)

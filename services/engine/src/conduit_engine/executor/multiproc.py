@@ -101,7 +101,13 @@ class MultiprocExecutor:
             self.group.send(encode(Kind.GATHER_KV, (), [as_array("q", block_ids)]))
             return self.group.expect(Kind.KV_DATA)[0].arrays[0].tobytes()
 
-    def scatter_kv_blocks(self, block_ids: Sequence[int], data: bytes) -> None:
+    def gather_kv_blocks_into(self, block_ids: Sequence[int], out: memoryview) -> None:
+        # The ranks' shards are assembled in worker 0's reply; one copy from it into `out`.
+        with self._lock:
+            self.group.send(encode(Kind.GATHER_KV, (), [as_array("q", block_ids)]))
+            out[:] = memoryview(self.group.expect(Kind.KV_DATA)[0].arrays[0]).cast("B")
+
+    def scatter_kv_blocks(self, block_ids: Sequence[int], data: bytes | memoryview) -> None:
         with self._lock:
             self.group.send(encode(Kind.SCATTER_KV, (), [as_array("q", block_ids), ("B", data)]))
             self.group.expect(Kind.DONE)

@@ -9,7 +9,11 @@ Torch-free bookkeeping (safe to import from the engine core):
 Data movement (torch, grpc):
 - `cache_io`: KV cache blocks ↔ KvChunk payload bytes through the ops' gather/scatter;
 - `transport`: the `KvTransport` interface a decode engine pulls through;
-- `grpc_transport`: its first implementation, bytes over the PullKv RPC;
+- `grpc_transport`: its first implementation, bytes over the PullKv RPC (every pull's fallback);
+- `shm_segment`, `shm_transport`: same-host pulls through a shared-memory segment per pull;
+- `nixl_agent`, `nixl_transport`: NIXL (UCX) one-sided reads between registered KV caches;
+- `setup`: which of them an engine serves and pulls with (--kv-transport), decided at start;
+- `puller`: the decode side's pull of one request, through the transport the handle allows;
 - `service`: the PullKv and ReleaseKv handlers of the source engine;
 - `proto`: KvLayout / KvHandle messages and pull specs from handles.
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+Payload = bytes | memoryview  # a KvChunk's data, or a writable view of a shared-memory segment
+
 
 class KvBlockStore(Protocol):
     """The cache owner's side of a transfer: payloads of given block ids, out and in (safe to call from
@@ -29,8 +31,14 @@ class KvBlockStore(Protocol):
         """The payload of cache blocks `block_ids`, in that order."""
         ...
 
-    def scatter_kv_blocks(self, block_ids: Sequence[int], data: bytes) -> None:
-        """Store a payload of len(block_ids) blocks into cache blocks `block_ids`, in that order."""
+    def gather_kv_blocks_into(self, block_ids: Sequence[int], out: memoryview) -> None:
+        """Write the payload of cache blocks `block_ids` into `out` (writable, exactly its size: a slice
+        of a shared-memory segment), through the ops' gather, with no bytes object in between."""
+        ...
+
+    def scatter_kv_blocks(self, block_ids: Sequence[int], data: Payload) -> None:
+        """Store a payload of len(block_ids) blocks into cache blocks `block_ids`, in that order (a
+        writable memoryview is read in place)."""
         ...
 
 
@@ -51,7 +59,15 @@ class CacheBlockWriter:
         self._start = start_block
         self.blocks_written = 0
 
-    async def write(self, first_block: int, num_blocks: int, data: bytes) -> None:
+    def destination_blocks(self) -> list[int]:
+        """The cache block receiving each pulled block (for transports that write the cache directly)."""
+        return list(self._dest)
+
+    def written_directly(self, num_blocks: int) -> None:
+        """A transport stored `num_blocks` more blocks into `destination_blocks()` itself."""
+        self.blocks_written += num_blocks
+
+    async def write(self, first_block: int, num_blocks: int, data: Payload) -> None:
         index = first_block - self._start
         if index < 0 or num_blocks < 1 or index + num_blocks > len(self._dest):
             raise ValueError(

@@ -107,7 +107,12 @@ class KvConsumer:
             plan=plan,
             seqs=seqs,
             spec=KvPullSpec(
-                handle.source_address, handle.transfer_id, plan.start_block, plan.total_blocks, self.layout
+                handle.source_address,
+                handle.transfer_id,
+                plan.start_block,
+                plan.total_blocks,
+                self.layout,
+                handle.transports,
             ),
             dest_block_ids=list(plan.dest_block_ids),
             trace_context=trace_context,

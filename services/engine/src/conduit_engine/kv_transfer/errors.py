@@ -27,3 +27,10 @@ class KvSourceUnavailableError(KvTransferError):
     """The source engine cannot be reached or did not answer in time (→ UNAVAILABLE)."""
 
     grpc_code = "UNAVAILABLE"
+
+
+class KvTransportUnavailableError(KvTransferError):
+    """The source (or this engine) cannot move this pull's blocks the way asked: no shared memory with
+    it, NIXL not initialised, a segment it cannot open (→ UNIMPLEMENTED). The puller pulls over gRPC."""
+
+    grpc_code = "UNIMPLEMENTED"

@@ -8,7 +8,8 @@ a confused or hostile source cannot write outside the blocks the pull planned.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -20,6 +21,7 @@ from conduit_engine.kv_transfer.errors import (
     KvSourceUnavailableError,
     KvTransferError,
     KvTransferNotFoundError,
+    KvTransportUnavailableError,
 )
 from conduit_engine.kv_transfer.transport import KvBlockSink, KvPullResult, KvPullSpec, KvTransport
 
@@ -31,6 +33,7 @@ _ERRORS: dict[grpc.StatusCode, type[KvTransferError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: KvLayoutMismatchError,
     grpc.StatusCode.UNAVAILABLE: KvSourceUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: KvSourceUnavailableError,
+    grpc.StatusCode.UNIMPLEMENTED: KvTransportUnavailableError,
 }
 
 
@@ -61,21 +64,32 @@ class GrpcKvTransport(KvTransport):
     async def pull(
         self, spec: KvPullSpec, sink: KvBlockSink, metadata: Sequence[tuple[str, str]] = ()
     ) -> KvPullResult:
-        request = pb.PullKvRequest(
-            transfer_id=spec.transfer_id,
-            start_block=spec.start_block,
-            layout_fingerprint=spec.layout.fingerprint,
-        )
-        stub = pb_grpc.EngineStub(self._channel(spec.source_address))
-        call = stub.PullKv(request, timeout=self._timeout_s, metadata=self._dialer.metadata(*metadata))
-        next_block, num_bytes = spec.start_block, 0
-        try:
-            async for chunk in call:
-                _check_chunk(chunk, spec, next_block)
+        num_bytes = 0
+        async with contextlib.aclosing(self.stream(spec, pull_request(spec), metadata)) as chunks:
+            async for chunk in chunks:
+                check_chunk(chunk, spec, len(chunk.data))
                 if chunk.num_blocks:
                     await sink.write(chunk.first_block, chunk.num_blocks, chunk.data)
-                next_block += chunk.num_blocks
                 num_bytes += len(chunk.data)
+        return KvPullResult(num_blocks=spec.num_blocks, num_bytes=num_bytes)
+
+    async def stream(
+        self, spec: KvPullSpec, request: pb.PullKvRequest, metadata: Sequence[tuple[str, str]] = ()
+    ) -> AsyncIterator[pb.KvChunk]:
+        """The chunks of one PullKv call, each the next run of the pull (other transports' control path
+        too). Status codes become KvTransferErrors; the call is cancelled when the caller stops early;
+        KvTransferError when the stream ends before block total_blocks."""
+        stub = pb_grpc.EngineStub(self._channel(spec.source_address))
+        call = stub.PullKv(request, timeout=self._timeout_s, metadata=self._dialer.metadata(*metadata))
+        next_block = spec.start_block
+        try:
+            async for chunk in call:
+                if chunk.first_block != next_block:
+                    raise KvTransferError(
+                        f"{_where(spec)}: chunk starts at block {chunk.first_block}, expected {next_block}"
+                    )
+                next_block += chunk.num_blocks
+                yield chunk
         except grpc.aio.AioRpcError as exc:
             kind = _ERRORS.get(exc.code(), KvTransferError)
             raise kind(f"{_where(spec)}: {exc.code().name}: {exc.details()}") from None
@@ -85,7 +99,6 @@ class GrpcKvTransport(KvTransport):
             raise KvTransferError(
                 f"{_where(spec)}: the stream ended at block {next_block} of {spec.total_blocks}"
             )
-        return KvPullResult(num_blocks=spec.num_blocks, num_bytes=num_bytes)
 
     async def release(self, source_address: str, transfer_id: str) -> bool:
         stub = pb_grpc.EngineStub(self._channel(source_address))
@@ -111,24 +124,36 @@ class GrpcKvTransport(KvTransport):
         return channel
 
 
+def pull_request(
+    spec: KvPullSpec, transport: pb.KvTransportKind.ValueType = pb.KV_TRANSPORT_GRPC, **fields: str
+) -> pb.PullKvRequest:
+    """The PullKv request of `spec` over `transport` (with its fields: shm_segment, nixl_known_agent)."""
+    return pb.PullKvRequest(
+        transfer_id=spec.transfer_id,
+        start_block=spec.start_block,
+        layout_fingerprint=spec.layout.fingerprint,
+        transport=transport,
+        **fields,
+    )
+
+
 def _where(spec: KvPullSpec) -> str:
     return f"PullKv {spec.transfer_id} from {spec.source_address}"
 
 
-def _check_chunk(chunk: pb.KvChunk, spec: KvPullSpec, expected_first: int) -> None:
-    """Raise KvTransferError unless `chunk` is the next run of the pull, with a payload of its size."""
+def check_chunk(chunk: pb.KvChunk, spec: KvPullSpec, payload_bytes: int) -> None:
+    """Raise KvTransferError unless `chunk` (already the next run of the pull) stays inside the pull and
+    its payload (`payload_bytes`: in the message, or in a segment) has its size."""
     problem = None
     if chunk.total_blocks != spec.total_blocks:
         problem = f"the source has {chunk.total_blocks} blocks, the handle {spec.total_blocks}"
-    elif chunk.first_block != expected_first:
-        problem = f"chunk starts at block {chunk.first_block}, expected {expected_first}"
     elif chunk.first_block + chunk.num_blocks > spec.total_blocks:
         problem = f"chunk runs past block {spec.total_blocks}"
     elif chunk.num_blocks == 0 and chunk.first_block != spec.total_blocks:
         problem = f"an empty chunk at block {chunk.first_block}"
-    elif len(chunk.data) != chunk.num_blocks * spec.layout.block_bytes:
+    elif payload_bytes != chunk.num_blocks * spec.layout.block_bytes:
         problem = (
-            f"{chunk.num_blocks} blocks in {len(chunk.data)} bytes, expected {spec.layout.block_bytes} each"
+            f"{chunk.num_blocks} blocks in {payload_bytes} bytes, expected {spec.layout.block_bytes} each"
         )
     if problem is not None:
         raise KvTransferError(f"{_where(spec)}: {problem}")

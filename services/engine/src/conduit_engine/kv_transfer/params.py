@@ -10,6 +10,14 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class SourceTransports:
+    """How a source serves a transfer besides gRPC bytes (KvHandle.transports)."""
+
+    shm_host: str = ""  # its host and /dev/shm identity when it serves shared memory
+    nixl: bool = False  # whether it answers NIXL pulls
+
+
+@dataclass(frozen=True, slots=True)
 class KvHandleRef:
     """The parts of a KvHandle a decode engine uses: where the prompt's KV is, and its shape."""
 
@@ -17,6 +25,7 @@ class KvHandleRef:
     source_address: str  # HOST:PORT the source engine advertises
     num_tokens: int  # prompt tokens the transfer holds
     layout_fingerprint: str
+    transports: SourceTransports = SourceTransports()
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.errors import InvalidRequestError
 from conduit_engine.kv_transfer.layout import KvLayoutSpec
-from conduit_engine.kv_transfer.params import KvConsume, KvFirstToken, KvHandleRef
+from conduit_engine.kv_transfer.params import KvConsume, KvFirstToken, KvHandleRef, SourceTransports
 from conduit_engine.kv_transfer.registry import KvTransfer
 
 _HANDLE = "kv_transfer.consume.handle"
@@ -25,7 +25,12 @@ def layout_to_pb(layout: KvLayoutSpec) -> pb.KvLayout:
     )
 
 
-def handle_to_pb(transfer: KvTransfer, source_address: str, layout: KvLayoutSpec) -> pb.KvHandle:
+def handle_to_pb(
+    transfer: KvTransfer,
+    source_address: str,
+    layout: KvLayoutSpec,
+    transports: SourceTransports = SourceTransports(),
+) -> pb.KvHandle:
     """The KvHandle of a produced transfer (the final message of each KV_HANDOFF choice)."""
     return pb.KvHandle(
         transfer_id=transfer.transfer_id,
@@ -33,6 +38,7 @@ def handle_to_pb(transfer: KvTransfer, source_address: str, layout: KvLayoutSpec
         num_tokens=transfer.num_tokens,
         layout=layout_to_pb(layout),
         expires_unix_ms=transfer.expires_unix_ms,
+        transports=pb.KvSourceTransports(shm_host=transports.shm_host, nixl=transports.nixl),
     )
 
 
@@ -49,6 +55,7 @@ def handle_from_pb(handle: pb.KvHandle) -> KvHandleRef:
         source_address=handle.source_address,
         num_tokens=handle.num_tokens,
         layout_fingerprint=handle.layout.fingerprint,
+        transports=SourceTransports(handle.transports.shm_host, handle.transports.nixl),
     )
 
 

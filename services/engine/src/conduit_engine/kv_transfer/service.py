@@ -10,6 +10,12 @@ The registry belongs to the engine loop thread: every registry call goes through
 whose start lands after its RPC was cancelled is finished too, so no pull is left holding its blocks.
 Gathering runs in a worker thread: pinned blocks are not written (a worker-backed runner orders the
 gather with its steps itself).
+
+The request's `transport` picks how the blocks travel: KvChunk bytes (gRPC); the puller's shared-memory
+segment, each chunk gathered straight into it and sent without data (shm, same host); or, for NIXL, one
+chunk describing where the blocks lie in this engine's registered cache: the puller reads them itself and
+releases the transfer (ReleaseKv), so that pull leaves the transfer pending, its blocks pinned, until then
+or until the lease ends. A transport this engine does not serve answers UNIMPLEMENTED.
 Errors abort the call with their status code here (the same codes server.status_for gives them).
 """
 
@@ -17,22 +23,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 import grpc
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.errors import InvalidRequestError
 from conduit_engine.kv_transfer.cache_io import KvBlockStore
-from conduit_engine.kv_transfer.errors import KvLayoutMismatchError, KvTransferError
+from conduit_engine.kv_transfer.errors import (
+    KvLayoutMismatchError,
+    KvTransferError,
+    KvTransportUnavailableError,
+)
 from conduit_engine.kv_transfer.grpc_transport import DEFAULT_MAX_MESSAGE_BYTES
 from conduit_engine.kv_transfer.layout import KvLayoutSpec
 from conduit_engine.kv_transfer.registry import KvTransfer, KvTransferRegistry
+from conduit_engine.kv_transfer.shm_segment import ShmSegment
 
 RunOnEngine = Callable[[Callable[[], Any]], Awaitable[Any]]
 
+
+class NixlBlocksSource(Protocol):
+    """This engine's NIXL-registered KV cache, as a source (nixl_agent.NixlKvEndpoint)."""
+
+    def describe(self, block_ids: Sequence[int], known_agent: str) -> pb.KvNixlBlocks:
+        """Where cache blocks `block_ids` lie; the agent metadata too unless the puller knows
+        `known_agent` already and it is this agent."""
+        ...
+
+
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+# A shared-memory chunk's payload is in the segment, not the message: larger chunks, fewer messages
+# (still several per long prompt, so the puller scatters one while the source gathers the next).
+SHM_CHUNK_BYTES = 32 * 1024 * 1024
 _MESSAGE_OVERHEAD = 64  # KvChunk's fields besides the payload, rounded up
 
 
@@ -61,7 +85,12 @@ class KvTransferService:
         run_on_engine: RunOnEngine,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        serve_shm: bool = False,
+        nixl: NixlBlocksSource | None = None,
+        shm_chunk_bytes: int = SHM_CHUNK_BYTES,
     ) -> None:
+        """`serve_shm`: answer KV_TRANSPORT_SHM pulls (write into the puller's segment); `nixl`: this
+        engine's registered cache, to answer KV_TRANSPORT_NIXL pulls with its blocks' descriptors."""
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes: must be >= 1, got {chunk_bytes}")
         if layout.block_bytes + _MESSAGE_OVERHEAD > max_message_bytes:
@@ -73,8 +102,11 @@ class KvTransferService:
         self._layout = layout
         self._run = run_on_engine
         self._tasks: set[asyncio.Future[Any]] = set()  # engine calls that outlive a cancelled RPC
+        self._serve_shm = serve_shm
+        self._nixl = nixl
         limit = (max_message_bytes - _MESSAGE_OVERHEAD) // layout.block_bytes
         self.blocks_per_chunk = min(blocks_per_chunk(layout.block_bytes, chunk_bytes), limit)
+        self.blocks_per_shm_chunk = blocks_per_chunk(layout.block_bytes, shm_chunk_bytes)
 
     async def pull_kv(
         self, request: pb.PullKvRequest, context: grpc.aio.ServicerContext
@@ -111,13 +143,56 @@ class KvTransferService:
                 )
             if request.start_block == total:  # everything was a prefix-cache hit: say so, send nothing
                 yield pb.KvChunk(first_block=total, num_blocks=0, total_blocks=total)
-            for first in range(request.start_block, total, self.blocks_per_chunk):
-                ids = transfer.block_ids[first : first + self.blocks_per_chunk]
-                data = await asyncio.to_thread(self._store.gather_kv_blocks, ids)
-                yield pb.KvChunk(first_block=first, num_blocks=len(ids), total_blocks=total, data=data)
+            elif request.transport == pb.KV_TRANSPORT_NIXL:
+                # The puller reads the blocks itself and then releases the transfer (ReleaseKv): until
+                # then they stay pinned, as after a pull that broke off.
+                yield self._nixl_chunk(request, transfer)
+                return
+            elif request.transport == pb.KV_TRANSPORT_SHM:
+                async with contextlib.aclosing(self._shm_chunks(request, transfer)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+            else:
+                for first in range(request.start_block, total, self.blocks_per_chunk):
+                    ids = transfer.block_ids[first : first + self.blocks_per_chunk]
+                    data = await asyncio.to_thread(self._store.gather_kv_blocks, ids)
+                    yield pb.KvChunk(first_block=first, num_blocks=len(ids), total_blocks=total, data=data)
             completed = True
         finally:
             await asyncio.shield(self._spawn(lambda: self._registry.finish_pull(transfer_id, completed)))
+
+    async def _shm_chunks(self, request: pb.PullKvRequest, transfer: KvTransfer) -> AsyncIterator[pb.KvChunk]:
+        """Gather each chunk's blocks straight into the puller's segment; the chunks carry no data."""
+        if not self._serve_shm:
+            raise KvTransportUnavailableError("transport: this engine does not serve shared-memory pulls")
+        block_bytes, start, total = self._layout.block_bytes, request.start_block, transfer.num_blocks
+        try:
+            segment = ShmSegment.open(request.shm_segment, (total - start) * block_bytes)
+        except ValueError as exc:
+            raise InvalidRequestError("shm_segment", str(exc).removeprefix("shm_segment: ")) from None
+        except OSError as exc:  # not in this engine's /dev/shm: another host or container after all
+            raise KvTransportUnavailableError(
+                f"shm_segment: cannot open {request.shm_segment}: {exc}"
+            ) from None
+        try:
+            step = self.blocks_per_shm_chunk
+            for first in range(start, total, step):
+                ids = transfer.block_ids[first : first + step]
+                offset = (first - start) * block_bytes
+                out = segment.view[offset : offset + len(ids) * block_bytes]
+                await asyncio.to_thread(self._store.gather_kv_blocks_into, ids, out)
+                yield pb.KvChunk(first_block=first, num_blocks=len(ids), total_blocks=total)
+        finally:
+            segment.close()
+
+    def _nixl_chunk(self, request: pb.PullKvRequest, transfer: KvTransfer) -> pb.KvChunk:
+        if self._nixl is None:
+            raise KvTransportUnavailableError(
+                "transport: this engine does not serve NIXL pulls (no agent: --kv-transport nixl)"
+            )
+        start, total = request.start_block, transfer.num_blocks
+        blocks = self._nixl.describe(transfer.block_ids[start:], request.nixl_known_agent)
+        return pb.KvChunk(first_block=start, num_blocks=total - start, total_blocks=total, nixl=blocks)
 
     async def _start_pull(self, transfer_id: str) -> KvTransfer:
         started = self._spawn(lambda: self._registry.start_pull(transfer_id))

@@ -8,15 +8,15 @@ Failures are the errors of `kv_transfer.errors`: NOT_FOUND (unknown, released or
 (source down or silent), FAILED_PRECONDITION (layouts differ), anything else a plain KvTransferError.
 The caller treats every one of them the same way: it recomputes the prompt (see pull_plan.abandon_pull).
 
-`GrpcKvTransport` (grpc_transport.py) moves the bytes over the PullKv RPC. An RDMA or NIXL transport would
-be a second implementation of the same `pull`: instead of bytes, the puller registers its KV cache memory
-once and passes the destination block ids (the sink would gain a `destination_blocks()` method for
-that); the source answers a small control call with its block ids and memory descriptors instead of
-streaming data; the transport then issues one-sided reads of each (layer, K|V, block) region, which is
-contiguous in both caches, straight into the destination blocks, and tells the source the pull completed
-(the same `finish_pull` the PullKv handler calls after its last chunk). The spec, the sink's ordering
-guarantee, the errors and the registry's lifecycle stay as they are. `release` stays a small control call
-(ReleaseKv) in any transport.
+Three implementations (chosen per pull by `puller.KvPuller`, see `setup` for --kv-transport):
+`GrpcKvTransport` (grpc_transport.py) moves the bytes over the PullKv RPC; `ShmKvTransport`
+(shm_transport.py) has the source write them into a shared-memory segment the puller made (same host);
+`NixlKvTransport` (nixl_transport.py) reads them one-sided with NIXL straight into the puller's cache
+blocks (its sink is a `DirectKvBlockSink`, which names them) and then releases the transfer. The last
+two keep the PullKv call as their control path, so the spec, the sink's ordering guarantee, the errors,
+the security checks and the registry's lifecycle are the same; a transport that cannot be used for a
+pull raises KvTransportUnavailableError and the puller pulls over gRPC. `release` stays a small control
+call (ReleaseKv) in any transport.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from conduit_engine.kv_transfer.layout import KvLayoutSpec
+from conduit_engine.kv_transfer.params import SourceTransports
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,7 @@ class KvPullSpec:
     start_block: int  # first transfer block to fetch
     total_blocks: int  # blocks of the whole transfer
     layout: KvLayoutSpec
+    transports: SourceTransports = SourceTransports()  # what the source serves besides gRPC
 
     def __post_init__(self) -> None:
         if not 0 <= self.start_block <= self.total_blocks:
@@ -62,8 +64,20 @@ class KvPullResult:
 class KvBlockSink(Protocol):
     """Receives a pull's blocks: runs of consecutive transfer blocks, in order, each exactly once."""
 
-    async def write(self, first_block: int, num_blocks: int, data: bytes) -> None:
+    async def write(self, first_block: int, num_blocks: int, data: bytes | memoryview) -> None:
         """Store transfer blocks [first_block, first_block + num_blocks) from one payload."""
+        ...
+
+
+class DirectKvBlockSink(KvBlockSink, Protocol):
+    """A sink whose cache blocks a transport may write itself (NIXL reads straight into the cache)."""
+
+    def destination_blocks(self) -> list[int]:
+        """The cache block receiving each pulled block, from spec.start_block on."""
+        ...
+
+    def written_directly(self, num_blocks: int) -> None:
+        """The transport stored `num_blocks` more blocks into destination_blocks() itself."""
         ...
 
 

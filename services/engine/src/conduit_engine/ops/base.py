@@ -244,11 +244,15 @@ class Ops(ABC):
 
     @abstractmethod
     def gather_kv_blocks(
-        self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.Tensor
+        self,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        block_ids: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Copy cache blocks `block_ids` [n] (int64, any order) of every layer's K and V into a new
         contiguous buffer [num_layers, 2, n, block_size, num_kv_heads, head_dim] on the caches' device;
-        transfer block j is cache block block_ids[j]."""
+        transfer block j is cache block block_ids[j]. `out`: a contiguous tensor of that shape and dtype
+        (on the caches' device or the host, e.g. a shared-memory segment) to write instead; returned."""
 
     @abstractmethod
     def scatter_kv_blocks(
@@ -307,6 +311,13 @@ def check_kv_block_args(
         _require(buffer.is_contiguous(), "buffer: must be contiguous")
         _require(torch.unique(block_ids).numel() == num, "block_ids: must be distinct for a scatter")
     return shape
+
+
+def check_gather_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Validate gather_kv_blocks' `out` for a buffer of `shape` and `dtype`."""
+    _require(tuple(out.shape) == shape, f"out: expected shape {shape}, got {tuple(out.shape)}")
+    _require(out.dtype == dtype, f"out: dtype {out.dtype} differs from the cache's {dtype}")
+    _require(out.is_contiguous(), "out: must be contiguous")
 
 
 def _require(condition: bool, message: str) -> None:

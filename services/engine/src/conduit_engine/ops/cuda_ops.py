@@ -32,7 +32,13 @@ from conduit_engine.ops.attention_geometry import (
     prefill_mma_shared_bytes,
     prefill_shared_bytes,
 )
-from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext, check_kv_block_args
+from conduit_engine.ops.base import (
+    AttentionMetadata,
+    Ops,
+    StepContext,
+    check_gather_out,
+    check_kv_block_args,
+)
 from conduit_engine.ops.cuda_checks import check, pack_elems
 from conduit_engine.ops.kernel_loader import KernelArg, KernelLauncher, KernelRef
 
@@ -630,11 +636,22 @@ class CudaOps(Ops):
     # ---- KV transfer (prefill/decode disaggregation) ---------------------------------------------------
 
     def gather_kv_blocks(
-        self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.Tensor
+        self,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        block_ids: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         shape = check_kv_block_args(kv_caches, block_ids)
-        buffer = torch.empty(shape, dtype=kv_caches[0][0].dtype, device=block_ids.device)
+        dtype = kv_caches[0][0].dtype
+        if out is not None:
+            check_gather_out(out, shape, dtype)
+        same_device = out is not None and out.device == block_ids.device
+        buffer = out if same_device else torch.empty(shape, dtype=dtype, device=block_ids.device)
+        assert buffer is not None
         self._copy_kv_blocks(kl.gather_kv_blocks_kernel, buffer, kv_caches, block_ids)
+        if out is not None and not same_device:
+            out.copy_(buffer)  # device → host (a shared-memory segment): one copy over the bus
+            return out
         return buffer
 
     def scatter_kv_blocks(

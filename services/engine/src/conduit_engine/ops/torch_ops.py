@@ -7,7 +7,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext, check_kv_block_args
+from conduit_engine.ops.base import (
+    AttentionMetadata,
+    Ops,
+    StepContext,
+    check_gather_out,
+    check_kv_block_args,
+)
 
 
 class TorchOps(Ops):
@@ -145,13 +151,24 @@ class TorchOps(Ops):
         logits.index_copy_(0, rows, selected)
 
     def gather_kv_blocks(
-        self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.Tensor
+        self,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        block_ids: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         shape = check_kv_block_args(kv_caches, block_ids)
-        buffer = torch.empty(shape, dtype=kv_caches[0][0].dtype, device=block_ids.device)
+        dtype = kv_caches[0][0].dtype
+        if out is not None:
+            check_gather_out(out, shape, dtype)
+        same_device = out is not None and out.device == block_ids.device
+        buffer = out if same_device else torch.empty(shape, dtype=dtype, device=block_ids.device)
+        assert buffer is not None
         for layer, pair in enumerate(kv_caches):
             for kv, cache in enumerate(pair):
                 torch.index_select(cache, 0, block_ids, out=buffer[layer, kv])
+        if out is not None and not same_device:
+            out.copy_(buffer)
+            return out
         return buffer
 
     def scatter_kv_blocks(

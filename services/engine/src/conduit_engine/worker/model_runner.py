@@ -148,6 +148,14 @@ class ModelRunner:
         ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
         return self.model.ops.gather_kv_blocks(self.kv_caches, ids)
 
+    def gather_kv_blocks_into(self, block_ids: Sequence[int], out: memoryview) -> None:
+        """gather_kv_blocks written straight into host memory `out` (a shared-memory segment's slice)."""
+        first = self.kv_caches[0][0]
+        shape = (len(self.kv_caches), 2, len(block_ids), *first.shape[1:])
+        target = torch.frombuffer(out, dtype=first.dtype).view(shape)
+        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        self.model.ops.gather_kv_blocks(self.kv_caches, ids, out=target)
+
     def scatter_kv_blocks(self, block_ids: Sequence[int], buffer: torch.Tensor) -> None:
         """Write `buffer` (gather_kv_blocks' layout, this rank's heads) into cache blocks `block_ids`."""
         ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)

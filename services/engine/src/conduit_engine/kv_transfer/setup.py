@@ -1,0 +1,70 @@
+"""Which KV transports this engine serves and pulls with (--kv-transport), decided once at start.
+
+- grpc: KvChunk bytes only.
+- shm: also shared memory with engines on this host (the same boot id and /dev/shm mount); pulls from
+  other hosts stay gRPC.
+- nixl: also NIXL one-sided reads, when the NIXL wheel imports and its UCX backend starts, and the KV
+  cache lives in the engine process (not with tensor parallelism's worker processes yet).
+
+Whatever cannot be set up is logged once as a warning naming the reason, and the engine runs with gRPC.
+gRPC is every pull's fallback: a source that does not serve the transport asked for, or a segment or
+agent that cannot be used, makes the puller pull that transfer over gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from conduit_engine.kv_transfer.params import SourceTransports
+from conduit_engine.kv_transfer.shm_segment import shm_host_id
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KvTransports:
+    """What an engine offers in its handles, and its NIXL agent (None unless nixl is up)."""
+
+    kind: str  # the transport in use: grpc, shm or nixl (after any fallback)
+    offered: SourceTransports
+    nixl: Any = None  # NixlKvEndpoint
+
+    def describe(self) -> str:
+        if self.kind == "shm":
+            return f"shared memory with engines on this host ({self.offered.shm_host}), gRPC otherwise"
+        if self.kind == "nixl":
+            return f"NIXL agent {self.nixl.name} over UCX ({self.nixl.memory}), gRPC otherwise"
+        return "gRPC"
+
+
+def start_transports(kind: str, executor: object, timeout_s: float) -> KvTransports:
+    """Set up `kind` over `executor`'s KV cache; falls back to gRPC (logged) when it cannot."""
+    if kind == "shm":
+        host = shm_host_id()
+        if host is not None:
+            return _started(KvTransports("shm", SourceTransports(shm_host=host)))
+        return _fallback(kind, "no /dev/shm or no boot id on this host")
+    if kind == "nixl":
+        caches = getattr(executor, "kv_caches", None)
+        if caches is None:
+            return _fallback(kind, "the KV cache lives in worker processes (tensor parallelism)")
+        try:
+            from conduit_engine.kv_transfer.nixl_agent import NixlKvEndpoint
+
+            endpoint = NixlKvEndpoint(caches, timeout_s)
+        except Exception as exc:  # ImportError, a backend that does not start, a registration refused
+            return _fallback(kind, f"NIXL cannot start here: {exc}")
+        return _started(KvTransports("nixl", SourceTransports(nixl=True), endpoint))
+    return KvTransports("grpc", SourceTransports())
+
+
+def _started(transports: KvTransports) -> KvTransports:
+    log.info("KV transport: %s", transports.describe())
+    return transports
+
+
+def _fallback(kind: str, why: str) -> KvTransports:
+    log.warning("--kv-transport %s: %s; KV transfers use gRPC", kind, why)
+    return KvTransports("grpc", SourceTransports())
