@@ -2,6 +2,7 @@
 // per token to int8, multiplied by the int8 weight on the tensor cores (mma.sync m16n8k32 s8, int32
 // accumulation: kernels/mma.cuh), and scaled back: out[m, n] = float(acc) * (x_scale[m] * w_scale[n]) + bias[n].
 //
+// Layout: x, q and out row-major, w as nn.Linear's [N, K] rows (below per kernel).
 // quantize_rows_int8_kernel<T>: x [M, K] (row stride x_stride) -> q [M, ldq] int8 (zeros past K), scales [M];
 //   scale = max|x| / 127, q = rint(x * (127 / max|x|)) clamped to ±127 (round half to even, IEEE division:
 //   the reference's float32 arithmetic, bit for bit). Grid: (M). Block: any multiple of 32 (256).
