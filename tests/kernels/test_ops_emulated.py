@@ -16,6 +16,7 @@ from kernel_emulator import REVERSE, SHUFFLED, EmulatedLauncher
 
 from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext
 from conduit_engine.ops.cuda_ops import CudaOps
+from conduit_engine.ops.kv_quant import cache_layout, is_quantized, quantize
 from conduit_engine.ops.torch_ops import TorchOps
 
 pytestmark = pytest.mark.kernels
@@ -185,7 +186,18 @@ def test_fused_rotary_and_kv_write_matches_the_two_reference_ops(launcher, dtype
 class PagedBatch:
     """Random paged KV caches holding `seq_lens` tokens per sequence, plus the step's metadata."""
 
-    def __init__(self, gen, seq_lens, query_lens, block_size, kv_heads, head_dim, dtype, spare_blocks=3):
+    def __init__(
+        self,
+        gen,
+        seq_lens,
+        query_lens,
+        block_size,
+        kv_heads,
+        head_dim,
+        dtype,
+        spare_blocks=3,
+        kv_cache_dtype="auto",
+    ):
         blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
         num_blocks = sum(blocks_per_seq) + spare_blocks
         perm = torch.randperm(num_blocks, generator=gen)
@@ -198,6 +210,9 @@ class PagedBatch:
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.k_cache = _rand(gen, *shape, dtype=dtype)
         self.v_cache = _rand(gen, *shape, dtype=dtype)
+        if kv_cache_dtype != "auto":  # the same values as codes and scales (ops/kv_quant.py)
+            element, _ = cache_layout(kv_cache_dtype, dtype, head_dim)
+            self.k_cache, self.v_cache = quantize(self.k_cache, element), quantize(self.v_cache, element)
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
@@ -227,8 +242,11 @@ class PagedBatch:
             for b in meta.block_tables[i, : -(-n // bs)].tolist()
         }
         poison = min(set(range(self.k_cache.shape[0])) - used)
-        self.k_cache[poison] = float("nan")
-        self.v_cache[poison] = float("nan")
+        for cache in (self.k_cache, self.v_cache):
+            if is_quantized(cache):  # all bytes 0xFF: a NaN scale (and a NaN fp8 code)
+                cache.view(torch.uint8)[poison] = 0xFF
+            else:
+                cache[poison] = float("nan")
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
             lowest_visible = max(0, seq_len - q_len - window + 1)
             for block in range(lowest_visible // bs):  # blocks ending before the lowest visible key
@@ -248,10 +266,14 @@ def _check_attention(
     sliding_window=None,
     logit_softcap=None,
     tol=None,
+    kv_cache_dtype="auto",
 ):
-    """`ops.attention` against TorchOps' on random paged caches (also run by test_cpu_ops on CpuOps)."""
+    """`ops.attention` against TorchOps' on random paged caches (also run by test_cpu_ops on CpuOps),
+    in the compute dtype or quantized (`kv_cache_dtype`)."""
     gen = torch.Generator().manual_seed(seed)
-    batch = PagedBatch(gen, seq_lens, query_lens, block_size, kv_heads, head_dim, dtype)
+    batch = PagedBatch(
+        gen, seq_lens, query_lens, block_size, kv_heads, head_dim, dtype, kv_cache_dtype=kv_cache_dtype
+    )
     batch.poison_outside_window(sliding_window)
     q = _rand(gen, sum(query_lens), heads, head_dim, dtype=dtype, scale=2.0 if logit_softcap else 1.0)
     scale = head_dim**-0.5

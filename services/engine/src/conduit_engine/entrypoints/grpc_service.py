@@ -295,6 +295,9 @@ class EngineServicer(pb_grpc.EngineServicer):
             kv_layout=layout_to_pb(core.kv_layout),
             advertise_address=self.advertise_address,
             max_prompt_bytes=core.prompt_bound.max_bytes,
+            kv_cache_dtype=core.kv_layout.dtype,
+            kv_cache_tokens=core.num_blocks * core.block_size,
+            kv_block_bytes=core.kv_layout.block_bytes,
         )
 
     async def GetLoad(

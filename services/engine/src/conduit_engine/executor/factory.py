@@ -48,5 +48,6 @@ def _in_process(config: EngineConfig, facts: ModelFacts) -> tuple[Executor, int]
         max_num_seqs=config.scheduler.max_num_seqs,
         max_model_len=facts.max_model_len,
         use_cuda_graphs=not config.enforce_eager,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
     )
     return executor, num_blocks

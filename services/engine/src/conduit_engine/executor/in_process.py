@@ -36,6 +36,7 @@ class InProcessExecutor:
         max_num_seqs: int = 64,
         max_model_len: int = 2048,
         use_cuda_graphs: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.config = config
@@ -50,6 +51,7 @@ class InProcessExecutor:
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             use_cuda_graphs=use_cuda_graphs,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self._masks = SequenceMasks(config.vocab_size, device)
 

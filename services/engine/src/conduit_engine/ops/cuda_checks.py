@@ -86,6 +86,11 @@ def check_cos_sin(cos_sin_cache: torch.Tensor, head_dim: int | None = None) -> N
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     check(
+        k_cache.element_size() > 1,
+        f"--kv-cache-dtype: the CUDA kernels read caches of the compute dtype only, not {k_cache.dtype} "
+        "(use --kv-cache-dtype auto on --device cuda)",
+    )
+    check(
         k_cache.dim() == 4,
         f"k_cache: expected [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}",
     )
