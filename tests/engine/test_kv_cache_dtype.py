@@ -19,7 +19,7 @@ from conduit_engine.config import (
     ServerConfig,
     TelemetryConfig,
 )
-from conduit_engine.entrypoints.cli import build_parser, config_from_args
+from conduit_engine.entrypoints.cli import build_parser, config_from_args, main
 from conduit_engine.kv_transfer.errors import KvLayoutMismatchError
 from conduit_engine.models.architectures import read_arch_config
 from conduit_engine.worker.kv_cache import host_kv_budget, kv_block_bytes, size_kv_cache
@@ -45,8 +45,6 @@ def test_an_unknown_kv_cache_dtype_is_a_cli_error_naming_the_flag(capsys):
     args = build_parser({}).parse_args(["--model", "m", "--kv-cache-dtype", "int4"])
     with pytest.raises(ValueError, match=r"--kv-cache-dtype must be one of auto, int8, fp8, got 'int4'"):
         config_from_args(args)
-    from conduit_engine.entrypoints.cli import main
-
     with pytest.raises(SystemExit) as exit_info:
         main(["--model", "m", "--kv-cache-dtype", "fp16"])
     assert exit_info.value.code == 2
