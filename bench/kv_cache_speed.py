@@ -3,9 +3,10 @@
 `--batch` sequences of `--context` prompt tokens each, then `--tokens` greedy tokens; the time counted is
 from every sequence's first token to the last one (decode only). Configurations alternate for `--rounds`
 rounds so that load on a shared machine falls on all of them alike; the best round of each is printed,
-with its ratio to auto.
+with its ratio to auto. `--op` times the decode attention op alone instead (the CPU kernels over
+one layer's cache of the same shape, 12 heads of 64, the median of many calls, interleaved).
 
-    .venv/bin/python -m bench.kv_cache_speed [--context 1900] [--batch 1 4] [--tokens 64]
+    .venv/bin/python -m bench.kv_cache_speed [--context 1900] [--batch 1 4] [--tokens 64] [--op]
 """
 
 from __future__ import annotations
@@ -40,6 +41,51 @@ def decode_rate(engine: LLMEngine, batch: int, context: int, tokens: int, round_
     return sum(n for _, n in counted) / (counted[-1][0] - start)
 
 
+def op_rows(context: int, batches: list[int], repeats: int = 30) -> None:
+    """Median time of one decode attention call per KV dtype, calls interleaved."""
+    import statistics
+
+    import torch
+
+    from conduit_engine.ops import cpu_kernels
+    from conduit_engine.ops.base import AttentionMetadata
+    from conduit_engine.ops.cpu_ops import CpuOps
+    from conduit_engine.ops.kv_quant import cache_layout, quantize
+
+    ops = CpuOps(cpu_kernels.supported_isas()[0])
+    heads, head_dim, block = 12, 64, 16
+    print(f"decode attention op ({ops.isa}), 12 heads x 64, context {context}, median of {repeats} calls")
+    print("| batch | KV cache | ms per call | vs auto |")
+    print("|---|---|---|---|")
+    for batch in batches:
+        blocks = -(-context // block)
+        values = torch.randn(batch * blocks, block, heads, head_dim)
+        caches = {}
+        for kv in KV_DTYPES:
+            dtype, _ = cache_layout(kv, torch.float32, head_dim)
+            caches[kv] = values if kv == "auto" else quantize(values, dtype)
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(batch, dtype=torch.int64),
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+            seq_lens=torch.full((batch,), context, dtype=torch.int32),
+            block_tables=torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks),
+            query_lens_cpu=(1,) * batch,
+            seq_lens_cpu=(context,) * batch,
+            block_size=block,
+        )
+        q = torch.randn(batch, heads, head_dim)
+        step = ops.begin_step(torch.zeros(batch, dtype=torch.int64), meta, torch.zeros(1, 2))
+        times: dict[str, list[float]] = {kv: [] for kv in KV_DTYPES}
+        for _ in range(repeats):
+            for kv, cache in caches.items():
+                started = time.perf_counter()
+                ops.attention(q, cache, cache, step, head_dim**-0.5)
+                times[kv].append(time.perf_counter() - started)
+        median = {kv: statistics.median(t) for kv, t in times.items()}
+        for kv in KV_DTYPES:
+            print(f"| {batch} | {kv} | {1e3 * median[kv]:.3f} | {median['auto'] / median[kv]:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=1900)
@@ -47,7 +93,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cpu-kernels", default="auto")
+    parser.add_argument("--op", action="store_true", help="time the decode attention op alone")
     args = parser.parse_args()
+    if args.op:
+        op_rows(args.context, args.batch)
+        return
     folder = random_llama_110m()
     blocks = max(args.batch) * ((args.context + args.tokens) // 16 + 2)
     engines = {
