@@ -165,3 +165,18 @@ def test_model_info_and_metrics_show_the_kv_dtype_and_capacity(stories_path):
         assert metrics.value("vllm:cache_config_info", cache_dtype="fp8") == 1
     finally:
         thread.stop()
+
+
+def test_tensor_parallel_workers_shard_the_quantized_cache_by_heads(stories_path):
+    """Two worker processes, each holding two of the four KV heads (codes and scales): the tokens of one
+    in-process engine on the same KV dtype."""
+    prompts = {"a": [1, *range(40, 70)], "b": [1, 403, 407, 261, 378]}
+    single = generate(make_engine(stories_path, kv_cache_dtype="int8"), prompts, greedy(24, ignore_eos=True))
+    engine = make_engine(stories_path, kv_cache_dtype="int8", tensor_parallel_size=2)
+    try:
+        sharded = generate(engine, prompts, greedy(24, ignore_eos=True))
+        assert engine.kv_layout.dtype == "int8"
+    finally:
+        engine.shutdown()
+    for rid in prompts:
+        assert sharded[rid].token_ids == single[rid].token_ids, rid
