@@ -28,9 +28,12 @@
 // exit at once (uncounted), so the grid may be sized for the longest possible context (what CUDA graph
 // capture needs).
 // Dynamic shared memory: decode_shared_bytes() in services/engine/src/conduit_engine/ops/attention_geometry.py.
+// Quantized caches (KV = kKvInt8 or kKvFp8, kv_quant.cuh): k_cache/v_cache are then the bytes
+// [num_blocks, block_size, num_kv_heads, head_dim + 2] (parameters of type kv_elem_t: bytes); a lane
+// reads its chunks' codes byte by byte and multiplies by the row's scale. Everything else is unchanged.
 // Limits: block_size a power of two (passed as log2), head_dim a multiple of 16 / sizeof(T) and at most
 // 32 * CHUNKS * 16 / sizeof(T), slots (block * block_size + offset) < 2^31.
-#include "common.cuh"
+#include "kv_quant.cuh"
 
 namespace conduit {
 constexpr int kDecodeGroupChunk = 8;  // GROUP x CHUNKS at most: query heads per pass over the KV (registers)
@@ -44,13 +47,15 @@ __device__ __forceinline__ void merge_scale(float m1, float m2, float& a1, float
 }
 }  // namespace conduit
 
-template <typename T, int CHUNKS, int GROUP>
+template <typename T, int CHUNKS, int GROUP, int KV = conduit::kKvPlain>
 __global__ void paged_decode_attention_kernel(T* __restrict__ out, long long out_token_stride,
                                               float* __restrict__ partial_out, float* __restrict__ partial_max,
                                               float* __restrict__ partial_sum, int* __restrict__ split_counters,
                                               const T* __restrict__ q,
-                                              long long q_token_stride, const T* __restrict__ k_cache,
-                                              const T* __restrict__ v_cache, const int* __restrict__ block_tables,
+                                              long long q_token_stride,
+                                              const conduit::kv_elem_t<T, KV>* __restrict__ k_cache,
+                                              const conduit::kv_elem_t<T, KV>* __restrict__ v_cache,
+                                              const int* __restrict__ block_tables,
                                               int block_table_stride, const int* __restrict__ seq_lens,
                                               int num_kv_heads, int head_dim, int group_size, int log2_block_size,
                                               float scale, int partition_size, int sliding_window,
@@ -121,10 +126,25 @@ __global__ void paged_decode_attention_kernel(T* __restrict__ out, long long out
       const bool valid = t < end;
       float kf[E];
       float vf[E];
-      if (valid) {
+      if (valid && KV != kKvPlain) {
         const int slot = (table[t >> log2_block_size] << log2_block_size) | (t & block_mask);
-        const T* k_row = k_cache + slot * row_stride + kv_head * D;
-        const T* v_row = v_cache + slot * row_stride + kv_head * D;
+        const unsigned char* k_row = kv_row(k_cache, slot, num_kv_heads, kv_head, D);
+        const unsigned char* v_row = kv_row(v_cache, slot, num_kv_heads, kv_head, D);
+        const float k_scale = kv_row_scale(k_row, D);
+        const float v_scale = kv_row_scale(v_row, D);
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+          const int chunk = li + c * lanes;
+#pragma unroll
+          for (int i = 0; i < V; ++i) {
+            kf[c * V + i] = chunk < row_chunks ? kv_decode<KV>(k_row[chunk * V + i]) * k_scale : 0.0f;
+            vf[c * V + i] = chunk < row_chunks ? kv_decode<KV>(v_row[chunk * V + i]) * v_scale : 0.0f;
+          }
+        }
+      } else if (valid) {
+        const int slot = (table[t >> log2_block_size] << log2_block_size) | (t & block_mask);
+        const T* k_row = reinterpret_cast<const T*>(k_cache) + slot * row_stride + kv_head * D;
+        const T* v_row = reinterpret_cast<const T*>(v_cache) + slot * row_stride + kv_head * D;
 #pragma unroll
         for (int c = 0; c < CHUNKS; ++c) {
           const int chunk = li + c * lanes;

@@ -13,12 +13,15 @@
 // a lane owns head_dim / 8 output dimensions. Keys are processed in tiles of prefill_tile_keys(HEAD_DIM)
 // staged in shared memory as float32. Dynamic shared memory: prefill_shared_bytes() in ops/attention_geometry.py.
 // Limits: HEAD_DIM a multiple of 8 (template parameter), block_size a power of two (passed as log2).
+// Quantized caches (KV = kKvInt8 or kKvFp8, kv_quant.cuh; the float32 kernel only): k_cache/v_cache are
+// the bytes [num_blocks, block_size, num_kv_heads, HEAD_DIM + 2] (parameters of type kv_elem_t),
+// dequantized (code * the row's scale) as the tile is staged in shared memory.
 //
 // Two kernels take these arguments. paged_prefill_attention_mma_kernel (below) computes Q K^T and P V on
 // tensor cores (f16 and bf16, HEAD_DIM a multiple of 16, sm_80+): the launcher picks it whenever it
 // applies. paged_prefill_attention_kernel is the float32 one for the other cases (float32 models, head
 // sizes such as stories260K's 8).
-#include "common.cuh"
+#include "kv_quant.cuh"
 #include "mma.cuh"
 
 namespace conduit {
@@ -36,11 +39,12 @@ struct PrefillTile {
 };
 }  // namespace conduit
 
-template <typename T, int HEAD_DIM>
+template <typename T, int HEAD_DIM, int KV = conduit::kKvPlain>
 __global__ void __launch_bounds__(128)
     paged_prefill_attention_kernel(T* __restrict__ out, long long out_token_stride, const T* __restrict__ q,
-                                   long long q_token_stride, const T* __restrict__ k_cache,
-                                   const T* __restrict__ v_cache, const int* __restrict__ block_tables,
+                                   long long q_token_stride, const conduit::kv_elem_t<T, KV>* __restrict__ k_cache,
+                                   const conduit::kv_elem_t<T, KV>* __restrict__ v_cache,
+                                   const int* __restrict__ block_tables,
                                    int block_table_stride, const int* __restrict__ seq_lens,
                                    const int* __restrict__ query_start_loc, int num_kv_heads, int group_size,
                                    int log2_block_size, float scale, int sliding_window, float logit_softcap,
@@ -101,9 +105,17 @@ __global__ void __launch_bounds__(128)
       const int d = e - j * HEAD_DIM;
       const int t = kv0 + j;
       const long long slot = (static_cast<long long>(table[t >> log2_block_size]) << log2_block_size) | (t & block_mask);
-      const long long off = slot * row_stride + kv_head * HEAD_DIM + d;
-      k_s[j * KS + d] = to_float(k_cache[off]);
-      v_s[j * HEAD_DIM + d] = to_float(v_cache[off]);
+      if (KV != kKvPlain) {  // K and V rows sit at the same byte offset of their caches
+        const long long at = (slot * num_kv_heads + kv_head) * (HEAD_DIM + kKvScaleBytes);
+        const unsigned char* k_bytes = reinterpret_cast<const unsigned char*>(k_cache) + at;
+        const unsigned char* v_bytes = reinterpret_cast<const unsigned char*>(v_cache) + at;
+        k_s[j * KS + d] = kv_decode<KV>(k_bytes[d]) * kv_row_scale(k_bytes, HEAD_DIM);
+        v_s[j * HEAD_DIM + d] = kv_decode<KV>(v_bytes[d]) * kv_row_scale(v_bytes, HEAD_DIM);
+      } else {
+        const long long off = slot * row_stride + kv_head * HEAD_DIM + d;
+        k_s[j * KS + d] = to_float(reinterpret_cast<const T*>(k_cache)[off]);
+        v_s[j * HEAD_DIM + d] = to_float(reinterpret_cast<const T*>(v_cache)[off]);
+      }
     }
     __syncthreads();
 

@@ -5,6 +5,9 @@
 // Layout: every tensor is row-major; a "row stride" (ld*) is counted in elements. Weights of a linear
 // layer are [N, K] (nn.Linear's layout, used as it is: no prepacking is needed for dot-product tiles).
 // The paged KV cache of one layer is [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+// A quantized cache (--kv-cache-dtype int8 | fp8) is [num_blocks, block_size, num_kv_heads, head_dim + 2]
+// bytes: each (token, kv head) row is head_dim codes (int8, or fp8 e4m3fn), then its scale as a bf16
+// (ops/kv_quant.py is the reference: scale = bf16(amax / QMAX), code = round(x / scale), value = code * scale).
 // Limits: sizes fit int64; head_dim <= 512; attention scratch is num_keys floats per query head.
 #pragma once
 
@@ -40,12 +43,67 @@ inline bf16 float_to_bf16(float f) {
 
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) { return bf16_to_float(x); }
+// fp8 e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities) in software. Decoding
+// shifts the exponent and mantissa into a float's and rescales by 2^(127 - 7), which also gives the
+// subnormals exactly; the NaN codes (0x7F, 0xFF) are never written (codes are clamped to +-448).
+inline float fp8_e4m3_to_float(uint8_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x & 0x7Fu) << 20;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  f *= 0x1p120f;
+  return (x & 0x80u) ? -f : f;
+}
+
+// Round to nearest even, as torch (c10::Float8_e4m3fn) converts; |f| >= 480 becomes NaN, as there.
+inline uint8_t float_to_fp8_e4m3(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint8_t result;
+  if (bits >= (1087u << 20)) {
+    result = 0x7F;
+  } else if (bits < (121u << 23)) {  // below the smallest normal: add 2^-6 * 2^... (denorm trick)
+    constexpr uint32_t denorm_mask = 141u << 23;
+    float magnitude, denorm;
+    std::memcpy(&magnitude, &bits, 4);
+    std::memcpy(&denorm, &denorm_mask, 4);
+    magnitude += denorm;
+    std::memcpy(&bits, &magnitude, 4);
+    result = static_cast<uint8_t>(bits - denorm_mask);
+  } else {
+    const uint32_t mant_odd = (bits >> 20) & 1u;
+    bits += (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + mant_odd;
+    result = static_cast<uint8_t>(bits >> 20);
+  }
+  return static_cast<uint8_t>(result | (sign >> 24));
+}
+
+// Formats of a KV cache's elements (WriteKvArgs.format).
+enum KvFormat : int32_t { kKvPlain = 0, kKvInt8 = 1, kKvFp8 = 2 };
+constexpr int64_t kKvScaleBytes = 2;
+
 template <class T>
 inline T from_float(float x);
 template <>
 inline float from_float<float>(float x) { return x; }
 template <>
 inline bf16 from_float<bf16>(float x) { return float_to_bf16(x); }
+
+// One head's row x [D] as codes and scale (the layout above): dst [D + kKvScaleBytes].
+template <class T>
+inline void quantize_kv_row(const T* x, int64_t D, int32_t format, uint8_t* dst) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_float(x[d])));
+  const float qmax = format == kKvInt8 ? 127.0f : 448.0f;
+  const bf16 scale_bits = float_to_bf16(amax / qmax);
+  const float scale = bf16_to_float(scale_bits);
+  for (int64_t d = 0; d < D; ++d) {
+    const float y = scale > 0.0f ? std::min(std::max(to_float(x[d]) / scale, -qmax), qmax) : 0.0f;
+    dst[d] = format == kKvInt8 ? static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(y))) : float_to_fp8_e4m3(y);
+  }
+  std::memcpy(dst + D, &scale_bits.bits, kKvScaleBytes);
+}
 
 // out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), for the output columns n in [n_begin, n_end).
 struct LinearArgs {
@@ -134,6 +192,8 @@ struct WriteKvArgs {
   void* v_cache;
   const int64_t* slots;
   int64_t row;  // Hk * D: one token's values
+  int64_t head_dim;
+  int32_t format;  // KvFormat: quantized caches take rows of head_dim + kKvScaleBytes bytes per head
 };
 
 // One unit of attention work: queries [query_begin, query_end) of sequence `seq` (indices within its
@@ -181,6 +241,9 @@ struct TypedKernels {
   WriteKvFn write_kv;
   AttentionFn attention;
   Int8LinearFn int8_linear;  // output (and bias) in this dtype
+  WriteKvFn write_kv_quant;  // into an int8 or fp8 cache (WriteKvArgs.format)
+  AttentionFn attention_int8;  // over an int8 cache (q and out in this dtype)
+  AttentionFn attention_fp8;  // over an fp8 e4m3 cache
 };
 
 // Everything one instruction set offers; `linear_rows` is the output-column granularity of `linear`

@@ -363,7 +363,66 @@ static void write_kv(const WriteKvArgs& a, int64_t t0, int64_t t1) {
   }
 }
 
+// Quantizing writes (common.h's layout): every head's row of k and v as codes and its scale. Scalar:
+// one token's rows per layer and step, against the attention that reads the whole context.
+template <class T>
+static void write_kv_quant(const WriteKvArgs& a, int64_t t0, int64_t t1) {
+  const int64_t D = a.head_dim, heads = a.row / D, head_bytes = D + kKvScaleBytes;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t slot = a.slots[t];
+    if (slot < 0) continue;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t at = (slot * heads + h) * head_bytes;
+      quantize_kv_row(static_cast<const T*>(a.k) + t * a.ldk + h * D, D, a.format, static_cast<uint8_t*>(a.k_cache) + at);
+      quantize_kv_row(static_cast<const T*>(a.v) + t * a.ldv + h * D, D, a.format, static_cast<uint8_t*>(a.v_cache) + at);
+    }
+  }
+}
+
 // ---- paged attention -------------------------------------------------------------------------------
+
+// How attention reads one layer's cache: `heads(slot, h0, n, scratch)` gives kv heads [h0, h0 + n) of a
+// slot as n rows of D elements back to back; `address` is where they start (for prefetching).
+template <class T>
+struct PlainCache {  // values of the compute dtype, read in place
+  using E = T;
+  const T* base;
+  int64_t slot_row, D;
+  PlainCache(const void* cache, const AttentionArgs& a)
+      : base(static_cast<const T*>(cache)), slot_row(a.num_kv_heads * a.head_dim), D(a.head_dim) {}
+  const T* heads(int64_t slot, int64_t h0, int64_t, float*) const { return base + slot * slot_row + h0 * D; }
+  const void* address(int64_t slot, int64_t h0) const { return base + slot * slot_row + h0 * D; }
+};
+
+struct Int8Codes {
+  static R load(const uint8_t* p, int n) { return n == W ? Vec::load_i8(p) : Vec::load_i8_n(p, n); }
+};
+struct Fp8Codes {
+  static R load(const uint8_t* p, int n) { return n == W ? Vec::load_e4m3(p) : Vec::load_e4m3_n(p, n); }
+};
+
+template <class Codes>
+struct QuantCache {  // codes and a scale per row, dequantized into float scratch as they are read
+  using E = float;
+  const uint8_t* base;
+  int64_t slot_row, D;  // bytes of one slot's heads; head_dim
+  QuantCache(const void* cache, const AttentionArgs& a)
+      : base(static_cast<const uint8_t*>(cache)),
+        slot_row(a.num_kv_heads * (a.head_dim + kKvScaleBytes)),
+        D(a.head_dim) {}
+  const float* heads(int64_t slot, int64_t h0, int64_t n, float* scratch) const {
+    for (int64_t h = 0; h < n; ++h) {
+      const uint8_t* row = base + slot * slot_row + (h0 + h) * (D + kKvScaleBytes);
+      bf16 bits;
+      std::memcpy(&bits.bits, row + D, kKvScaleBytes);
+      const R scale = Vec::set1(bf16_to_float(bits));
+      float* out = scratch + h * D;
+      for_chunks(D, [&](int64_t c, int w) { store_any(out + c, Vec::mul(Codes::load(row + c, w), scale), w); });
+    }
+    return scratch;
+  }
+  const void* address(int64_t slot, int64_t h0) const { return base + slot * slot_row + h0 * (D + kKvScaleBytes); }
+};
 
 template <class T>
 static inline float dot_row(const float* q, const T* k, int64_t d) {
@@ -400,11 +459,12 @@ static float softmax_row(float* row, int64_t n) {
 
 // Scores of the queries of one item against every key they see, softmax, weighted sum of values.
 // Keys are visited in cache order, each slot's heads of the item read as one contiguous row.
-template <class T>
-static void attention_item(const AttentionArgs& a, const AttentionItem& it, std::vector<float>& buf) {
+template <class T, class Cache>
+static void attention_item(const AttentionArgs& a, const Cache& k_cache, const Cache& v_cache,
+                           const AttentionItem& it, std::vector<float>& buf, float* rows_buf) {
   const int64_t D = a.head_dim, group = a.num_q_heads / a.num_kv_heads, bs = a.block_size;
-  const int64_t slot_row = a.num_kv_heads * D;
-  const int64_t rows = (it.head_end - it.head_begin) * group;  // query heads of the item
+  const int64_t heads = it.head_end - it.head_begin;
+  const int64_t rows = heads * group;  // query heads of the item
   const int64_t nq = it.query_end - it.query_begin;
   const int64_t q_len = a.query_start[it.seq + 1] - a.query_start[it.seq];
   const int64_t first = a.seq_lens[it.seq] - q_len + it.query_begin;  // position of the first query
@@ -415,7 +475,6 @@ static void attention_item(const AttentionArgs& a, const AttentionItem& it, std:
   float* acc = q32 + nq * rows * D;  // [nq][rows][D]
   float* scores = acc + nq * rows * D;  // [nq][rows][num_keys]
   const int32_t* table = a.block_tables + it.seq * a.ldb;
-  const int64_t head0 = it.head_begin * D;  // offset of the item's first kv head in a slot
   auto visible = [&](int64_t qi, int64_t& lo, int64_t& hi) {
     hi = first + qi;
     lo = a.window > 0 ? std::max<int64_t>(0, hi - a.window + 1) : 0;
@@ -425,12 +484,10 @@ static void attention_item(const AttentionArgs& a, const AttentionItem& it, std:
                    it.head_begin * group * D;
     for (int64_t e = 0; e < rows * D; ++e) q32[qi * rows * D + e] = to_float(src[e]);
   }
-  const T* k_cache = static_cast<const T*>(a.k_cache);
-  const T* v_cache = static_cast<const T*>(a.v_cache);
   auto slot_of = [&](int64_t p) { return static_cast<int64_t>(table[p / bs]) * bs + p % bs; };
   for (int64_t p = key_lo; p < key_lo + num_keys; ++p) {
-    if (p % bs == 0 && p + bs < key_lo + num_keys) __builtin_prefetch(k_cache + slot_of(p + bs) * slot_row + head0);
-    const T* k = k_cache + slot_of(p) * slot_row + head0;
+    if (p % bs == 0 && p + bs < key_lo + num_keys) __builtin_prefetch(k_cache.address(slot_of(p + bs), it.head_begin));
+    const auto* k = k_cache.heads(slot_of(p), it.head_begin, heads, rows_buf);
     for (int64_t qi = 0; qi < nq; ++qi) {
       int64_t lo, hi;
       visible(qi, lo, hi);
@@ -453,8 +510,8 @@ static void attention_item(const AttentionArgs& a, const AttentionItem& it, std:
   }
   std::fill(acc, acc + nq * rows * D, 0.0f);
   for (int64_t p = key_lo; p < key_lo + num_keys; ++p) {
-    if (p % bs == 0 && p + bs < key_lo + num_keys) __builtin_prefetch(v_cache + slot_of(p + bs) * slot_row + head0);
-    const T* v = v_cache + slot_of(p) * slot_row + head0;
+    if (p % bs == 0 && p + bs < key_lo + num_keys) __builtin_prefetch(v_cache.address(slot_of(p + bs), it.head_begin));
+    const auto* v = v_cache.heads(slot_of(p), it.head_begin, heads, rows_buf);
     for (int64_t qi = 0; qi < nq; ++qi) {
       int64_t lo, hi;
       visible(qi, lo, hi);
@@ -462,7 +519,7 @@ static void attention_item(const AttentionArgs& a, const AttentionItem& it, std:
       for (int64_t r = 0; r < rows; ++r) {
         const R weight = Vec::set1(scores[(qi * rows + r) * num_keys + (p - key_lo)]);
         float* o = acc + (qi * rows + r) * D;
-        const T* vr = v + (r / group) * D;
+        const auto* vr = v + (r / group) * D;
         for_chunks(D, [&](int64_t c, int n) { store_any(o + c, Vec::fma(weight, load_any(vr + c, n), load_any(o + c, n)), n); });
       }
     }
@@ -482,10 +539,10 @@ static void attention_item(const AttentionArgs& a, const AttentionItem& it, std:
 // chunk of up to W keys is transposed into [D][W] scratch once per kv head; a query head then takes D
 // FMAs per chunk for its scores, and its weighted sum of values accumulates per (head, d) across lanes,
 // reduced once at the end. Scores of keys a query does not see are zeroed after the softmax.
-template <class T>
-static void attention_item_narrow(const AttentionArgs& a, const AttentionItem& it, std::vector<float>& buf) {
+template <class T, class Cache>
+static void attention_item_narrow(const AttentionArgs& a, const Cache& k_cache, const Cache& v_cache,
+                                  const AttentionItem& it, std::vector<float>& buf, float* rows_buf) {
   const int64_t D = a.head_dim, group = a.num_q_heads / a.num_kv_heads, bs = a.block_size;
-  const int64_t slot_row = a.num_kv_heads * D;
   const int64_t heads = it.head_end - it.head_begin, rows = heads * group;
   const int64_t nq = it.query_end - it.query_begin;
   const int64_t q_len = a.query_start[it.seq + 1] - a.query_start[it.seq];
@@ -504,17 +561,15 @@ static void attention_item_narrow(const AttentionArgs& a, const AttentionItem& i
                    it.head_begin * group * D;
     for (int64_t e = 0; e < rows * D; ++e) q32[qi * rows * D + e] = to_float(src[e]) * a.scale;
   }
-  auto transpose = [&](const T* cache, int64_t p0, int n, int64_t h) {
+  auto transpose = [&](const Cache& cache, int64_t p0, int n, int64_t h) {
     for (int j = 0; j < n; ++j) {
       const int64_t p = p0 + j;
-      const T* row = cache + (static_cast<int64_t>(table[p / bs]) * bs + p % bs) * slot_row + (it.head_begin + h) * D;
+      const auto* row = cache.heads(static_cast<int64_t>(table[p / bs]) * bs + p % bs, it.head_begin + h, 1, rows_buf);
       for (int64_t d = 0; d < D; ++d) t[d * W + j] = to_float(row[d]);
     }
     for (int64_t d = 0; d < D; ++d)
       for (int j = n; j < W; ++j) t[d * W + j] = 0.0f;
   };
-  const T* k_cache = static_cast<const T*>(a.k_cache);
-  const T* v_cache = static_cast<const T*>(a.v_cache);
   for (int64_t p0 = key_lo; p0 < key_lo + num_keys; p0 += W) {
     const int n = static_cast<int>(std::min<int64_t>(W, key_lo + num_keys - p0));
     for (int64_t h = 0; h < heads; ++h) {
@@ -564,20 +619,28 @@ static void attention_item_narrow(const AttentionArgs& a, const AttentionItem& i
   }
 }
 
-template <class T>
-static void attention(const AttentionArgs& a, int64_t item_begin, int64_t item_end) {
-  std::vector<float> buf;
+template <class T, class Cache>
+static void attention_over(const AttentionArgs& a, int64_t item_begin, int64_t item_end) {
+  std::vector<float> buf, rows(static_cast<size_t>(a.num_kv_heads * a.head_dim));  // rows: dequantized heads
+  const Cache k_cache(a.k_cache, a), v_cache(a.v_cache, a);
   for (int64_t i = item_begin; i < item_end; ++i) {
     if (a.head_dim < W)
-      attention_item_narrow<T>(a, a.items[i], buf);
+      attention_item_narrow<T>(a, k_cache, v_cache, a.items[i], buf, rows.data());
     else
-      attention_item<T>(a, a.items[i], buf);
+      attention_item<T>(a, k_cache, v_cache, a.items[i], buf, rows.data());
   }
 }
 
 // ---- int8 linear ----------------------------------------------------------------------------------
 
 #include "int8_impl.h"
+
+template <class T>
+static void attention(const AttentionArgs& a, int64_t b, int64_t e) { attention_over<T, PlainCache<T>>(a, b, e); }
+template <class T>
+static void attention_int8(const AttentionArgs& a, int64_t b, int64_t e) { attention_over<T, QuantCache<Int8Codes>>(a, b, e); }
+template <class T>
+static void attention_fp8(const AttentionArgs& a, int64_t b, int64_t e) { attention_over<T, QuantCache<Fp8Codes>>(a, b, e); }
 
 // ---- the table ------------------------------------------------------------------------------------
 
@@ -586,6 +649,7 @@ static constexpr TypedKernels typed_kernels() {
   return TypedKernels{
       &linear<T>,      &packed_linear<T>, &rms_norm<T>, &add_rms_norm<T>, &act_and_mul<T, silu_vec>,
       &act_and_mul<T, gelu_tanh_vec>, &rotary<T>, &write_kv<T>, &attention<T>, &int8_linear<T>,
+      &write_kv_quant<T>, &attention_int8<T>, &attention_fp8<T>,
   };
 }
 

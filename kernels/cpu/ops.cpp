@@ -95,10 +95,25 @@ void check_heads(const at::Tensor& t, const char* what) {
 }
 
 
-void check_cache(const at::Tensor& cache, const at::Tensor& like, const char* what) {
+// The cache's element format: the compute dtype (that of `like`), or int8 / fp8 codes with scales.
+KvFormat kv_format(const at::Tensor& cache) {
+  if (cache.scalar_type() == at::kChar) return kKvInt8;
+  if (cache.scalar_type() == at::ScalarType::Float8_e4m3fn) return kKvFp8;
+  return kKvPlain;
+}
+
+// A cache of `like`'s dtype [.., head_dim], or quantized [.., head_dim + 2]; returns its format.
+KvFormat check_cache(const at::Tensor& cache, const at::Tensor& like, const char* what) {
   check_cpu(cache, what, 4);
   TORCH_CHECK(cache.is_contiguous(), what, ": must be contiguous [blocks, block_size, kv_heads, head_dim]");
-  check_same_dtype(like, cache, what);
+  const KvFormat format = kv_format(cache);
+  if (format == kKvPlain) check_same_dtype(like, cache, what);
+  return format;
+}
+
+// Elements of the cache's last dimension for heads of `head_dim` values.
+int64_t cache_row(KvFormat format, int64_t head_dim) {
+  return format == kKvPlain ? head_dim : head_dim + kKvScaleBytes;
 }
 
 
@@ -432,29 +447,34 @@ void write_kv(const KernelTable& table, const at::Tensor& k, const at::Tensor& v
               at::Tensor& v_cache, const at::Tensor& slots) {
   check_heads(k, "write_kv: k");
   check_heads(v, "write_kv: v");
-  check_cache(k_cache, k, "write_kv: k_cache");
-  check_cache(v_cache, k, "write_kv: v_cache");
+  const KvFormat format = check_cache(k_cache, k, "write_kv: k_cache");
+  TORCH_CHECK(check_cache(v_cache, k, "write_kv: v_cache") == format, "write_kv: k and v caches differ in dtype");
   TORCH_CHECK(k.sizes() == v.sizes() && k_cache.sizes() == v_cache.sizes(), "write_kv: k/v shapes differ");
-  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2), "write_kv: cache heads differ from k");
+  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == cache_row(format, k.size(2)),
+              "write_kv: cache heads differ from k");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
               "write_kv: slot_mapping must be contiguous int64 [T]");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < k.size(0); ++t)
     TORCH_CHECK(s[t] >= -1 && s[t] < num_slots, "write_kv: slot ", s[t], " outside [-1, ", num_slots, ")");
-  const WriteKvArgs args{k.data_ptr(),       k.stride(0), v.data_ptr(), v.stride(0),
-                                      k_cache.data_ptr(), v_cache.data_ptr(), s,     k.size(1) * k.size(2)};
-  kernels_for(table, k, "write_kv").write_kv(args, 0, k.size(0));
+  const WriteKvArgs args{k.data_ptr(),       k.stride(0),        v.data_ptr(), v.stride(0),
+                         k_cache.data_ptr(), v_cache.data_ptr(), s,            k.size(1) * k.size(2),
+                         k.size(2),          format};
+  const auto& fns = kernels_for(table, k, "write_kv");
+  (format == kKvPlain ? fns.write_kv : fns.write_kv_quant)(args, 0, k.size(0));
 }
 
 at::Tensor attention(const KernelTable& table, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& query_start, const at::Tensor& seq_lens,
                      const at::Tensor& block_tables, double scale, int64_t window, double softcap) {
   check_heads(q, "attention: q");
-  check_cache(k_cache, q, "attention: k_cache");
-  check_cache(v_cache, q, "attention: v_cache");
+  const KvFormat format = check_cache(k_cache, q, "attention: k_cache");
+  TORCH_CHECK(check_cache(v_cache, q, "attention: v_cache") == format && k_cache.sizes() == v_cache.sizes(),
+              "attention: k and v caches differ in dtype or shape");
   const int64_t Hq = q.size(1), Hk = k_cache.size(2), D = q.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && Hk > 0 && Hq % Hk == 0, "attention: cache heads do not fit q");
+  TORCH_CHECK(k_cache.size(3) == cache_row(format, D) && Hk > 0 && Hq % Hk == 0,
+              "attention: cache heads do not fit q");
   const int64_t S = seq_lens.numel();
   for (const auto* t : {&query_start, &seq_lens, &block_tables})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "attention: metadata must be contiguous int32");
@@ -485,7 +505,8 @@ at::Tensor attention(const KernelTable& table, const at::Tensor& q, const at::Te
                                         max_blocks,        bs,          Hq,                 Hk,
                                         D,                 static_cast<float>(scale),      window,
                                         static_cast<float>(softcap),    items.data()};
-  const auto fn = kernels_for(table, q, "attention").attention;
+  const auto& fns = kernels_for(table, q, "attention");
+  const auto fn = format == kKvInt8 ? fns.attention_int8 : format == kKvFp8 ? fns.attention_fp8 : fns.attention;
   const int64_t count = static_cast<int64_t>(items.size());
   parallel_chunks(count, grain(count, work * Hq * D / count), [&](int64_t b, int64_t e) { fn(args, b, e); });
   return out;

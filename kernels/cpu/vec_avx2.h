@@ -44,6 +44,25 @@ struct Vec {
     std::memcpy(p, buf, static_cast<size_t>(n) * 2);
   }
   static R round_bf16(R a) { return widen(narrow(a)); }
+  // KV cache codes (common.h): 8 int8 codes sign-extended, or 8 fp8 e4m3 codes decoded with integer
+  // shifts (exponent and mantissa into a float's, rescaled by 2^120, the sign or'ed back)
+  static R from_i8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+  static R from_e4m3(__m128i b) {
+    const __m256i u = _mm256_cvtepu8_epi32(b);
+    const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7F)), 20);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24);
+    const R f = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(0x1p120f));
+    return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
+  }
+  static __m128i bytes_n(const uint8_t* p, int n) {
+    alignas(16) uint8_t buf[16] = {0};
+    std::memcpy(buf, p, static_cast<size_t>(n));
+    return _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+  }
+  static R load_i8(const uint8_t* p) { return from_i8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static R load_i8_n(const uint8_t* p, int n) { return from_i8(bytes_n(p, n)); }
+  static R load_e4m3(const uint8_t* p) { return from_e4m3(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static R load_e4m3_n(const uint8_t* p, int n) { return from_e4m3(bytes_n(p, n)); }
 
   static R add(R a, R b) { return _mm256_add_ps(a, b); }
   static R sub(R a, R b) { return _mm256_sub_ps(a, b); }

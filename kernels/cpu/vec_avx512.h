@@ -37,6 +37,20 @@ struct Vec {
   static void store_n(bf16* p, R a, int n) { _mm256_mask_storeu_epi16(p, mask(n), narrow(a)); }
   // a rounded to bf16 precision, kept as float (where torch rounds an intermediate to bf16)
   static R round_bf16(R a) { return widen(narrow(a)); }
+  // KV cache codes (common.h): 16 int8 codes sign-extended, or 16 fp8 e4m3 codes decoded with integer
+  // shifts (exponent and mantissa into a float's, rescaled by 2^120, the sign or'ed back)
+  static R from_i8(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
+  static R from_e4m3(__m128i b) {
+    const __m512i u = _mm512_cvtepu8_epi32(b);
+    const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7F)), 20);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24);
+    const R f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+  }
+  static R load_i8(const uint8_t* p) { return from_i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static R load_i8_n(const uint8_t* p, int n) { return from_i8(_mm_maskz_loadu_epi8(mask(n), p)); }
+  static R load_e4m3(const uint8_t* p) { return from_e4m3(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static R load_e4m3_n(const uint8_t* p, int n) { return from_e4m3(_mm_maskz_loadu_epi8(mask(n), p)); }
 
   static R add(R a, R b) { return _mm512_add_ps(a, b); }
   static R sub(R a, R b) { return _mm512_sub_ps(a, b); }

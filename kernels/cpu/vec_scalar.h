@@ -21,6 +21,11 @@ struct Vec {
   static void store_n(float* p, R a, int) { *p = a; }
   static void store_n(bf16* p, R a, int) { *p = float_to_bf16(a); }
   static R round_bf16(R a) { return bf16_to_float(float_to_bf16(a)); }
+  // KV cache codes (common.h): int8, and fp8 e4m3 decoded in software
+  static R load_i8(const uint8_t* p) { return static_cast<float>(static_cast<int8_t>(*p)); }
+  static R load_i8_n(const uint8_t* p, int) { return load_i8(p); }
+  static R load_e4m3(const uint8_t* p) { return fp8_e4m3_to_float(*p); }
+  static R load_e4m3_n(const uint8_t* p, int) { return load_e4m3(p); }
 
   static R add(R a, R b) { return a + b; }
   static R sub(R a, R b) { return a - b; }

@@ -302,9 +302,13 @@ def test_the_fingerprint_covers_every_field_and_is_stable():
         KvLayoutSpec("stories260K", "float32", 16, 6, 4, 8),
         KvLayoutSpec("stories260K", "float32", 16, 5, 2, 8),
         KvLayoutSpec("stories260K", "float32", 16, 5, 4, 16),
+        KvLayoutSpec("stories260K", "int8", 16, 5, 4, 8),
+        KvLayoutSpec("stories260K", "fp8_e4m3", 16, 5, 4, 8),
     ]
-    assert len({spec.fingerprint, *(v.fingerprint for v in variants)}) == 7
+    assert len({spec.fingerprint, *(v.fingerprint for v in variants)}) == 9
     assert spec.block_bytes == 2 * 5 * 16 * 4 * 8 * 4
+    # quantized: a byte per value plus each (token, head) row's bfloat16 scale
+    assert variants[-1].block_bytes == variants[-2].block_bytes == 2 * 5 * 16 * 4 * (8 + 2)
     assert spec.num_blocks(33) == 3
     # Stable across processes (no per-process hash seed): another interpreter computes the same value.
     code = (
@@ -316,8 +320,10 @@ def test_the_fingerprint_covers_every_field_and_is_stable():
 
 
 def test_layout_fields_are_validated_by_name():
-    with pytest.raises(ValueError, match="dtype: expected one of float32, float16, bfloat16, got 'int8'"):
-        KvLayoutSpec("m", "int8", 16, 1, 1, 8)
+    with pytest.raises(
+        ValueError, match="dtype: expected one of float32, float16, bfloat16, int8, fp8_e4m3, got 'int4'"
+    ):
+        KvLayoutSpec("m", "int4", 16, 1, 1, 8)
     with pytest.raises(ValueError, match="head_dim: must be >= 1, got 0"):
         KvLayoutSpec("m", "float32", 16, 1, 1, 0)
 

@@ -23,6 +23,7 @@ from test_ops_emulated import (
     _check_rotary_on_fused_qkv,
     _check_write_kv,
     _cos_sin_cache,
+    _meta_for_tokens,
     _rand,
     step,
 )
@@ -30,6 +31,7 @@ from test_ops_emulated import (
 from conduit_engine.errors import ModelLoadError
 from conduit_engine.ops import cpu_kernels, cpu_ops
 from conduit_engine.ops.cpu_ops import CpuOps, select_cpu_ops
+from conduit_engine.ops.kv_quant import cache_layout
 from conduit_engine.ops.torch_ops import TorchOps
 from tests.support.shared import skip_or_fail
 
@@ -241,6 +243,111 @@ def test_attention_refuses_a_block_table_naming_a_missing_block(ops):
     q = _rand(gen, 1, 2, 8)
     with pytest.raises(RuntimeError, match="block table of sequence 0 names block"):
         ops.attention(q, batch.k_cache, batch.v_cache, step(ops, batch.meta), 1.0)
+
+
+# ---- quantized KV caches (--kv-cache-dtype int8 | fp8) -----------------------------------------------
+
+KV_DTYPES = ("int8", "fp8")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_quantized_write_kv_gives_the_reference_bytes(ops, dtype, kv_cache_dtype):
+    """Codes and scales byte for byte as ops/kv_quant.py computes them, on strided views, slots -1
+    skipped; rows of zeros, of one huge or tiny value (fp8 subnormals) and of ties included."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, kv_heads, head_dim = 9, 3, 24
+    kv = _rand(gen, tokens, 2 * kv_heads * head_dim, scale=3.0)
+    kv[0] = 0.0
+    kv[1, :head_dim] = torch.logspace(-12, 4, head_dim, base=2.0)  # codes down to fp8's subnormals
+    kv[2, :head_dim] = torch.arange(head_dim) - 12.5  # half-way values: round to even
+    kv = kv.to(dtype)
+    k = kv[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = kv[:, kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([0, 5, -1, 23, 12, 7, 3, -1, 20])
+    element, row = cache_layout(kv_cache_dtype, dtype, head_dim)
+    caches = [torch.zeros(6, 4, kv_heads, row, dtype=element) for _ in range(4)]
+    ops.write_kv(k, v, caches[0], caches[1], slots)
+    REF.write_kv(k, v, caches[2], caches[3], slots)
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_fp8_codes_decode_as_torch_does():
+    """Every finite e4m3fn code (and two zeros, to fill 16 rows of 16), as the values of a one-key
+    attention (softmax weight 1: the output is the value itself), on every instruction set."""
+    codes = [c for c in range(256) if c & 0x7F != 0x7F] + [0, 0]
+    head_dim = 16
+    rows = torch.zeros(len(codes) // head_dim, head_dim + 2, dtype=torch.uint8)
+    rows[:, :head_dim] = torch.tensor(codes, dtype=torch.uint8).view(-1, head_dim)
+    rows[:, head_dim:] = torch.ones(len(rows), 1, dtype=torch.bfloat16).view(torch.uint8)
+    want = rows[:, :head_dim].contiguous().view(torch.float8_e4m3fn).float()
+    cache = torch.zeros(1, 16, len(rows), head_dim + 2, dtype=torch.uint8)
+    cache[0, 0] = rows
+    cache = cache.view(torch.float8_e4m3fn)
+    q = torch.zeros(1, len(rows), head_dim)
+    for isa in cpu_kernels.supported_isas():
+        ops = CpuOps(isa)
+        out = ops.attention(q, cache, cache, step(ops, _meta_for_tokens(1)), 1.0)
+        assert torch.equal(out[0], want), isa
+
+
+QUANT_DECODE = [DECODE_CASES[i] for i in (0, 1, 2, 4, 7, 10, 12)]
+QUANT_PREFILL = [PREFILL_CASES[i] for i in (1, 2, 4, 6, 7, 9)]
+# Kernels and reference dequantize the same codes; only the order of float sums differs (and in bf16,
+# the reference's rounding of dequantized values to bf16).
+QUANT_TOL = {torch.float32: {"atol": 5e-5, "rtol": 5e-5}, torch.bfloat16: TOL[torch.bfloat16]}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+@pytest.mark.parametrize("case", QUANT_DECODE, ids=[f"decode{i}" for i in range(len(QUANT_DECODE))])
+def test_decode_attention_over_quantized_caches_matches_reference(ops, dtype, kv_cache_dtype, case):
+    seq_lens, block_size, heads, kv_heads, head_dim, _, _, window, cap = case
+    _check_attention(
+        ops,
+        dtype,
+        seq_lens,
+        [1] * len(seq_lens),
+        block_size,
+        heads,
+        kv_heads,
+        head_dim,
+        sum(seq_lens),
+        window,
+        cap,
+        QUANT_TOL[dtype],
+        kv_cache_dtype,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+@pytest.mark.parametrize("case", QUANT_PREFILL, ids=[f"prefill{i}" for i in range(len(QUANT_PREFILL))])
+def test_prefill_attention_over_quantized_caches_matches_reference(ops, dtype, kv_cache_dtype, case):
+    seq_lens, query_lens, block_size, heads, kv_heads, head_dim, window, cap = case
+    _check_attention(
+        ops,
+        dtype,
+        seq_lens,
+        query_lens,
+        block_size,
+        heads,
+        kv_heads,
+        head_dim,
+        sum(seq_lens),
+        window,
+        cap,
+        QUANT_TOL[dtype],
+        kv_cache_dtype,
+    )
+
+
+def test_quantized_cache_of_the_wrong_width_is_refused(ops):
+    k = torch.zeros(1, 2, 8)
+    cache = torch.zeros(4, 4, 2, 8, dtype=torch.int8)  # no room for the scales
+    with pytest.raises(RuntimeError, match="write_kv: cache heads differ from k"):
+        ops.write_kv(k, k, cache, cache.clone(), torch.tensor([0]))
 
 
 # ---- the start-up choice -------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from conduit_engine.models.architectures import read_arch_config
 from conduit_engine.models.loader import load_model
 from conduit_engine.ops.base import AttentionMetadata
 from conduit_engine.ops.cuda_ops import CudaOps
+from conduit_engine.ops.kv_quant import cache_layout
 from conduit_engine.ops.torch_ops import TorchOps
 from tests.support.shared import require_shared
 from tests.support.stories import KNOWN_STORY, KNOWN_STORY_TOKENS, MODEL, PROMPT_IDS
@@ -34,12 +35,16 @@ def stories() -> Path:
 class TinyRunner:
     """Just enough of a model runner for the test: fixed block tables, one step's metadata per call."""
 
-    def __init__(self, folder: Path, ops, num_seqs: int) -> None:
+    def __init__(self, folder: Path, ops, num_seqs: int, kv_cache_dtype: str = "auto") -> None:
         config = read_arch_config(folder)
         self.config = config
         self.model = load_model(folder, config, ops, torch.float32, "cpu", 512)
-        shape = (num_seqs * 512 // BLOCK + 1, BLOCK, config.num_kv_heads, config.head_dim)
-        self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
+        dtype, row = cache_layout(kv_cache_dtype, torch.float32, config.head_dim)
+        shape = (num_seqs * 512 // BLOCK + 1, BLOCK, config.num_kv_heads, row)
+        self.caches = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(config.num_layers)
+        ]
         # sequence i owns blocks 1 + i*32 ... (block 0 stays unused, like a padding entry)
         self.tables = torch.arange(num_seqs * 32, dtype=torch.int32).view(num_seqs, 32) + 1
 
@@ -142,3 +147,28 @@ def test_batched_chunked_prefill_with_cached_prefix_matches_torch_ops(stories, l
         return [out_a, out_b]
 
     assert run(CudaOps(launcher, decode_partition_size=32, decode_threads=32)) == run(TorchOps())
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_kv_caches_give_the_torch_ops_tokens(stories, launcher, kv_cache_dtype):
+    """--kv-cache-dtype int8 / fp8 through every CUDA kernel that touches the cache (quantizing writes,
+    prefill over a cached chunk, split-K decode): the greedy tokens of TorchOps on the same format."""
+    prompt = [*PROMPT_IDS, 30, 41, 300, 17, 260, 41, 89, 350, 12]
+
+    def run(ops) -> list[int]:
+        runner = TinyRunner(stories, ops, 1, kv_cache_dtype)
+        runner.step([(0, prompt[:6], 0)])
+        (nxt,) = runner.step([(0, prompt[6:], 6)])
+        tokens = [*prompt, nxt]
+        for _ in range(40):
+            (nxt,) = runner.step([(0, [tokens[-1]], len(tokens) - 1)])
+            tokens.append(nxt)
+        return tokens[len(prompt) :]
+
+    assert run(CudaOps(launcher, decode_partition_size=32, decode_threads=32)) == run(TorchOps())
+    names = {k.name.split("<")[0] for k in launcher.launches}
+    assert {
+        "write_kv_quant_kernel",
+        "paged_prefill_attention_kernel",
+        "paged_decode_attention_kernel",
+    } <= names

@@ -16,6 +16,7 @@ from kernel_emulator import REVERSE, SHUFFLED, EmulatedLauncher
 
 from conduit_engine.ops.base import AttentionMetadata, Ops, StepContext
 from conduit_engine.ops.cuda_ops import CudaOps
+from conduit_engine.ops.kv_quant import cache_layout, dequantize, is_quantized, quantize
 from conduit_engine.ops.torch_ops import TorchOps
 
 pytestmark = pytest.mark.kernels
@@ -179,13 +180,96 @@ def test_fused_rotary_and_kv_write_matches_the_two_reference_ops(launcher, dtype
     assert [k.name.split("<")[0] for k in launcher.launches] == ["rotary_write_kv_kernel"]
 
 
+# ---- quantized KV caches (--kv-cache-dtype int8 | fp8) -----------------------------------------------
+
+KV_DTYPES = ("int8", "fp8")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_quantized_write_kv_gives_the_reference_bytes(launcher, dtype, kv_cache_dtype):
+    """write_kv_quant_kernel: codes and scales byte for byte as ops/kv_quant.py computes them (strided
+    views, slots -1 skipped, a row of zeros, values down to fp8's subnormals, half-way ties)."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, kv_heads, head_dim = 7, 2, 16
+    kv = _rand(gen, tokens, 2 * kv_heads * head_dim, scale=3.0)
+    kv[0] = 0.0
+    kv[1, :head_dim] = torch.logspace(-12, 4, head_dim, base=2.0)
+    kv[2, :head_dim] = torch.arange(head_dim) - 7.5
+    kv = kv.to(dtype)
+    k = kv[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = kv[:, kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([0, 5, -1, 23, 12, -1, 3])
+    element, row = cache_layout(kv_cache_dtype, dtype, head_dim)
+    caches = [torch.zeros(6, 4, kv_heads, row, dtype=element) for _ in range(4)]
+    _ops(launcher).write_kv(k, v, caches[0], caches[1], slots)
+    REF.write_kv(k, v, caches[2], caches[3], slots)
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert [k.name.split("<")[0] for k in launcher.launches] == ["write_kv_quant_kernel"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_rotary_and_quantized_kv_write_match_the_reference(launcher, kv_cache_dtype):
+    """Quantized caches take the rotated keys (rotary, then the quantizing write: a row's scale needs
+    all its values); rotary's float rounding may move a code by one step, nothing more."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, head_dim = 7, 8, 4, 8
+    qkv = _rand(gen, tokens, (heads + 2 * kv_heads) * head_dim)
+    positions = torch.randint(0, 300, (tokens,), generator=gen)
+    meta = dataclasses.replace(_meta_for_tokens(tokens), slot_mapping=torch.tensor([0, 5, -1, 23, 12, -1, 3]))
+    element, row = cache_layout(kv_cache_dtype, torch.float32, head_dim)
+    results = []
+    for backend in (_ops(launcher), REF):
+        buf = qkv.clone()
+        k_cache, v_cache = (torch.zeros(6, 4, kv_heads, row, dtype=element) for _ in range(2))
+        q = buf[:, : heads * head_dim].view(tokens, heads, head_dim)
+        k = buf[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+        v = buf[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+        backend.rotary_and_write_kv(
+            q, k, v, k_cache, v_cache, backend.begin_step(positions, meta, _cos_sin_cache(300, head_dim))
+        )
+        results.append((q.clone(), dequantize(k_cache), v_cache))
+    (q, k_values, v_cache), (ref_q, ref_k, ref_v) = results
+    torch.testing.assert_close(q, ref_q, **TOL[torch.float32])
+    torch.testing.assert_close(k_values, ref_k, rtol=0.07, atol=0.05)
+    assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_quantized_blocks_gather_and_scatter_as_bytes(launcher, kv_cache_dtype):
+    gen = torch.Generator().manual_seed(9)
+    element, row = cache_layout(kv_cache_dtype, torch.float32, 8)
+    caches = [tuple(quantize(_rand(gen, 10, 4, 3, 8), element) for _ in range(2)) for _ in range(2)]
+    ids = torch.tensor([7, 0, 3])
+    buffer = _ops(launcher).gather_kv_blocks(caches, ids)
+    want = REF.gather_kv_blocks(caches, ids)
+    assert buffer.dtype == element and torch.equal(buffer.view(torch.uint8), want.view(torch.uint8))
+    blank = [tuple(torch.zeros_like(c) for c in pair) for pair in caches]
+    _ops(launcher).scatter_kv_blocks(buffer, blank, ids)
+    for pair, back in zip(caches, blank, strict=True):
+        for c, b in zip(pair, back, strict=True):
+            assert torch.equal(c.view(torch.uint8)[ids], b.view(torch.uint8)[ids])
+
+
 # ---- attention -----------------------------------------------------------------------------------------
 
 
 class PagedBatch:
     """Random paged KV caches holding `seq_lens` tokens per sequence, plus the step's metadata."""
 
-    def __init__(self, gen, seq_lens, query_lens, block_size, kv_heads, head_dim, dtype, spare_blocks=3):
+    def __init__(
+        self,
+        gen,
+        seq_lens,
+        query_lens,
+        block_size,
+        kv_heads,
+        head_dim,
+        dtype,
+        spare_blocks=3,
+        kv_cache_dtype="auto",
+    ):
         blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
         num_blocks = sum(blocks_per_seq) + spare_blocks
         perm = torch.randperm(num_blocks, generator=gen)
@@ -198,6 +282,9 @@ class PagedBatch:
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.k_cache = _rand(gen, *shape, dtype=dtype)
         self.v_cache = _rand(gen, *shape, dtype=dtype)
+        if kv_cache_dtype != "auto":  # the same values as codes and scales (ops/kv_quant.py)
+            element, _ = cache_layout(kv_cache_dtype, dtype, head_dim)
+            self.k_cache, self.v_cache = quantize(self.k_cache, element), quantize(self.v_cache, element)
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
@@ -227,8 +314,11 @@ class PagedBatch:
             for b in meta.block_tables[i, : -(-n // bs)].tolist()
         }
         poison = min(set(range(self.k_cache.shape[0])) - used)
-        self.k_cache[poison] = float("nan")
-        self.v_cache[poison] = float("nan")
+        for cache in (self.k_cache, self.v_cache):
+            if is_quantized(cache):  # all bytes 0xFF: a NaN scale (and a NaN fp8 code)
+                cache.view(torch.uint8)[poison] = 0xFF
+            else:
+                cache[poison] = float("nan")
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
             lowest_visible = max(0, seq_len - q_len - window + 1)
             for block in range(lowest_visible // bs):  # blocks ending before the lowest visible key
@@ -248,10 +338,14 @@ def _check_attention(
     sliding_window=None,
     logit_softcap=None,
     tol=None,
+    kv_cache_dtype="auto",
 ):
-    """`ops.attention` against TorchOps' on random paged caches (also run by test_cpu_ops on CpuOps)."""
+    """`ops.attention` against TorchOps' on random paged caches (also run by test_cpu_ops on CpuOps),
+    in the compute dtype or quantized (`kv_cache_dtype`)."""
     gen = torch.Generator().manual_seed(seed)
-    batch = PagedBatch(gen, seq_lens, query_lens, block_size, kv_heads, head_dim, dtype)
+    batch = PagedBatch(
+        gen, seq_lens, query_lens, block_size, kv_heads, head_dim, dtype, kv_cache_dtype=kv_cache_dtype
+    )
     batch.poison_outside_window(sliding_window)
     q = _rand(gen, sum(query_lens), heads, head_dim, dtype=dtype, scale=2.0 if logit_softcap else 1.0)
     scale = head_dim**-0.5
@@ -568,3 +662,60 @@ def test_scatter_kv_blocks_reads_an_unaligned_buffer_element_by_element(launcher
     assert all(
         torch.equal(k, wk) and torch.equal(v, wv) for (k, v), (wk, wv) in zip(caches, want, strict=True)
     )
+
+
+# ---- attention over quantized KV caches ----------------------------------------------------------------
+
+QUANT_DECODE = [DECODE_CASES[i] for i in (0, 2, 4, 7, 10, 12)]
+QUANT_PREFILL = [PREFILL_CASES[i] for i in (1, 4, 6, 10)]
+QUANT_TOL = {
+    torch.float32: {"atol": 5e-5, "rtol": 5e-5},
+    torch.float16: TOL[torch.float16],
+    torch.bfloat16: TOL[torch.bfloat16],
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+@pytest.mark.parametrize("case", QUANT_DECODE, ids=[f"decode{i}" for i in range(len(QUANT_DECODE))])
+def test_decode_attention_over_quantized_caches_matches_reference(launcher, dtype, kv_cache_dtype, case):
+    seq_lens, block_size, heads, kv_heads, head_dim, partition, threads, window, softcap = case
+    _check_attention(
+        _ops(launcher, decode_partition_size=partition, decode_threads=threads),
+        dtype,
+        seq_lens,
+        [1] * len(seq_lens),
+        block_size,
+        heads,
+        kv_heads,
+        head_dim,
+        sum(seq_lens) + block_size,
+        window,
+        softcap,
+        QUANT_TOL[dtype],
+        kv_cache_dtype,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+@pytest.mark.parametrize("case", QUANT_PREFILL, ids=[f"prefill{i}" for i in range(len(QUANT_PREFILL))])
+def test_prefill_attention_over_quantized_caches_matches_reference(launcher, dtype, kv_cache_dtype, case):
+    """The float32 prefill kernel dequantizes the tiles it stages (never the tensor-core one)."""
+    seq_lens, query_lens, block_size, heads, kv_heads, head_dim, window, softcap = case
+    _check_attention(
+        _ops(launcher),
+        dtype,
+        seq_lens,
+        query_lens,
+        block_size,
+        heads,
+        kv_heads,
+        head_dim,
+        sum(seq_lens),
+        window,
+        softcap,
+        QUANT_TOL[dtype],
+        kv_cache_dtype,
+    )
+    assert all("mma" not in k.name for k in launcher.launches)

@@ -50,6 +50,7 @@ def make_engine(
     decode_burst_ms: float = 5.0,
     speculative: SpeculativeConfig | None = None,
     quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> LLMEngine:
     """An engine on `model`; with tensor_parallel_size > 1 or worker_process, its worker processes run
     until `engine.shutdown()`."""
@@ -64,7 +65,10 @@ def make_engine(
                 quantization=quantization,
             ),
             cache=CacheConfig(
-                block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching
+                block_size=block_size,
+                num_blocks=num_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from conduit_common.logs import LOG_FORMATS
 from conduit_common.tracing import check_otlp_endpoint
+from conduit_engine.kv_format import KV_CACHE_DTYPES
 from conduit_engine.speculation.config import SpeculativeConfig
 
 GENERATION_CONFIG_MODES = ("auto", "vllm", "none")
@@ -79,8 +80,13 @@ class CacheConfig:
     num_blocks: int | None = None  # None → sized from memory_fraction
     memory_fraction: float = 0.1  # of total (CPU) or free (GPU) memory, when num_blocks is None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto (the compute dtype) | int8 | fp8 (kv_format.py)
 
     def __post_init__(self) -> None:
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+        )
         _require(
             self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
             f"--block-size must be a power of two, got {self.block_size}",

@@ -35,6 +35,7 @@ from conduit_engine.engine.request import GenerationRequest, RequestOutput
 from conduit_engine.engine.request_state import RequestState
 from conduit_engine.executor.factory import build_executor
 from conduit_engine.executor.step_batch import SeqStepResult
+from conduit_engine.kv_format import kv_element_dtype
 from conduit_engine.kv_transfer.cache_io import KvBlockStore
 from conduit_engine.kv_transfer.checks import KvTransferLimits, check_transfer_request
 from conduit_engine.kv_transfer.consumer import KvConsumer, PendingPull, replay_first_tokens
@@ -148,7 +149,7 @@ class LLMEngine:
         config = self.config.disaggregation
         # The payload layout every executor's gather/scatter uses: all of the model's KV heads.
         arch = self.arch
-        dtype = self.dtype
+        dtype = kv_element_dtype(self.dtype, self.config.cache.kv_cache_dtype)
         self.kv_layout = KvLayoutSpec(
             self.model_name, dtype, self.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim
         )

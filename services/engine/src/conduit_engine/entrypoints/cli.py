@@ -70,6 +70,12 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--block-size", int, 16, "KV cache block size in tokens (power of two)"),
     ("--kv-cache-blocks", int, None, "number of KV cache blocks (default: from the memory fraction)"),
     ("--kv-cache-memory-fraction", float, 0.1, "share of memory for the KV cache when blocks are not given"),
+    (
+        "--kv-cache-dtype",
+        str,
+        "auto",
+        "auto (the compute dtype), int8 or fp8 (e4m3): one byte per value + a scale per token and head",
+    ),
     ("--enable-prefix-caching", flag_bool, True, "reuse cached KV blocks of shared prompt prefixes"),
     ("--enable-chunked-prefill", flag_bool, True, "split long prompts over several steps"),
     (
@@ -224,6 +230,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             num_blocks=args.kv_cache_blocks,
             memory_fraction=args.kv_cache_memory_fraction,
             enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -298,6 +298,9 @@ class EngineServicer(pb_grpc.EngineServicer):
             advertise_address=self.advertise_address,
             kv_transport=core.kv_transports.kind,
             max_prompt_bytes=core.prompt_bound.max_bytes,
+            kv_cache_dtype=core.kv_layout.dtype,
+            kv_cache_tokens=core.num_blocks * core.block_size,
+            kv_block_bytes=core.kv_layout.block_bytes,
         )
 
     async def GetLoad(

@@ -57,6 +57,7 @@ def _in_process(config: EngineConfig, facts: ModelFacts) -> tuple[Executor, int]
         max_model_len=facts.max_model_len,
         use_cuda_graphs=not config.enforce_eager,
         draft=_draft(config, facts, num_blocks),
+        kv_cache_dtype=config.cache.kv_cache_dtype,
     )
     return executor, num_blocks
 

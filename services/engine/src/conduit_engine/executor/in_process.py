@@ -45,6 +45,7 @@ class InProcessExecutor:
         max_model_len: int = 2048,
         use_cuda_graphs: bool = False,
         draft: DraftRunner | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """`draft`: speculative decoding's draft model (method draft_model), over the same KV blocks."""
         self.model = model
@@ -60,6 +61,7 @@ class InProcessExecutor:
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             use_cuda_graphs=use_cuda_graphs,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self._masks = SequenceMasks(config.vocab_size, device)
         self.draft = draft

@@ -174,6 +174,7 @@ def start_workers(group: WorkerGroup, config: EngineConfig, facts: ModelFacts) -
             "block_size": config.cache.block_size,
             "max_num_seqs": config.scheduler.max_num_seqs,
             "use_cuda_graphs": not config.enforce_eager,
+            "kv_cache_dtype": config.cache.kv_cache_dtype,
         }
         group.send(control(Kind.ALLOCATE, allocate))
         group.expect(Kind.READY, ranks)

@@ -1,9 +1,11 @@
 """The shape of an engine's paged KV cache and its fingerprint (KvLayout in engine.proto).
 
-Two engines can exchange KV blocks only when their layouts are equal, byte for byte: the same model, element
-type, block size, layer count, KV heads and head size. The fingerprint is the hex SHA-256 of a canonical
-JSON encoding of those fields plus a format version, so a change of the transfer's byte layout (the
-KvChunk payload) gives every engine a new fingerprint. Torch-free: the dtype is its name ("bfloat16").
+Two engines can exchange KV blocks only when their layouts are equal, byte for byte: the same model,
+element type (a compute dtype, or "int8"/"fp8_e4m3" for a quantized cache, whose rows carry their
+scales: kv_format.py), block size, layer count, KV heads and head size. The fingerprint is the hex
+SHA-256 of a canonical JSON encoding of those fields plus a format version, so a change of the
+transfer's byte layout (the KvChunk payload) gives every engine a new fingerprint. Torch-free: the
+dtype is its name ("bfloat16").
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from conduit_engine.kv_format import kv_head_bytes
+
 # Bumped when the KvChunk payload layout changes: engines of different formats must not pair.
 KV_FORMAT_VERSION = 1
-ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8_e4m3": 1}
 
 
 def layout_fingerprint(
@@ -64,8 +68,8 @@ class KvLayoutSpec:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of every layer's K and V: one block's share of a KvChunk payload."""
-        elements = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
-        return elements * ELEMENT_BYTES[self.dtype]
+        rows = 2 * self.num_layers * self.block_size * self.num_kv_heads
+        return rows * kv_head_bytes(self.dtype, self.head_dim)
 
     def num_blocks(self, num_tokens: int) -> int:
         """Blocks holding `num_tokens` tokens (the last one may be partly filled)."""

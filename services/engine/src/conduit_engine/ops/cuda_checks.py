@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from conduit_engine.kv_format import SCALE_BYTES
 from conduit_engine.ops.base import AttentionMetadata
+from conduit_engine.ops.kv_quant import is_quantized
 
 
 def check(condition: bool, message: str) -> None:
@@ -84,6 +86,11 @@ def check_cos_sin(cos_sin_cache: torch.Tensor, head_dim: int | None = None) -> N
     check(cos_sin_cache.is_contiguous(), "cos_sin_cache: must be contiguous")
 
 
+def cache_head_dim(k_cache: torch.Tensor) -> int:
+    """head_dim of a cache: its last dimension, less the scale bytes of a quantized one (kv_quant.py)."""
+    return k_cache.shape[3] - (SCALE_BYTES if is_quantized(k_cache) else 0)
+
+
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     check(
         k_cache.dim() == 4,
@@ -92,11 +99,14 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     check(v_cache.shape == k_cache.shape, f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache")
     check_dtype("v_cache", v_cache, k_cache.dtype)
     check(k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache, v_cache: must be contiguous")
-    block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    block_size, head_dim = k_cache.shape[1], cache_head_dim(k_cache)
     check(
         block_size > 0 and block_size & (block_size - 1) == 0,
         f"k_cache: block_size must be a power of two, got {block_size}",
     )
+    if is_quantized(k_cache):  # read byte by byte; the query's dtype bounds head_dim (check_attention)
+        check(head_dim > 0 and head_dim % 2 == 0, f"k_cache: head_dim must be even, got {head_dim}")
+        return
     vec = pack_elems(k_cache.dtype)
     check(head_dim % vec == 0, f"k_cache: head_dim must be a multiple of {vec} for {k_cache.dtype}")
 
@@ -104,14 +114,14 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 def check_kv_rows(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    _, _, num_kv_heads, head_dim = k_cache.shape
+    num_kv_heads, head_dim = k_cache.shape[2], cache_head_dim(k_cache)
     num_tokens = k.shape[0]
     for name, t in (("k", k), ("v", v)):
         check(
             t.dim() == 3 and t.shape == (num_tokens, num_kv_heads, head_dim),
             f"{name}: expected [{num_tokens}, {num_kv_heads}, {head_dim}], got {tuple(t.shape)}",
         )
-        check_dtype(name, t, k_cache.dtype)
+        check_dtype(name, t, k.dtype if is_quantized(k_cache) else k_cache.dtype)
         check(
             t.stride(2) == 1 and t.stride(1) == head_dim,
             f"{name}: heads must be contiguous (strides [*, {head_dim}, 1]), got {t.stride()}",
@@ -145,9 +155,14 @@ def check_meta(meta: AttentionMetadata) -> None:
 
 
 def check_attention(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    head_dim = cache_head_dim(k_cache)
     check(q.dim() == 3 and q.shape[2] == head_dim, f"q: expected [T, Hq, {head_dim}], got {tuple(q.shape)}")
-    check_dtype("q", q, k_cache.dtype)
+    if is_quantized(k_cache):
+        vec = pack_elems(q.dtype)
+        check(head_dim % vec == 0, f"q: head_dim must be a multiple of {vec} for {q.dtype}, got {head_dim}")
+    else:
+        check_dtype("q", q, k_cache.dtype)
     check(
         q.stride(2) == 1 and q.stride(1) == head_dim, f"q: heads must be contiguous, got strides {q.stride()}"
     )

@@ -41,6 +41,7 @@ from conduit_engine.ops.base import (
 )
 from conduit_engine.ops.cuda_checks import check, pack_elems
 from conduit_engine.ops.kernel_loader import KernelArg, KernelLauncher, KernelRef
+from conduit_engine.ops.kv_quant import is_quantized
 
 _DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 _PREFILL_THREADS = 128
@@ -415,6 +416,10 @@ class CudaOps(Ops):
         num_tokens, num_q_heads, head_dim = q.shape
         if num_tokens == 0:
             return
+        if is_quantized(k_cache):  # a row's scale needs all of its rotated values: rotate, then quantize
+            self.rotary_embedding(q, k, step)
+            self._write_kv_quant(k, v, k_cache, v_cache, slot_mapping)
+            return
         pairs = (num_q_heads + k.shape[1]) * head_dim // 2
         self._launch(
             kl.rotary_write_kv_kernel(q.dtype),
@@ -452,6 +457,9 @@ class CudaOps(Ops):
         num_tokens = k.shape[0]
         if num_tokens == 0:
             return
+        if is_quantized(k_cache):
+            self._write_kv_quant(k, v, k_cache, v_cache, slot_mapping)
+            return
         row = k_cache.shape[2] * k_cache.shape[3]
         vec = pack_elems(k.dtype)
         vectorized = (
@@ -474,6 +482,33 @@ class CudaOps(Ops):
                 np.int64(k.stride(0)),
                 np.int64(v.stride(0)),
                 np.int32(vectorized),
+            ],
+        )
+
+    def _write_kv_quant(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """k, v into an int8 / fp8 cache (kv_quant.py's rows): one thread quantizes one head's row."""
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        self._launch(
+            kl.write_kv_quant_kernel(k.dtype, k_cache.dtype),
+            (k.shape[0], 1, 1),
+            (_threads_for(2 * num_kv_heads), 1, 1),
+            [
+                k,
+                v,
+                k_cache,
+                v_cache,
+                slot_mapping,
+                np.int32(num_kv_heads),
+                np.int32(head_dim),
+                np.int64(k.stride(0)),
+                np.int64(v.stride(0)),
             ],
         )
 
@@ -533,8 +568,9 @@ class CudaOps(Ops):
         partitions = max(1, math.ceil(visible / partition_size))
         partial_out, partial_max, partial_sum = _split_k_buffers(q, partitions)
         chunks = decode_lane_chunks(head_dim, q.element_size())
+        kv = kl.kv_format(k_cache.dtype)
         self._launch(
-            kl.decode_attention_kernel(q.dtype, chunks, decode_pass_heads(group, chunks)),
+            kl.decode_attention_kernel(q.dtype, chunks, decode_pass_heads(group, chunks), kv),
             (num_seqs, num_kv_heads, partitions),
             (threads, 1, 1),
             [
@@ -576,11 +612,12 @@ class CudaOps(Ops):
     def _prefill_attention(self, a: _PagedAttention) -> None:
         out, q, k_cache, v_cache, meta, scale, num_kv_heads, group, log2_block, window, softcap = a
         num_heads, head_dim = q.shape[1], q.shape[2]
-        if self.tensor_cores and uses_tensor_core_prefill(q, out, k_cache, v_cache):
+        kv = kl.kv_format(k_cache.dtype)
+        if not kv and self.tensor_cores and uses_tensor_core_prefill(q, out, k_cache, v_cache):
             kernel = kl.prefill_attention_mma_kernel(q.dtype, head_dim)
             rows, shared = MMA_PREFILL_ROWS, prefill_mma_shared_bytes(head_dim)
-        else:
-            kernel = kl.prefill_attention_kernel(q.dtype, head_dim)
+        else:  # quantized caches are dequantized into the float32 kernel's shared tiles
+            kernel = kl.prefill_attention_kernel(q.dtype, head_dim, kv)
             rows, shared = PREFILL_ROWS, prefill_shared_bytes(head_dim)
         self._launch(
             kernel,

@@ -122,19 +122,40 @@ def write_kv_kernel(dtype: torch.dtype) -> KernelRef:
     return KernelRef("cache.cu", f"write_kv_kernel<{ctype(dtype)}>")
 
 
+# Quantized KV cache formats (kernels/kv_quant.cuh) by cache dtype; 0 is the compute dtype.
+KV_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2}
+
+
+def kv_format(cache_dtype: torch.dtype) -> int:
+    return KV_FORMATS.get(cache_dtype, 0)
+
+
+def write_kv_quant_kernel(dtype: torch.dtype, cache_dtype: torch.dtype) -> KernelRef:
+    """The quantizing cache write: k/v of `dtype` into an int8 or fp8 cache."""
+    return KernelRef("cache.cu", f"write_kv_quant_kernel<{ctype(dtype)}, {KV_FORMATS[cache_dtype]}>")
+
+
 DECODE_VARIANTS = ((1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4))  # (chunks, group) specialised
 
 
-def decode_attention_kernel(dtype: torch.dtype, chunks: int = 1, group: int = 8) -> KernelRef:
+def decode_attention_kernel(dtype: torch.dtype, chunks: int = 1, group: int = 8, kv: int = 0) -> KernelRef:
     """`chunks`: 16-byte chunks of a K/V row per lane (1 up to 32 chunks a row, 2 up to 64); `group`:
-    query heads per pass over the KV (a power of two, group x chunks <= 8)."""
+    query heads per pass over the KV (a power of two, group x chunks <= 8); `kv`: the cache's format
+    (`kv_format`: 0 the compute dtype, 1 int8, 2 fp8)."""
     if (chunks, group) not in DECODE_VARIANTS:
         raise ValueError(f"no decode attention kernel for chunks={chunks}, group={group}")
     name = f"paged_decode_attention_kernel<{ctype(dtype)}, {chunks}, {group}>"
+    if kv:
+        name = f"paged_decode_attention_kernel<{ctype(dtype)}, {chunks}, {group}, {kv}>"
     return KernelRef("decode_attention.cu", name)
 
 
-def prefill_attention_kernel(dtype: torch.dtype, head_dim: int) -> KernelRef:
+def prefill_attention_kernel(dtype: torch.dtype, head_dim: int, kv: int = 0) -> KernelRef:
+    """The float32-arithmetic prefill kernel; `kv` as for decode_attention_kernel."""
+    if kv:
+        return KernelRef(
+            "prefill_attention.cu", f"paged_prefill_attention_kernel<{ctype(dtype)}, {head_dim}, {kv}>"
+        )
     return KernelRef("prefill_attention.cu", f"paged_prefill_attention_kernel<{ctype(dtype)}, {head_dim}>")
 
 
@@ -148,12 +169,17 @@ def prefill_attention_mma_kernel(dtype: torch.dtype, head_dim: int) -> KernelRef
 APPLY_TOKEN_BITMASK_KERNEL = KernelRef("bitmask.cu", "apply_token_bitmask_kernel")
 
 
+def _block_ctype(dtype: torch.dtype) -> str:
+    """Element type of whole-block copies: a quantized cache (codes and scales) moves as bytes."""
+    return "unsigned char" if dtype in KV_FORMATS else ctype(dtype)
+
+
 def gather_kv_blocks_kernel(dtype: torch.dtype) -> KernelRef:
-    return KernelRef("kv_transfer.cu", f"gather_kv_blocks_kernel<{ctype(dtype)}>")
+    return KernelRef("kv_transfer.cu", f"gather_kv_blocks_kernel<{_block_ctype(dtype)}>")
 
 
 def scatter_kv_blocks_kernel(dtype: torch.dtype) -> KernelRef:
-    return KernelRef("kv_transfer.cu", f"scatter_kv_blocks_kernel<{ctype(dtype)}>")
+    return KernelRef("kv_transfer.cu", f"scatter_kv_blocks_kernel<{_block_ctype(dtype)}>")
 
 
 def quantize_rows_int8_kernel(dtype: torch.dtype) -> KernelRef:
@@ -184,7 +210,12 @@ def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int])
             int8_gemm_kernel(dtype),
         ]
         refs += [prefill_attention_kernel(dtype, head_dim) for head_dim in head_dims]
+        for cache_dtype, kv in KV_FORMATS.items():  # --kv-cache-dtype int8 | fp8
+            refs.append(write_kv_quant_kernel(dtype, cache_dtype))
+            refs += [decode_attention_kernel(dtype, chunks, group, kv) for chunks, group in DECODE_VARIANTS]
+            refs += [prefill_attention_kernel(dtype, head_dim, kv) for head_dim in head_dims]
         if dtype in (torch.float16, torch.bfloat16):
             refs += [prefill_attention_mma_kernel(dtype, hd) for hd in head_dims if hd % 16 == 0]
     refs.append(APPLY_TOKEN_BITMASK_KERNEL)
+    refs += [gather_kv_blocks_kernel(torch.int8), scatter_kv_blocks_kernel(torch.int8)]
     return refs

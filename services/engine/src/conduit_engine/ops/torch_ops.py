@@ -14,6 +14,7 @@ from conduit_engine.ops.base import (
     check_gather_out,
     check_kv_block_args,
 )
+from conduit_engine.ops.kv_quant import dequantize, is_quantized, quantize
 
 
 class TorchOps(Ops):
@@ -68,8 +69,10 @@ class TorchOps(Ops):
         valid = slot_mapping >= 0
         if not bool(valid.all()):
             k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+        for x, cache in ((k, k_cache), (v, v_cache)):
+            if is_quantized(cache):  # codes and scales, copied as bytes
+                x, cache = quantize(x, cache.dtype).view(torch.uint8), cache.view(torch.uint8)
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)
 
     def attention(
         self,
@@ -86,8 +89,6 @@ class TorchOps(Ops):
         if meta.is_decode_only:
             return self._decode_attention(q, k_cache, v_cache, step, scale, sliding_window, logit_softcap)
         out = torch.empty_like(q)
-        k_flat = k_cache.view(-1, *k_cache.shape[2:])
-        v_flat = v_cache.view(-1, *v_cache.shape[2:])
         # Layers with different windows read different spans of the context: one gather per window.
         key = f"context_spans:{sliding_window}"
         spans = step.scratch.get(key)
@@ -99,8 +100,8 @@ class TorchOps(Ops):
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
             first_key, slots = spans[i]  # type: ignore[index]
-            k = k_flat.index_select(0, slots).transpose(0, 1)
-            v = v_flat.index_select(0, slots).transpose(0, 1)
+            k = _read_slots(k_cache, slots, q.dtype).transpose(0, 1)
+            v = _read_slots(v_cache, slots, q.dtype).transpose(0, 1)
             qi = q[start : start + q_len].transpose(0, 1)
             mask = _chunk_mask(q_len, seq_len - q_len - first_key, k.shape[1], sliding_window, q.device)
             out[start : start + q_len] = _attend(qi, k, v, scale, mask, logit_softcap).transpose(0, 1)
@@ -125,16 +126,8 @@ class TorchOps(Ops):
             gather = step.scratch[key] = _decode_gather(meta, q.device, sliding_window)
         slots, mask = gather  # type: ignore[misc]
         num_seqs, length = mask.shape
-        k = (
-            k_cache.view(-1, *k_cache.shape[2:])
-            .index_select(0, slots)
-            .view(num_seqs, length, *k_cache.shape[2:])
-        )
-        v = (
-            v_cache.view(-1, *v_cache.shape[2:])
-            .index_select(0, slots)
-            .view(num_seqs, length, *v_cache.shape[2:])
-        )
+        k = _read_slots(k_cache, slots, q.dtype).view(num_seqs, length, k_cache.shape[2], -1)
+        v = _read_slots(v_cache, slots, q.dtype).view(num_seqs, length, v_cache.shape[2], -1)
         out = _attend(
             q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), scale, mask[:, None, None, :], logit_softcap
         )
@@ -165,7 +158,7 @@ class TorchOps(Ops):
         assert buffer is not None
         for layer, pair in enumerate(kv_caches):
             for kv, cache in enumerate(pair):
-                torch.index_select(cache, 0, block_ids, out=buffer[layer, kv])
+                torch.index_select(_as_bytes(cache), 0, block_ids, out=_as_bytes(buffer[layer, kv]))
         if out is not None and not same_device:
             out.copy_(buffer)
             return out
@@ -180,7 +173,21 @@ class TorchOps(Ops):
         check_kv_block_args(kv_caches, block_ids, buffer)
         for layer, pair in enumerate(kv_caches):
             for kv, cache in enumerate(pair):
-                cache.index_copy_(0, block_ids, buffer[layer, kv])
+                _as_bytes(cache).index_copy_(0, block_ids, _as_bytes(buffer[layer, kv]))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A quantized cache (or transfer buffer) as its bytes: torch's index ops take no float8."""
+    return t.view(torch.uint8) if is_quantized(t) else t
+
+
+def _read_slots(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows [n, Hk, D] of cache slots `slots` [n], in `dtype` (dequantized from a quantized cache)."""
+    if not is_quantized(cache):
+        return cache.view(-1, *cache.shape[2:]).index_select(0, slots)
+    raw = cache.view(torch.uint8)
+    rows = raw.view(-1, *raw.shape[2:]).index_select(0, slots).view(cache.dtype)
+    return dequantize(rows, dtype)
 
 
 def _decode_gather(

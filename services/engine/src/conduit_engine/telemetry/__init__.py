@@ -22,7 +22,7 @@ from prometheus_client import start_http_server
 from conduit_common.tracing import otlp_tracer_provider
 from conduit_engine.config import TelemetryConfig
 from conduit_engine.engine.llm_engine import EngineStats
-from conduit_engine.telemetry.metrics import EngineMetrics
+from conduit_engine.telemetry.metrics import EngineMetrics, KvCacheInfo
 from conduit_engine.telemetry.tracing import EngineTracing, RequestTrace, kv_transfer_span
 
 if TYPE_CHECKING:  # the async engine imports kv_transfer_span from here
@@ -79,8 +79,10 @@ class EngineTelemetry:
                 "block_size": str(core.block_size),
                 "num_gpu_blocks": str(core.num_blocks),
                 "enable_prefix_caching": str(core.config.cache.enable_prefix_caching),
+                "cache_dtype": core.config.cache.kv_cache_dtype,
             }
-            self.metrics.state.bind(self._read_stats, core.model_name, cache_info)
+            kv_cache = KvCacheInfo(core.kv_layout.dtype, core.block_size, core.kv_layout.block_bytes)
+            self.metrics.state.bind(self._read_stats, core.model_name, cache_info, kv_cache)
             observers.append(self.metrics)
         if self._provider is not None:
             self.tracing = EngineTracing(self._provider, core.model_name)

@@ -8,6 +8,7 @@ exports the four vLLM names Kubernetes inference routers read, with vLLM's meani
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -174,6 +175,16 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
 
+@dataclass(frozen=True, slots=True)
+class KvCacheInfo:
+    """What the KV cache stores and how much: its element dtype (kv_format.py), tokens per block, and
+    bytes per block over all layers (scales included)."""
+
+    dtype: str
+    block_size: int
+    block_bytes: int
+
+
 class EngineStateCollector(Collector):
     """Gauges of the engine's state, read at scrape time once `bind()` has given it a source."""
 
@@ -182,11 +193,19 @@ class EngineStateCollector(Collector):
         self._read: Callable[[], EngineStats | None] = lambda: None
         self._model = ""
         self._cache_info: dict[str, str] = {}
+        self._kv_cache: KvCacheInfo | None = None
 
-    def bind(self, read: Callable[[], EngineStats | None], model: str, cache_info: dict[str, str]) -> None:
+    def bind(
+        self,
+        read: Callable[[], EngineStats | None],
+        model: str,
+        cache_info: dict[str, str],
+        kv_cache: KvCacheInfo | None = None,
+    ) -> None:
         """`read` returns the engine's stats (None when it cannot); `cache_info` is the labels of
-        vllm:cache_config_info."""
+        vllm:cache_config_info; `kv_cache` the cache's format and size (its info and capacity gauges)."""
         self._read, self._model, self._cache_info = read, model, cache_info
+        self._kv_cache = kv_cache
 
     def collect(self) -> Iterator[Metric]:
         stats = self._read()
@@ -208,6 +227,8 @@ class EngineStateCollector(Collector):
             blocks.cached,
         )
         yield _gauge("conduit_engine_kv_cache_usage_ratio", "KV blocks used / total (0 to 1).", usage)
+        if self._kv_cache is not None:
+            yield from _kv_cache_gauges(self._kv_cache, blocks.total)
         yield _gauge(
             "conduit_engine_prefix_cache_hit_rate",
             "Prompt tokens served from the prefix cache / prompt tokens looked up, since start.",
@@ -278,6 +299,26 @@ def _spec_decode(
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _kv_cache_gauges(kv: KvCacheInfo, total_blocks: int) -> Iterator[Metric]:
+    info = GaugeMetricFamily(
+        "conduit_engine_kv_cache_info",
+        "The KV cache's element dtype (the compute dtype, int8 or fp8_e4m3) and bytes per block.",
+        labels=["dtype", "block_bytes"],
+    )
+    info.add_metric([kv.dtype, str(kv.block_bytes)], 1)
+    yield info
+    yield _gauge(
+        "conduit_engine_kv_cache_capacity_tokens",
+        "Tokens the KV cache holds (blocks x block size).",
+        total_blocks * kv.block_size,
+    )
+    yield _gauge(
+        "conduit_engine_kv_cache_bytes",
+        "Bytes of the KV cache (all blocks, scales included).",
+        total_blocks * kv.block_bytes,
+    )
 
 
 def _kv_transfers(stats: EngineStats) -> Iterator[Metric]:

@@ -21,9 +21,10 @@ import threading
 import torch
 
 from conduit_engine.config import EngineConfig
+from conduit_engine.kv_format import kv_element_dtype, kv_head_bytes
 from conduit_engine.layers.decoder import KVCache
 from conduit_engine.models.config import ArchConfig
-from conduit_engine.models.facts import DTYPE_BYTES, ModelFacts
+from conduit_engine.models.facts import ModelFacts
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,11 @@ _POPULATE_CHUNK = 4 << 20
 _MAX_AUTO_BLOCKS_FACTOR = 2
 
 
-def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: str) -> int:
-    """Bytes of one KV block over all layers (keys and values) of `arch`'s KV heads."""
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * DTYPE_BYTES[dtype]
+def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one KV block over all layers (keys and values) of `arch`'s KV heads, in the compute
+    `dtype` or quantized (`kv_cache_dtype` int8/fp8: a byte per value plus each row's scale)."""
+    head = kv_head_bytes(kv_element_dtype(dtype, kv_cache_dtype), arch.head_dim)
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * head
 
 
 def host_kv_budget(config: EngineConfig) -> int:
@@ -62,7 +65,7 @@ def size_kv_cache(
     """Blocks every rank can hold, each rank's cache over `local`'s KV heads: on CUDA the least free device
     memory of `free_device` (one entry per rank, after loading), on the CPU the host budget shared by all
     ranks' shards."""
-    per_rank = kv_block_bytes(local, config.cache.block_size, facts.dtype)
+    per_rank = kv_block_bytes(local, config.cache.block_size, facts.dtype, config.cache.kv_cache_dtype)
     if config.model.device == "cuda":
         free = min(int(b) for b in free_device if b is not None)
         affordable = int(free * config.cache.memory_fraction) // per_rank

@@ -18,6 +18,7 @@ import torch
 from conduit_engine.layers.decoder import KVCache
 from conduit_engine.models.base import CausalLM
 from conduit_engine.ops import AttentionMetadata
+from conduit_engine.ops.kv_quant import cache_layout
 from conduit_engine.sampling.grammar_mask import StepBitmask, apply_grammar_mask
 from conduit_engine.sampling.logprobs import compute_prompt_logprobs
 from conduit_engine.sampling.metadata import metadata_from_plan
@@ -40,14 +41,16 @@ class ModelRunner:
         max_num_seqs: int = 64,
         max_model_len: int = 2048,
         use_cuda_graphs: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         self.samples = samples  # whether this rank masks, samples and answers (rank 0)
         local = model.local_config
-        shape = (num_blocks, block_size, local.num_kv_heads, local.head_dim)
-        self.kv_caches: list[KVCache] = allocate_kv_caches(local.num_layers, shape, dtype, self.device)
+        cache_dtype, row = cache_layout(kv_cache_dtype, dtype, local.head_dim)
+        shape = (num_blocks, block_size, local.num_kv_heads, row)
+        self.kv_caches: list[KVCache] = allocate_kv_caches(local.num_layers, shape, cache_dtype, self.device)
         populate_in_background(self.kv_caches)
         for k_cache, v_cache in self.kv_caches:
             model.ops.check_kv_cache(k_cache, v_cache)

@@ -157,6 +157,7 @@ class Worker:
             max_num_seqs=spec["max_num_seqs"],
             max_model_len=self.init["max_model_len"],
             use_cuda_graphs=spec["use_cuda_graphs"],
+            kv_cache_dtype=spec["kv_cache_dtype"],
         )
 
     def serve(self, commands: Connection, replies: Connection) -> None:
