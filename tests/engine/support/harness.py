@@ -9,6 +9,7 @@ from conduit_engine.config import (
     CacheConfig,
     DisaggregationConfig,
     EngineConfig,
+    LoraConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -47,6 +48,7 @@ def make_engine(
     cpu_kernels: str = "auto",
     max_decode_steps: int = 8,
     decode_burst_ms: float = 5.0,
+    lora: LoraConfig | None = None,
 ) -> LLMEngine:
     """An engine on `model`; with tensor_parallel_size > 1 or worker_process, its worker processes run
     until `engine.shutdown()`."""
@@ -71,6 +73,7 @@ def make_engine(
             ),
             parallel=ParallelConfig(tensor_parallel_size, worker_process),
             disaggregation=DisaggregationConfig(role=role),
+            lora=lora or LoraConfig(),
         )
     )
 

@@ -14,6 +14,8 @@ from conduit_engine.models.facts import ModelFacts
 
 if TYPE_CHECKING:
     from conduit_engine.executor.worker_group import WorkerGroup
+    from conduit_engine.lora.manager import LoraManager
+    from conduit_engine.models.base import CausalLM
 
 
 def build_executor(
@@ -23,6 +25,13 @@ def build_executor(
     when None and the configuration needs them. Raises ModelLoadError; no worker survives a failed start."""
     if not config.parallel.uses_workers:
         return _in_process(config, facts)
+    if config.lora.enable_lora:
+        from conduit_engine.errors import ModelLoadError
+
+        raise ModelLoadError(
+            "--enable-lora: adapters run with the model in the engine process; not yet with "
+            "--tensor-parallel-size > 1 or --worker-process"
+        )
     from conduit_engine.executor.multiproc import start_multiproc
 
     return start_multiproc(config, facts, workers)
@@ -35,6 +44,7 @@ def _in_process(config: EngineConfig, facts: ModelFacts) -> tuple[Executor, int]
     from conduit_engine.worker.loading import free_device_bytes, load_in_process
 
     model = load_in_process(config, facts)
+    lora = _lora_manager(config, model) if config.lora.enable_lora else None
     free = free_device_bytes(next(model.parameters()).device)
     num_blocks = size_kv_cache(config, facts, facts.arch, 1, [free])
     executor = InProcessExecutor(
@@ -48,5 +58,30 @@ def _in_process(config: EngineConfig, facts: ModelFacts) -> tuple[Executor, int]
         max_num_seqs=config.scheduler.max_num_seqs,
         max_model_len=facts.max_model_len,
         use_cuda_graphs=not config.enforce_eager,
+        lora=lora,
     )
     return executor, num_blocks
+
+
+def _lora_manager(config: EngineConfig, model: CausalLM) -> LoraManager:
+    """The adapter pool (allocated before the KV cache is sized) with --lora-modules loaded."""
+    import logging
+
+    from conduit_engine.errors import InvalidRequestError, ModelLoadError
+    from conduit_engine.lora.manager import LoraManager
+
+    lc = config.lora
+    manager = LoraManager(model, lc.max_loras, lc.cpu_loras, lc.max_lora_rank, config.model.download_dir)
+    logging.getLogger(__name__).info(
+        "LoRA: %d slots of rank %d (%.1f MiB), %d adapters kept in memory",
+        lc.max_loras,
+        lc.max_lora_rank,
+        manager.pool.nbytes / 2**20,
+        lc.cpu_loras,
+    )
+    for name, path in lc.lora_modules:
+        try:
+            manager.load(name, path)
+        except InvalidRequestError as exc:
+            raise ModelLoadError(f"--lora-modules {name}={path}: {exc}") from exc
+    return manager

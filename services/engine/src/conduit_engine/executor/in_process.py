@@ -15,6 +15,7 @@ import torch
 from conduit_engine.core.scheduler_output import SchedulerOutput
 from conduit_engine.executor.step_batch import SeqStepResult, build_step, collect_passes, collect_results
 from conduit_engine.layers.decoder import KVCache
+from conduit_engine.lora.manager import LoraManager
 from conduit_engine.models.base import CausalLM
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.structured.batch_mask import SequenceMasks
@@ -36,8 +37,11 @@ class InProcessExecutor:
         max_num_seqs: int = 64,
         max_model_len: int = 2048,
         use_cuda_graphs: bool = False,
+        lora: LoraManager | None = None,
     ) -> None:
+        """`lora`: the adapters (--enable-lora); its pool was allocated before the KV cache was sized."""
         self.model = model
+        self.lora = lora
         self.config = config
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
@@ -59,9 +63,12 @@ class InProcessExecutor:
 
     def execute(self, out: SchedulerOutput) -> list[SeqStepResult]:
         batch, sampling_seqs = build_step(out, self.block_size, self.eos_token_ids)
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.batch([item.seq.lora_name for item in out.scheduled], batch.query_lens)
         if out.num_passes > 1:
-            return collect_passes(out, self.runner.run_passes(batch, out.num_passes))
-        step = self.runner.run(batch, self._masks.build(sampling_seqs))
+            return collect_passes(out, self.runner.run_passes(batch, out.num_passes, lora))
+        step = self.runner.run(batch, self._masks.build(sampling_seqs), lora)
         assert step is not None  # the whole model samples
         return collect_results(out, batch, sampling_seqs, step)
 

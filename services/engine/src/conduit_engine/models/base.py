@@ -17,7 +17,7 @@ from conduit_engine.layers.norm import RMSNorm
 from conduit_engine.layers.rotary import cos_sin_cache
 from conduit_engine.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from conduit_engine.models.config import ArchConfig
-from conduit_engine.ops import AttentionMetadata, DecoderRunner, Ops
+from conduit_engine.ops import AttentionMetadata, DecoderRunner, LoraBatch, Ops
 
 if TYPE_CHECKING:
     from conduit_engine.models.sharding import ModelShard
@@ -85,13 +85,16 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] int64 → final hidden states [T, H]."""
+        """input_ids, positions [T] int64 → final hidden states [T, H]. `lora`: the rows that run an
+        adapter; a step with any runs the layers one by one (a compiled stack knows no adapters)."""
         step = self.ops.begin_step(positions, meta, self.cos_sin)
+        step.lora = lora
         x = self.embed_tokens(input_ids)
         if self._embed_scale is not None:
             x = x * self._embed_scale
-        if self._decoder is not None:
+        if self._decoder is not None and lora is None:
             x, residual = self._decoder(x, kv_caches, step)
         else:
             residual = None

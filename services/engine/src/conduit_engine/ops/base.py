@@ -54,6 +54,29 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass(frozen=True, slots=True)
+class LoraWeights:
+    """One linear layer's LoRA pool: every adapter slot's matrices, zero where an adapter has none (and past
+    its rank). Output column n belongs to slice s (the q, k, v of a fused qkv projection; one slice for an
+    unfused layer): `splits` are the slices' widths. The adapter's scaling is already folded into b."""
+
+    a: torch.Tensor  # [slots, S, R, K]: the shrink (lora_A) of each slice
+    b: torch.Tensor  # [slots, N, R]: the expand (scale · lora_B), rows of slice s read shrink slice s
+    splits: tuple[int, ...]  # widths of the S output slices (sum N)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraBatch:
+    """Which adapter slot each packed row of a step uses (-1: the base model, no delta).
+
+    `groups` lists each slot present with its rows (a slice when they are contiguous, else an int64 index
+    tensor), for backends that run one shrink and one expand per adapter (the punica / S-LoRA grouping);
+    `row_slots` is the same per row, for kernels that walk rows."""
+
+    row_slots: torch.Tensor  # [T] int32 on the model's device
+    groups: tuple[tuple[int, slice | torch.Tensor], ...]
+
+
 @dataclass(slots=True)
 class StepContext:
     """What every layer of one step shares, made once per step by `Ops.begin_step`.
@@ -67,6 +90,7 @@ class StepContext:
     meta: AttentionMetadata
     cos_sin_cache: torch.Tensor  # [max_positions, head_dim] float32: cos in [:, :D/2], sin in [:, D/2:]
     scratch: dict[str, object] = field(default_factory=dict)
+    lora: LoraBatch | None = None  # the step's adapter rows; None: every row runs the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +168,24 @@ class Ops(ABC):
         The default is torch's (oneDNN/MKL on the CPU, cuBLAS on CUDA); a backend overrides it where it
         has a faster kernel for some shapes."""
         return F.linear(x, weight, bias)
+
+    def lora_delta(self, y: torch.Tensor, x: torch.Tensor, w: LoraWeights, batch: LoraBatch) -> None:
+        """y [T, N] += each row's LoRA delta, in place: for a row of slot s, slice j of its output gets
+        (x · a[s, j]ᵀ) · b[s, rows of j]ᵀ; rows of slot -1 are untouched. x [T, K]; y, x, a, b share a
+        dtype. The reference: per adapter, one shrink over its rows and one expand per slice."""
+        num_slices, rank, k = w.a.shape[1:]
+        for slot, rows in batch.groups:
+            h = x[rows] @ w.a[slot].reshape(num_slices * rank, k).t()  # [t, S*R]
+            parts = []
+            start = 0
+            for j, width in enumerate(w.splits):
+                parts.append(h[:, j * rank : (j + 1) * rank] @ w.b[slot, start : start + width].t())
+                start += width
+            delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            if isinstance(rows, slice):
+                y[rows] += delta
+            else:
+                y.index_add_(0, rows, delta)
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
