@@ -7,6 +7,7 @@ ops and the CPU kernels; the same tokens with prefix caching, chunked prefill an
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from conduit_engine.config import LoraConfig
 from conduit_engine.engine.request import GenerationRequest
+from conduit_engine.errors import FailedPreconditionError, InvalidRequestError, ModelLoadError
 from conduit_engine.models.architectures import read_arch_config
 from tests.engine.support.harness import greedy, make_engine, run_to_completion
 from tests.engine.support.lora_factory import load_merged, make_adapter
@@ -168,3 +170,111 @@ def test_the_prefix_cache_never_serves_one_adapters_kv_to_another(family):
     # reuses its blocks.
     assert cached[0] == cached[1] == cached[2] == 0
     assert cached[3] > 0 and cached[4] > 0
+
+
+# ----- loading, refusals, the pool and its slots (llama) --------------------------------------------------
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama-lora")
+    model = make_tiny_model(root / "model", **ARCHS["llama-linear"])
+    adapters = {f"a{i}": make_adapter(model, root / f"a{i}", r=4, seed=i) for i in range(1, 4)}
+    return root, model, adapters
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(use_dora=True), "DoRA (use_dora: true) is not supported"),
+        (dict(modules_to_save=["lm_head"]), "modules_to_save (lm_head) is not supported"),
+        (dict(targets=["embed_tokens", "q_proj"]), "embedding LoRA (embed_tokens) is not supported"),
+        (dict(bias="lora_only"), "bias 'lora_only' is not supported"),
+        (dict(r=16), "rank 16 exceeds --max-lora-rank 8"),
+    ],
+)
+def test_unsupported_adapters_are_refused_saying_which_option(llama, options, message):
+    root, model, adapters = llama
+    options = dict(options)
+    r = options.pop("r", 4)
+    extra = {k: v for k, v in options.items() if k != "bias"}
+    path = make_adapter(model, root / f"bad-{len(message)}", r=r, **extra)
+    if "bias" in options:  # PEFT would train a bias: the config says so
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        cfg["bias"] = options["bias"]
+        (path / "adapter_config.json").write_text(json.dumps(cfg))
+    engine = lora_engine(model, {})
+    with pytest.raises(InvalidRequestError) as err:
+        engine.load_lora("bad", str(path))
+    assert err.value.field == "lora_path"
+    assert message in str(err.value)
+    assert engine.list_loras() == []
+
+
+def test_an_adapter_of_another_base_model_is_refused(llama, tmp_path):
+    root, model, adapters = llama
+    other = make_tiny_model(tmp_path / "other", hidden_size=32, num_heads=2, num_kv_heads=1)
+    engine = lora_engine(other, {})
+    with pytest.raises(
+        InvalidRequestError,
+        match="made for another base model: layer 0 mlp.down_proj maps 96 → 64 features, this model.s 96 → 3",
+    ):
+        engine.load_lora("a1", str(adapters["a1"]))
+    with pytest.raises(ModelLoadError, match="--lora-modules a1="):
+        lora_engine(other, {"a1": adapters["a1"]})
+
+
+def test_one_slot_and_one_adapter_in_memory_still_serve_three_adapters(llama):
+    """--max-loras 1: the scheduler runs one adapter's requests at a time (beside the base model's);
+    --max-cpu-loras 1: the others are read again from their folders when their turn comes."""
+    _, model, adapters = llama
+    refs = {None: load_hf(model), **{n: load_merged(model, p) for n, p in adapters.items()}}
+    engine = lora_engine(model, adapters, max_loras=1, max_cpu_loras=1, max_lora_rank=4)
+    assert [a.loaded for a in engine.list_loras()] == [False, False, True]
+    jobs = {f"{a}-{i}": (a, p) for i, p in enumerate(prompts(2, 2)) for a in (None, *adapters)}
+    steps = record_adapters(engine)
+    submit(engine, jobs)
+    check_parity("llama", refs, jobs, run_to_completion(engine))
+    assert all(len(step - {None}) <= 1 for step in steps)
+    assert sum(1 for a in engine.list_loras() if a.loaded) == 1
+    # Loading never touched the KV cache: the same tensors as at start.
+    assert engine.executor.kv_caches[0][0].data_ptr() == engine.executor.runner.kv_caches[0][0].data_ptr()
+
+
+def test_unload_waits_for_the_adapters_requests_and_a_reload_computes_afresh(llama):
+    _, model, adapters = llama
+    engine = lora_engine(model, {"a1": adapters["a1"]}, max_lora_rank=4)
+    prompt = prompts(6, 3)[2]
+    submit(engine, {"r": ("a1", prompt)})
+    with pytest.raises(FailedPreconditionError, match="'a1' has 1 request"):
+        engine.unload_lora("a1")
+    run_to_completion(engine)
+    engine.unload_lora("a1")
+    with pytest.raises(InvalidRequestError, match="model: no LoRA adapter 'a1' is loaded"):
+        submit(engine, {"s": ("a1", prompt)})
+    # Loaded again under the same name (here other weights): its old blocks are never found.
+    engine.load_lora("a1", str(adapters["a2"]))
+    submit(engine, {"t": ("a1", prompt)})
+    results = run_to_completion(engine)
+    assert results[("t", 0)].final.usage.cached_tokens == 0
+    assert (
+        results[("t", 0)].token_ids
+        == hf_greedy_logprobs(load_merged(model, adapters["a2"]), prompt, NEW_TOKENS)[0]
+    )
+
+
+def test_lora_modules_flag_parses_name_equals_path():
+    from conduit_engine.entrypoints.cli import build_parser, config_from_args
+
+    args = build_parser({}).parse_args(
+        ["--model", "m", "--enable-lora", "--lora-modules", "a=/x", "b=org/name", "--max-loras", "2"]
+    )
+    config = config_from_args(args).lora
+    assert config.lora_modules == (("a", "/x"), ("b", "org/name")) and config.max_loras == 2
+    assert config.cpu_loras == 2 and config.max_lora_rank == 16
+    env = build_parser({"CONDUIT_LORA_MODULES": "a=/x b=/y", "CONDUIT_ENABLE_LORA": "1"}).parse_args(
+        ["--model", "m"]
+    )
+    assert config_from_args(env).lora.lora_modules == (("a", "/x"), ("b", "/y"))
+    with pytest.raises(ValueError, match="--lora-modules: expected NAME=PATH, got 'a'"):
+        config_from_args(
+            build_parser({}).parse_args(["--model", "m", "--enable-lora", "--lora-modules", "a"])
+        )

@@ -270,8 +270,8 @@ class LLMEngine:
 
     def _lora_manager(self) -> LoraManager:
         if self.lora is None:
-            raise InvalidRequestError(
-                "lora_name", "LoRA adapters are not enabled on this engine (--enable-lora)"
+            raise FailedPreconditionError(
+                "LoRA adapters are not enabled on this engine (start it with --enable-lora)"
             )
         return self.lora
 

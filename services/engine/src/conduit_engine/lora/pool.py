@@ -46,7 +46,7 @@ class LoraPool:
 
     def check(self, adapter: LoraAdapter) -> None:
         """Raise AdapterError unless every matrix of `adapter` fits this model's layers."""
-        for (layer, module), (a, b) in adapter.weights.items():
+        for (layer, module), (a, b) in sorted(adapter.weights.items()):
             if layer >= self.num_layers:
                 raise AdapterError(
                     adapter.name,
