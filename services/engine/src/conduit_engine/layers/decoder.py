@@ -79,4 +79,8 @@ class DecoderLayer(nn.Module):
             sliding_window=attn.sliding_window,
             logit_softcap=attn.logit_softcap,
             gelu=mlp.gelu,
+            qkv_lora=attn.qkv_proj.lora,
+            o_lora=attn.o_proj.lora,
+            gate_up_lora=mlp.gate_up_proj.lora,
+            down_lora=mlp.down_proj.lora,
         )

@@ -39,6 +39,7 @@ class LoraPool:
             )
             b = torch.zeros(max_loras, linear.out_features, max_rank, dtype=param.dtype, device=param.device)
             linear.lora = LoraWeights(a, b, splits)
+        model.compile_decoder()  # a one-call decoder now adds the deltas too
 
     @property
     def nbytes(self) -> int:

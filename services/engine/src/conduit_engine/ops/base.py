@@ -121,6 +121,12 @@ class DecoderLayerSpec:
     sliding_window: int | None
     logit_softcap: float | None
     gelu: bool  # tanh-GELU gate (else SiLU)
+    # The projections' adapter pools (lora/pool.py), with LoRA enabled: a runner given them adds each row's
+    # delta when a step's StepContext.lora says which rows run which slot.
+    qkv_lora: LoraWeights | None = None
+    o_lora: LoraWeights | None = None
+    gate_up_lora: LoraWeights | None = None
+    down_lora: LoraWeights | None = None
 
 
 # (hidden states after the embedding, every layer's (k_cache, v_cache), the step) → (last layer's output,

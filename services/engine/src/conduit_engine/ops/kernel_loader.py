@@ -30,6 +30,7 @@ KERNEL_SOURCES = (
     "prefill_attention.cu",
     "bitmask.cu",
     "kv_transfer.cu",
+    "lora.cu",
 )
 
 _CTYPES = {torch.float32: "float", torch.float16: "conduit::f16", torch.bfloat16: "conduit::bf16"}
@@ -155,6 +156,14 @@ def scatter_kv_blocks_kernel(dtype: torch.dtype) -> KernelRef:
     return KernelRef("kv_transfer.cu", f"scatter_kv_blocks_kernel<{ctype(dtype)}>")
 
 
+def lora_shrink_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("lora.cu", f"lora_shrink_kernel<{ctype(dtype)}>")
+
+
+def lora_expand_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("lora.cu", f"lora_expand_kernel<{ctype(dtype)}>")
+
+
 def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int]) -> list[KernelRef]:
     """Every specialisation the CUDA ops may launch for these model dtypes and head sizes."""
     refs: list[KernelRef] = []
@@ -170,6 +179,8 @@ def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int])
             *(decode_attention_kernel(dtype, chunks, group) for chunks, group in DECODE_VARIANTS),
             gather_kv_blocks_kernel(dtype),
             scatter_kv_blocks_kernel(dtype),
+            lora_shrink_kernel(dtype),
+            lora_expand_kernel(dtype),
         ]
         refs += [prefill_attention_kernel(dtype, head_dim) for head_dim in head_dims]
         if dtype in (torch.float16, torch.bfloat16):

@@ -1,0 +1,65 @@
+// LoRA deltas on the CPU kernels (lora.h): per adapter slot, one shrink and one expand per output slice
+// over that slot's rows (the punica / S-LoRA grouping), each a call of the linear kernels (ops.h).
+#include "lora.h"
+
+#include <map>
+
+namespace conduit_cpu {
+
+LoraGroups lora_groups(const at::Tensor& row_slots) {
+  TORCH_CHECK(row_slots.dim() == 1 && row_slots.scalar_type() == at::kInt && row_slots.is_contiguous(),
+              "lora row_slots: expected a contiguous 1-D int32 tensor");
+  const int32_t* slots = row_slots.data_ptr<int32_t>();
+  const int64_t T = row_slots.numel();
+  std::map<int32_t, std::vector<int64_t>> rows;
+  for (int64_t t = 0; t < T; ++t)
+    if (slots[t] >= 0) rows[slots[t]].push_back(t);
+  LoraGroups groups;
+  for (auto& [slot, list] : rows) {
+    LoraGroups::Group g;
+    g.slot = slot;
+    if (list.back() - list.front() + 1 == static_cast<int64_t>(list.size())) {
+      g.begin = list.front();
+      g.count = static_cast<int64_t>(list.size());
+    } else {
+      g.rows = at::tensor(list, at::TensorOptions().dtype(at::kLong));
+      g.count = static_cast<int64_t>(list.size());
+    }
+    groups.groups.push_back(std::move(g));
+  }
+  return groups;
+}
+
+void lora_delta(const KernelTable& table, at::Tensor& y, const at::Tensor& x, const LoraLayer& w,
+                const LoraGroups& groups) {
+  TORCH_CHECK(w.a.dim() == 4 && w.b.dim() == 3, "lora_delta: a must be [slots, S, R, K] and b [slots, N, R]");
+  const int64_t S = w.a.size(1), R = w.a.size(2), K = w.a.size(3), N = w.b.size(1);
+  TORCH_CHECK(static_cast<int64_t>(w.splits.size()) == S, "lora_delta: ", w.splits.size(), " splits for ", S,
+              " slices");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && y.dim() == 2 && y.size(1) == N && y.size(0) == x.size(0),
+              "lora_delta: x [T, ", K, "] and y [T, ", N, "] expected");
+  TORCH_CHECK(x.scalar_type() == w.a.scalar_type() && y.scalar_type() == w.b.scalar_type(),
+              "lora_delta: x, y and the pool must share a dtype");
+  for (const auto& g : groups.groups) {
+    TORCH_CHECK(g.slot < w.a.size(0), "lora_delta: slot ", g.slot, " outside the pool");
+    const at::Tensor xs = g.rows.defined() ? x.index_select(0, g.rows) : x.narrow(0, g.begin, g.count).contiguous();
+    const at::Tensor h = linear(table, xs, w.a[g.slot].view({S * R, K}), std::nullopt);  // [m, S*R]
+    const at::Tensor b = w.b[g.slot];
+    int64_t start = 0;
+    std::vector<at::Tensor> parts;
+    for (int64_t j = 0; j < S; ++j) {
+      const int64_t width = w.splits[j];
+      const at::Tensor hj = S == 1 ? h : h.narrow(1, j * R, R).contiguous();
+      at::Tensor part = linear(table, hj, b.narrow(0, start, width), std::nullopt);  // [m, width]
+      if (g.rows.defined()) {
+        parts.push_back(std::move(part));
+      } else {
+        y.narrow(0, g.begin, g.count).narrow(1, start, width).add_(part);
+      }
+      start += width;
+    }
+    if (g.rows.defined()) y.index_add_(0, g.rows, parts.size() == 1 ? parts[0] : at::cat(parts, 1));
+  }
+}
+
+}  // namespace conduit_cpu
