@@ -68,6 +68,10 @@ class EngineStats:
     kv_bytes_saved: int = 0  # not pulled: already in this engine's prefix cache
     kv_pulls: int = 0  # pulls into this engine that completed
     lora_adapters: list[str] = field(default_factory=list)  # the LoRA adapters served
+    lora_in_memory: list[str] = field(default_factory=list)  # those whose weights are loaded now
+    lora_running: dict[str, int] = field(default_factory=dict)  # adapter → requests in the running batch
+    lora_waiting: dict[str, int] = field(default_factory=dict)  # adapter → requests waiting
+    max_loras: int = 0  # adapters one batch may mix (0: LoRA off)
 
 
 class LLMEngine:
@@ -503,6 +507,8 @@ class LLMEngine:
 
     # ----- introspection ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        lora_running, lora_waiting = self.lora_requests()
+        adapters = self.list_loras()
         return EngineStats(
             running=len({s.request_id for s in self.scheduler.running}),
             waiting=len({s.request_id for s in self.scheduler.waiting}),
@@ -513,7 +519,11 @@ class LLMEngine:
             kv_bytes_pulled=self.kv_consumer.counters.bytes_pulled,
             kv_bytes_saved=self.kv_consumer.counters.bytes_saved,
             kv_pulls=self.kv_consumer.counters.pulls,
-            lora_adapters=[] if self.lora is None else self.lora.names(),
+            lora_adapters=[a.name for a in adapters],
+            lora_in_memory=[a.name for a in adapters if a.loaded],
+            lora_running=lora_running,
+            lora_waiting=lora_waiting,
+            max_loras=0 if self.lora is None else self.lora.max_loras,
         )
 
     def check_integrity(self) -> None:
