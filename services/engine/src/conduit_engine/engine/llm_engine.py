@@ -180,6 +180,12 @@ class LLMEngine:
         admitted = self.admission.admit(req, self._requests, prompt)
         params, prompt = admitted.params, admitted.prompt_token_ids
         check_transfer_request(req.kv_produce, req.kv_consume, params.n, len(prompt), self.kv_limits)
+        if req.kv_consume is not None and req.kv_consume.handle.lora_name != req.lora:
+            raise InvalidRequestError(
+                "kv_transfer.consume.handle.lora_name",
+                f"the KV was computed with {_adapter(req.kv_consume.handle.lora_name)}, "
+                f"the request runs {_adapter(req.lora)}",
+            )
         spec = params.structured
         if spec is not None and structure is None:
             structure = self.structured.compile_now(spec)
@@ -531,6 +537,10 @@ class LLMEngine:
         live += [s for s in self.kv_consumer.held_sequences() if s not in live]
         self.block_manager.check_integrity(live)
         self.kv_registry.check_integrity()
+
+
+def _adapter(name: str | None) -> str:
+    return "the base model" if name is None else f"LoRA adapter {name!r}"
 
 
 def _side(req: GenerationRequest) -> str:

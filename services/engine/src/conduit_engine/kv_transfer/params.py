@@ -17,6 +17,7 @@ class KvHandleRef:
     source_address: str  # HOST:PORT the source engine advertises
     num_tokens: int  # prompt tokens the transfer holds
     layout_fingerprint: str
+    lora_name: str | None = None  # the LoRA adapter the KV was computed with (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)

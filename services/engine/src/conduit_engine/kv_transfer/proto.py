@@ -33,6 +33,7 @@ def handle_to_pb(transfer: KvTransfer, source_address: str, layout: KvLayoutSpec
         num_tokens=transfer.num_tokens,
         layout=layout_to_pb(layout),
         expires_unix_ms=transfer.expires_unix_ms,
+        lora_name=transfer.lora_name or "",
     )
 
 
@@ -49,6 +50,7 @@ def handle_from_pb(handle: pb.KvHandle) -> KvHandleRef:
         source_address=handle.source_address,
         num_tokens=handle.num_tokens,
         layout_fingerprint=handle.layout.fingerprint,
+        lora_name=handle.lora_name or None,
     )
 
 
