@@ -278,3 +278,25 @@ def test_lora_modules_flag_parses_name_equals_path():
         config_from_args(
             build_parser({}).parse_args(["--model", "m", "--enable-lora", "--lora-modules", "a"])
         )
+
+
+def test_an_adapter_from_a_hub_id_loads_through_the_model_source(llama, tmp_path, monkeypatch):
+    """Offline, from a Hub cache laid out as snapshot_download leaves it (tests/support/hub.py)."""
+    from huggingface_hub import constants
+
+    from tests.support.hub import lay_out_hub_cache
+
+    _, model, adapters = llama
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    cache = tmp_path / "hub"
+    lay_out_hub_cache(cache, "conduit-test/lora-a1", adapters["a1"])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    engine = lora_engine(model, {}, max_lora_rank=4)
+    info = engine.load_lora("hub-a1", "conduit-test/lora-a1")
+    assert (info.name, info.path, info.rank) == ("hub-a1", "conduit-test/lora-a1", 4)
+    prompt = prompts(8, 2)[1]
+    submit(engine, {"h": ("hub-a1", prompt)}, logprobs=None)
+    expected = hf_greedy_logprobs(load_merged(model, adapters["a1"]), prompt, NEW_TOKENS)[0]
+    assert run_to_completion(engine)[("h", 0)].token_ids == expected
+    with pytest.raises(InvalidRequestError, match="'conduit-test/missing' is not in the cache"):
+        engine.load_lora("gone", "conduit-test/missing")
