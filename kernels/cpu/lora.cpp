@@ -1,4 +1,4 @@
-// LoRA deltas on the CPU kernels (lora.h): per adapter slot, one shrink and one expand per output slice
+// LoRA deltas on the CPU kernels (lora.h): per adapter slot, one shrink and one (block-diagonal) expand
 // over that slot's rows (the punica / S-LoRA grouping), each a call of the linear kernels (ops.h).
 #include "lora.h"
 
@@ -32,7 +32,7 @@ LoraGroups lora_groups(const at::Tensor& row_slots) {
 
 void lora_delta(const KernelTable& table, at::Tensor& y, const at::Tensor& x, const LoraLayer& w,
                 const LoraGroups& groups) {
-  TORCH_CHECK(w.a.dim() == 4 && w.b.dim() == 3, "lora_delta: a must be [slots, S, R, K] and b [slots, N, R]");
+  TORCH_CHECK(w.a.dim() == 4 && w.b.dim() == 3, "lora_delta: a must be [slots, S, R, K] and b [slots, N, S*R]");
   const int64_t S = w.a.size(1), R = w.a.size(2), K = w.a.size(3), N = w.b.size(1);
   TORCH_CHECK(static_cast<int64_t>(w.splits.size()) == S, "lora_delta: ", w.splits.size(), " splits for ", S,
               " slices");
@@ -44,21 +44,12 @@ void lora_delta(const KernelTable& table, at::Tensor& y, const at::Tensor& x, co
     TORCH_CHECK(g.slot < w.a.size(0), "lora_delta: slot ", g.slot, " outside the pool");
     const at::Tensor xs = g.rows.defined() ? x.index_select(0, g.rows) : x.narrow(0, g.begin, g.count).contiguous();
     const at::Tensor h = linear(table, xs, w.a[g.slot].view({S * R, K}), std::nullopt);  // [m, S*R]
-    const at::Tensor b = w.b[g.slot];
-    int64_t start = 0;
-    std::vector<at::Tensor> parts;
-    for (int64_t j = 0; j < S; ++j) {
-      const int64_t width = w.splits[j];
-      const at::Tensor hj = S == 1 ? h : h.narrow(1, j * R, R).contiguous();
-      at::Tensor part = linear(table, hj, b.narrow(0, start, width), std::nullopt);  // [m, width]
-      if (g.rows.defined()) {
-        parts.push_back(std::move(part));
-      } else {
-        y.narrow(0, g.begin, g.count).narrow(1, start, width).add_(part);
-      }
-      start += width;
+    const at::Tensor delta = linear(table, h, w.b[g.slot], std::nullopt);  // [m, N]: b is block-diagonal
+    if (g.rows.defined()) {
+      y.index_add_(0, g.rows, delta);
+    } else {
+      y.narrow(0, g.begin, g.count).add_(delta);
     }
-    if (g.rows.defined()) y.index_add_(0, g.rows, parts.size() == 1 ? parts[0] : at::cat(parts, 1));
   }
 }
 

@@ -28,7 +28,13 @@ def make_case(slots, splits, k, rank, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     num_slots, n = 3, sum(splits)
     a = torch.randn(num_slots, len(splits), rank, k, generator=gen).to(dtype)
-    b = torch.randn(num_slots, n, rank, generator=gen).to(dtype)
+    b = torch.randn(num_slots, n, len(splits) * rank, generator=gen)
+    start = 0
+    for j, width in enumerate(splits):  # block-diagonal: slice j's columns read shrink slice j only
+        b[:, start : start + width, : j * rank] = 0
+        b[:, start : start + width, (j + 1) * rank :] = 0
+        start += width
+    b = b.to(dtype)
     a[..., rank // 2 :, :] = 0  # an adapter of half the pool's rank (padded with zeros)
     x = torch.randn(len(slots), k, generator=gen).to(dtype)
     y = torch.randn(len(slots), n, generator=gen).to(dtype)
@@ -56,7 +62,8 @@ def per_row(w: LoraWeights, x, y, slots):
         start = 0
         for j, width in enumerate(w.splits):
             h = w.a[s, j].float() @ x[t].float()
-            out[t, start : start + width] += w.b[s, start : start + width, :rank].float() @ h
+            expand = w.b[s, start : start + width, j * rank : (j + 1) * rank].float()
+            out[t, start : start + width] += expand @ h
             start += width
     return out
 

@@ -37,7 +37,9 @@ class LoraPool:
             a = torch.zeros(
                 max_loras, len(splits), max_rank, linear.in_features, dtype=param.dtype, device=param.device
             )
-            b = torch.zeros(max_loras, linear.out_features, max_rank, dtype=param.dtype, device=param.device)
+            b = torch.zeros(
+                max_loras, linear.out_features, len(splits) * max_rank, dtype=param.dtype, device=param.device
+            )
             linear.lora = LoraWeights(a, b, splits)
         model.compile_decoder()  # a one-call decoder now adds the deltas too
 
@@ -79,4 +81,5 @@ class LoraPool:
             for j in range(len(splits)) if part is None else (part,):
                 w.a[slot, j, :rank].copy_(a)
                 rows = slice(starts[j], starts[j] + splits[j])
-                w.b[slot, rows, :rank].copy_(b if part is not None else b[rows])
+                cols = slice(j * self.max_rank, j * self.max_rank + rank)
+                w.b[slot, rows, cols].copy_(b if part is not None else b[rows])

@@ -22,7 +22,9 @@ def check_lora_args(y: torch.Tensor, x: torch.Tensor, w: LoraWeights, batch: Lor
     n = w.b.shape[1]
     check(w.a.is_contiguous() and w.b.is_contiguous(), "lora pool: a and b must be contiguous")
     check(
-        tuple(w.b.shape) == (slots, n, rank) and sum(w.splits) == n and len(w.splits) == num_slices <= 3,
+        tuple(w.b.shape) == (slots, n, num_slices * rank)
+        and sum(w.splits) == n
+        and len(w.splits) == num_slices <= 3,
         f"lora pool: b {tuple(w.b.shape)} and splits {w.splits} do not fit a {tuple(w.a.shape)}",
     )
     check(
