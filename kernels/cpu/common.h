@@ -147,6 +147,20 @@ struct AttentionArgs {
 using LinearFn = void (*)(const LinearArgs&, int64_t n_begin, int64_t n_end);
 using PackedLinearFn = void (*)(const PackedLinearArgs&, int64_t panel_begin, int64_t panel_end);
 using RowFn = void (*)(const RowArgs&, int64_t row_begin, int64_t row_end);
+// LoRA per row (BGMV): y[t] += b[slot] (a[slot] x[t]) for the rows t whose slot is >= 0. a [slots, SR, K],
+// b [slots, N, SR] block-diagonal (column n reads shrink slice (n >= split1) + (n >= split2), R values).
+struct LoraRowArgs {
+  const void* x;
+  int64_t ldx;
+  const void* a;
+  const void* b;
+  void* y;
+  int64_t ldy;
+  const int32_t* row_slots;
+  int64_t K, N, S, R, split1, split2;
+};
+
+using LoraRowsFn = void (*)(const LoraRowArgs&, int64_t row_begin, int64_t row_end);
 using RotaryFn = void (*)(const RotaryArgs&, int64_t token_begin, int64_t token_end);
 using WriteKvFn = void (*)(const WriteKvArgs&, int64_t token_begin, int64_t token_end);
 using AttentionFn = void (*)(const AttentionArgs&, int64_t item_begin, int64_t item_end);
@@ -162,6 +176,7 @@ struct TypedKernels {
   RotaryFn rotary;
   WriteKvFn write_kv;
   AttentionFn attention;
+  LoraRowsFn lora_rows;
 };
 
 // Everything one instruction set offers; `linear_rows` is the output-column granularity of `linear`

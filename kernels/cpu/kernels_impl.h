@@ -575,13 +575,44 @@ static void attention(const AttentionArgs& a, int64_t item_begin, int64_t item_e
   }
 }
 
+// ---- LoRA per row -----------------------------------------------------------------------------------
+
+template <class P, class Q>
+static float dot(const P* p, const Q* q, int64_t n) {  // float or bf16 operands, float lanes
+  R acc = Vec::zero();
+  int64_t i = 0;
+  for (; i + W <= n; i += W) acc = Vec::fma(Vec::load(p + i), Vec::load(q + i), acc);
+  if (i < n) acc = Vec::fma(Vec::load_n(p + i, static_cast<int>(n - i)), Vec::load_n(q + i, static_cast<int>(n - i)), acc);
+  return Vec::reduce_add(acc);
+}
+
+template <class T>
+static void lora_rows(const LoraRowArgs& a, int64_t row_begin, int64_t row_end) {
+  const int64_t SR = a.S * a.R;
+  std::vector<float> h(static_cast<size_t>(SR));
+  for (int64_t t = row_begin; t < row_end; ++t) {
+    const int32_t slot = a.row_slots[t];
+    if (slot < 0) continue;
+    const T* x = static_cast<const T*>(a.x) + t * a.ldx;
+    const T* A = static_cast<const T*>(a.a) + static_cast<int64_t>(slot) * SR * a.K;
+    for (int64_t j = 0; j < SR; ++j) h[j] = dot(x, A + j * a.K, a.K);
+    const T* B = static_cast<const T*>(a.b) + static_cast<int64_t>(slot) * a.N * SR;
+    T* y = static_cast<T*>(a.y) + t * a.ldy;
+    for (int64_t n = 0; n < a.N; ++n) {
+      const int64_t slice = (n >= a.split1) + (n >= a.split2);
+      const float delta = dot(h.data() + slice * a.R, B + n * SR + slice * a.R, a.R);
+      y[n] = from_float<T>(to_float(y[n]) + delta);
+    }
+  }
+}
+
 // ---- the table ------------------------------------------------------------------------------------
 
 template <class T>
 static constexpr TypedKernels typed_kernels() {
   return TypedKernels{
       &linear<T>,      &packed_linear<T>, &rms_norm<T>, &add_rms_norm<T>, &act_and_mul<T, silu_vec>,
-      &act_and_mul<T, gelu_tanh_vec>, &rotary<T>, &write_kv<T>, &attention<T>,
+      &act_and_mul<T, gelu_tanh_vec>, &rotary<T>, &write_kv<T>, &attention<T>, &lora_rows<T>,
   };
 }
 

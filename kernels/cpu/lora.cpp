@@ -2,6 +2,8 @@
 // over that slot's rows (the punica / S-LoRA grouping), each a call of the linear kernels (ops.h).
 #include "lora.h"
 
+#include <ATen/Parallel.h>
+
 #include <map>
 
 namespace conduit_cpu {
@@ -15,6 +17,7 @@ LoraGroups lora_groups(const at::Tensor& row_slots) {
   for (int64_t t = 0; t < T; ++t)
     if (slots[t] >= 0) rows[slots[t]].push_back(t);
   LoraGroups groups;
+  groups.row_slots = row_slots;
   for (auto& [slot, list] : rows) {
     LoraGroups::Group g;
     g.slot = slot;
@@ -30,6 +33,32 @@ LoraGroups lora_groups(const at::Tensor& row_slots) {
   return groups;
 }
 
+namespace {
+
+// Up to this many rows, a step of several adapters runs the per-row kernel (one pass over the rows, each
+// reading its own slot: no gather, no per-adapter call); beyond, or with one adapter, each adapter's rows
+// are one shrink and one expand on the linear kernels.
+constexpr int64_t kLoraRowsMax = 64;
+
+void lora_delta_rows(const KernelTable& table, at::Tensor& y, const at::Tensor& x, const LoraLayer& w,
+                     const LoraGroups& groups) {
+  TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1 && w.a.is_contiguous() && w.b.is_contiguous(),
+              "lora_delta: x, y rows and the pool must be contiguous");
+  TORCH_CHECK(groups.row_slots.defined(), "lora_delta: the groups lack their row slots");
+  const int64_t S = w.a.size(1);
+  TORCH_CHECK(S <= 3, "lora_delta: at most 3 output slices, got ", S);
+  const int64_t N = w.b.size(1);
+  LoraRowArgs args{x.data_ptr(),  x.stride(0), w.a.data_ptr(), w.b.data_ptr(), y.data_ptr(), y.stride(0),
+                   groups.row_slots.data_ptr<int32_t>(), w.a.size(3), N, S, w.a.size(2),
+                   S > 1 ? w.splits[0] : N, S > 2 ? w.splits[0] + w.splits[1] : N};
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "lora_delta: the CPU kernels take float32 or bfloat16, got ", x.scalar_type());
+  const LoraRowsFn rows = x.scalar_type() == at::kFloat ? table.f32.lora_rows : table.bf16.lora_rows;
+  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) { rows(args, begin, end); });
+}
+
+}  // namespace
+
 void lora_delta(const KernelTable& table, at::Tensor& y, const at::Tensor& x, const LoraLayer& w,
                 const LoraGroups& groups) {
   TORCH_CHECK(w.a.dim() == 4 && w.b.dim() == 3, "lora_delta: a must be [slots, S, R, K] and b [slots, N, S*R]");
@@ -40,8 +69,14 @@ void lora_delta(const KernelTable& table, at::Tensor& y, const at::Tensor& x, co
               "lora_delta: x [T, ", K, "] and y [T, ", N, "] expected");
   TORCH_CHECK(x.scalar_type() == w.a.scalar_type() && y.scalar_type() == w.b.scalar_type(),
               "lora_delta: x, y and the pool must share a dtype");
-  for (const auto& g : groups.groups) {
+  for (const auto& g : groups.groups)
     TORCH_CHECK(g.slot < w.a.size(0), "lora_delta: slot ", g.slot, " outside the pool");
+  if (groups.groups.empty()) return;
+  if (x.size(0) <= kLoraRowsMax && groups.groups.size() > 1) {
+    lora_delta_rows(table, y, x, w, groups);
+    return;
+  }
+  for (const auto& g : groups.groups) {
     const at::Tensor xs = g.rows.defined() ? x.index_select(0, g.rows) : x.narrow(0, g.begin, g.count).contiguous();
     const at::Tensor h = linear(table, xs, w.a[g.slot].view({S * R, K}), std::nullopt);  // [m, S*R]
     const at::Tensor delta = linear(table, h, w.b[g.slot], std::nullopt);  // [m, N]: b is block-diagonal

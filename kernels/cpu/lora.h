@@ -25,6 +25,7 @@ struct LoraGroups {
     at::Tensor rows;  // int64 row indices; undefined for a contiguous run
   };
   std::vector<Group> groups;
+  at::Tensor row_slots;  // [T] int32, the slots they were made from
 };
 
 LoraGroups lora_groups(const at::Tensor& row_slots);
