@@ -1,6 +1,6 @@
 """Loading and unloading LoRA adapters at run time, in vLLM's shapes: POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter reach every engine of the base model. Mounted only with admin keys, which guard
-these two paths instead of the API keys (http/app.py)."""
+these two paths instead of the API keys (http/app.py); with --admin-port they answer on that port only."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from conduit_gateway.errors import OpenAIError, from_rpc_error, invalid_param, no_engine_ready
+from conduit_gateway.http.admin_port import ADMIN_PATHS
 from conduit_gateway.routing.lora import LORA_LOAD_TIMEOUT_S
 from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.pool import EnginePool
 from conduit_gateway.schemas.common import error_responses
 from conduit_gateway.schemas.models import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 
-LOAD_PATH = "/v1/load_lora_adapter"
-UNLOAD_PATH = "/v1/unload_lora_adapter"
-PATHS = (LOAD_PATH, UNLOAD_PATH)
+LOAD_PATH, UNLOAD_PATH = ADMIN_PATHS
+PATHS = ADMIN_PATHS
 
 router = APIRouter(tags=["lora"])
 
