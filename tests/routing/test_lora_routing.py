@@ -72,6 +72,14 @@ def test_models_list_adapters_with_their_parent(lora_fleet, adapters, make_gatew
     assert cards[MODEL].parent is None
     one = httpx.get(f"{gateway.url}/v1/models/a1").json()
     assert (one["id"], one["parent"]) == ("a1", MODEL)
+    # An adapter shares its base model's tokenizer and context length.
+    counts = {}
+    for model in (MODEL, "a1"):
+        body = {"model": model, "messages": [{"role": "user", "content": "Tell me a story"}]}
+        reply = httpx.post(f"{gateway.url}/v1/messages/count_tokens", json=body, timeout=30)
+        assert reply.status_code == 200, reply.text
+        counts[model] = reply.json()["input_tokens"]
+    assert counts["a1"] == counts[MODEL] > 0
 
 
 def test_requests_for_an_adapter_go_to_the_engine_that_has_it(lora_fleet, adapters, make_gateway):

@@ -25,7 +25,7 @@ from conduit_gateway.config import ConfigError, GatewayConfig, parse_engine_addr
 from conduit_gateway.errors import model_not_found, no_engine_ready
 from conduit_gateway.routing.discovery import DnsDiscovery, Resolver
 from conduit_gateway.routing.kv_index import KvIndex
-from conduit_gateway.routing.lora import LORA_LOAD_TIMEOUT_S, LoraLoader, acquire_adapter
+from conduit_gateway.routing.lora import LORA_LOAD_TIMEOUT_S, LoraLoader, acquire_adapter, adapters
 from conduit_gateway.routing.node import EngineNode, NodeSource
 from conduit_gateway.routing.prefix_key import prefix_key
 from conduit_gateway.routing.roles import NodeRole, admission_problem
@@ -231,6 +231,15 @@ class EnginePool:
             if node.model is not None:
                 models.setdefault(node.model, node)
         return models
+
+    def serving_node(self, model: str) -> EngineNode | None:
+        """A routable node serving `model`, a base model or a LoRA adapter (an adapter shares its base
+        model's tokenizer and limits): for the model's info and tokenization."""
+        node = self.served_models().get(model)
+        if node is None:
+            view = adapters(self.routable()).get(model)
+            node = view.nodes[0] if view is not None else None
+        return node
 
     def eject(self, node: EngineNode, reason: str) -> None:
         """A request saw UNAVAILABLE: stop routing there until its health watch says SERVING again."""
