@@ -25,13 +25,6 @@ def build_executor(
     when None and the configuration needs them. Raises ModelLoadError; no worker survives a failed start."""
     if not config.parallel.uses_workers:
         return _in_process(config, facts)
-    if config.lora.enable_lora:
-        from conduit_engine.errors import ModelLoadError
-
-        raise ModelLoadError(
-            "--enable-lora: adapters run with the model in the engine process; not yet with "
-            "--tensor-parallel-size > 1 or --worker-process"
-        )
     from conduit_engine.executor.multiproc import start_multiproc
 
     return start_multiproc(config, facts, workers)
@@ -71,12 +64,14 @@ def _lora_manager(config: EngineConfig, model: CausalLM) -> LoraManager:
     from conduit_engine.lora.manager import LoraManager
 
     lc = config.lora
-    manager = LoraManager(model, lc.max_loras, lc.cpu_loras, lc.max_lora_rank, config.model.download_dir)
+    manager = LoraManager.in_process(
+        model, lc.max_loras, lc.cpu_loras, lc.max_lora_rank, config.model.download_dir
+    )
     logging.getLogger(__name__).info(
         "LoRA: %d slots of rank %d (%.1f MiB), %d adapters kept in memory",
         lc.max_loras,
         lc.max_lora_rank,
-        manager.pool.nbytes / 2**20,
+        manager.pool_bytes / 2**20,
         lc.cpu_loras,
     )
     for name, path in lc.lora_modules:

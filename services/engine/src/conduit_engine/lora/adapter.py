@@ -11,16 +11,20 @@ The scaling is folded into B once, at load: the delta of a row x is (x Aᵀ) (sc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from conduit_engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from conduit_engine.models.sharding import ShardPlan
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -144,3 +148,24 @@ def load_adapter(name: str, folder: Path, max_rank: int) -> LoraAdapter:
         weights[(layer, target)] = (a.contiguous(), (b * scaling).contiguous())
     base = cfg.get("base_model_name_or_path")
     return LoraAdapter(name, str(folder), rank, scaling, None if base is None else str(base), weights)
+
+
+# PEFT modules whose base layer is row-parallel under tensor parallelism (the others are column-parallel).
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def shard_adapter(adapter: LoraAdapter, plan: ShardPlan) -> LoraAdapter:
+    """One tensor-parallel rank's part of `adapter`, sharded as its base layers are (models/sharding.py):
+    a column-parallel layer's B keeps this rank's output rows (A whole); a row-parallel layer's A keeps
+    this rank's input columns (B whole), so each rank's partial delta joins the base layer's all-reduce."""
+    weights = {}
+    for (layer, module), (a, b) in adapter.weights.items():
+        pieces = plan.pieces(f"layers.{layer}.{module}.weight")
+        if pieces is not None:
+            dim, ranges = pieces
+            if module in ROW_PARALLEL:
+                a = torch.cat([a[:, lo:hi] for lo, hi in ranges], dim=1).contiguous()
+            else:
+                b = torch.cat([b[lo:hi] for lo, hi in ranges], dim=0).contiguous()
+        weights[(layer, module)] = (a, b)
+    return dataclasses.replace(adapter, weights=weights)

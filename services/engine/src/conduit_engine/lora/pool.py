@@ -10,7 +10,44 @@ import torch
 from conduit_engine.layers.linear import Linear
 from conduit_engine.lora.adapter import TARGETS, AdapterError, LoraAdapter
 from conduit_engine.models.base import CausalLM
+from conduit_engine.models.config import ArchConfig
 from conduit_engine.ops import LoraWeights
+
+# (layer index, fused module name) → (input features, widths of the output slices)
+Shapes = dict[tuple[int, str], tuple[int, tuple[int, ...]]]
+
+
+def full_shapes(arch: ArchConfig) -> Shapes:
+    """The whole model's projection shapes (what an adapter must fit, whatever the sharding)."""
+    d = arch.head_dim
+    q, kv, hidden, inter = arch.num_heads * d, arch.num_kv_heads * d, arch.hidden_size, arch.intermediate_size
+    shapes: Shapes = {}
+    for i in range(arch.num_layers):
+        shapes[(i, "self_attn.qkv_proj")] = (hidden, (q, kv, kv))
+        shapes[(i, "self_attn.o_proj")] = (q, (hidden,))
+        shapes[(i, "mlp.gate_up_proj")] = (hidden, (inter, inter))
+        shapes[(i, "mlp.down_proj")] = (inter, (hidden,))
+    return shapes
+
+
+def check_adapter(adapter: LoraAdapter, shapes: Shapes) -> None:
+    """Raise AdapterError unless every matrix of `adapter` fits the projections `shapes` describe."""
+    num_layers = 1 + max(layer for layer, _ in shapes)
+    for (layer, module), (a, b) in sorted(adapter.weights.items()):
+        if layer >= num_layers:
+            raise AdapterError(
+                adapter.name,
+                f"made for another base model: it has layer {layer}, this model {num_layers} layers",
+            )
+        fused, part = TARGETS[module]
+        in_features, splits = shapes[(layer, fused)]
+        width = sum(splits) if part is None else splits[part]
+        if a.shape[1] != in_features or b.shape[0] != width:
+            raise AdapterError(
+                adapter.name,
+                f"made for another base model: layer {layer} {module} maps {a.shape[1]} → {b.shape[0]} "
+                f"features, this model's {in_features} → {width}",
+            )
 
 
 def lora_layers(model: CausalLM) -> dict[tuple[int, str], tuple[Linear, tuple[int, ...]]]:
@@ -48,22 +85,8 @@ class LoraPool:
         return sum(lin.lora.a.nbytes + lin.lora.b.nbytes for lin, _ in self.layers.values() if lin.lora)
 
     def check(self, adapter: LoraAdapter) -> None:
-        """Raise AdapterError unless every matrix of `adapter` fits this model's layers."""
-        for (layer, module), (a, b) in sorted(adapter.weights.items()):
-            if layer >= self.num_layers:
-                raise AdapterError(
-                    adapter.name,
-                    f"made for another base model: it has layer {layer}, this model {self.num_layers} layers",
-                )
-            fused, part = TARGETS[module]
-            linear, splits = self.layers[(layer, fused)]
-            width = linear.out_features if part is None else splits[part]
-            if a.shape[1] != linear.in_features or b.shape[0] != width:
-                raise AdapterError(
-                    adapter.name,
-                    f"made for another base model: layer {layer} {module} maps {a.shape[1]} → {b.shape[0]} "
-                    f"features, this model's {linear.in_features} → {width}",
-                )
+        """Raise AdapterError unless every matrix of `adapter` fits this model's (this rank's) layers."""
+        check_adapter(adapter, {key: (lin.in_features, splits) for key, (lin, splits) in self.layers.items()})
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy `adapter` (checked) into `slot`, replacing whatever was there."""

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from conduit_engine.layers.decoder import KVCache
+from conduit_engine.lora.manager import lora_batch
 from conduit_engine.models.base import CausalLM
 from conduit_engine.ops import AttentionMetadata, LoraBatch
 from conduit_engine.sampling.grammar_mask import StepBitmask, apply_grammar_mask
@@ -72,7 +73,10 @@ class ModelRunner:
         self, batch: StepBatch, bitmask: StepBitmask | None = None, lora: LoraBatch | None = None
     ) -> StepOutput | None:
         """The step's sampled tokens and logprobs (rank 0), or None (the other ranks). `lora`: the rows
-        that run an adapter (lora/manager.py), None when all run the base model."""
+        that run an adapter (lora/manager.py), None when all run the base model; or, from a worker's
+        step, `batch.lora_slots`."""
+        if lora is None and batch.lora_slots:
+            lora = lora_batch(batch.lora_slots, batch.query_lens, self.device)
         input_ids, positions, meta = self._tensors(batch)
         hidden = self._forward(input_ids, positions, meta, lora)
         prompt = [self._prompt_logprobs(hidden, span) for span in batch.prompt_spans]
