@@ -4,8 +4,8 @@
 //
 // Layout: x [T, K] (row stride `x_row_stride`, unit stride inside); a [slots, S*R, K] contiguous (the
 // shrink of each of the S output slices, rank R padded with zeros); h [T, S*R] float32 contiguous;
-// b [slots, N, S*R] contiguous (scale * lora_B, block-diagonal: column n of slice j holds its R values at
-// [j*R, (j+1)*R), zeros elsewhere, which this kernel skips); y [T, N] (row stride `y_row_stride`). Output column n
+// b [slots, S*R, N] contiguous (scale * lora_B transposed, block-diagonal: column n of slice j has its R
+// values in rows [j*R, (j+1)*R), zeros elsewhere, which this kernel skips); y [T, N] (row stride `y_row_stride`). Output column n
 // belongs to slice (n >= split1) + (n >= split2): a fused qkv projection has three slices, the others
 // one (split1 = split2 = N).
 // Grid: lora_shrink_kernel (T, ceil(S*R / warps per block)); block: a multiple of 32 threads, one warp
@@ -41,9 +41,9 @@ __global__ void lora_expand_kernel(T* __restrict__ y, const float* __restrict__ 
   if (slot < 0 || n >= N) return;
   const int slice = (n >= split1) + (n >= split2);
   const float* hr = h + static_cast<long long>(row) * SR + slice * R;
-  const T* br = b + (static_cast<long long>(slot) * N + n) * SR + slice * R;
+  const T* bc = b + (static_cast<long long>(slot) * SR + slice * R) * N + n;  // neighbouring threads: n + 1
   float acc = 0.0f;
-  for (int r = 0; r < R; ++r) acc += hr[r] * conduit::to_float(br[r]);
+  for (int r = 0; r < R; ++r) acc += hr[r] * conduit::to_float(bc[static_cast<long long>(r) * N]);
   T* out = y + row * y_row_stride + n;
   *out = conduit::from_float<T>(conduit::to_float(*out) + acc);
 }

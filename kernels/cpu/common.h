@@ -147,8 +147,9 @@ struct AttentionArgs {
 using LinearFn = void (*)(const LinearArgs&, int64_t n_begin, int64_t n_end);
 using PackedLinearFn = void (*)(const PackedLinearArgs&, int64_t panel_begin, int64_t panel_end);
 using RowFn = void (*)(const RowArgs&, int64_t row_begin, int64_t row_end);
-// LoRA per row (BGMV): y[t] += b[slot] (a[slot] x[t]) for the rows t whose slot is >= 0. a [slots, SR, K],
-// b [slots, N, SR] block-diagonal (column n reads shrink slice (n >= split1) + (n >= split2), R values).
+// LoRA per row (BGMV): y[t] += (a[slot] x[t]) b[slot] for the rows t whose slot is >= 0. a [slots, SR, K],
+// b [slots, SR, N] block-diagonal (columns [0, split1) read shrink rows [0, R), [split1, split2) the next R,
+// the rest the last R).
 struct LoraRowArgs {
   const void* x;
   int64_t ldx;

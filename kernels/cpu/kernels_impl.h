@@ -590,19 +590,28 @@ template <class T>
 static void lora_rows(const LoraRowArgs& a, int64_t row_begin, int64_t row_end) {
   const int64_t SR = a.S * a.R;
   std::vector<float> h(static_cast<size_t>(SR));
+  std::vector<float> acc(static_cast<size_t>(a.N));
+  const int64_t bounds[4] = {0, a.S > 1 ? a.split1 : a.N, a.S > 2 ? a.split2 : a.N, a.N};
   for (int64_t t = row_begin; t < row_end; ++t) {
     const int32_t slot = a.row_slots[t];
     if (slot < 0) continue;
     const T* x = static_cast<const T*>(a.x) + t * a.ldx;
     const T* A = static_cast<const T*>(a.a) + static_cast<int64_t>(slot) * SR * a.K;
     for (int64_t j = 0; j < SR; ++j) h[j] = dot(x, A + j * a.K, a.K);
-    const T* B = static_cast<const T*>(a.b) + static_cast<int64_t>(slot) * a.N * SR;
-    T* y = static_cast<T*>(a.y) + t * a.ldy;
-    for (int64_t n = 0; n < a.N; ++n) {
-      const int64_t slice = (n >= a.split1) + (n >= a.split2);
-      const float delta = dot(h.data() + slice * a.R, B + n * SR + slice * a.R, a.R);
-      y[n] = from_float<T>(to_float(y[n]) + delta);
+    const T* B = static_cast<const T*>(a.b) + static_cast<int64_t>(slot) * SR * a.N;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; j < a.S; ++j) {  // slice j: its columns [lo, hi) read shrink rows [j R, (j + 1) R)
+      const int64_t lo = bounds[j], hi = j + 1 < a.S ? bounds[j + 1] : a.N;
+      for (int64_t r = 0; r < a.R; ++r) {
+        const R coef = Vec::set1(h[j * a.R + r]);
+        const T* row = B + (j * a.R + r) * a.N;
+        int64_t n = lo;
+        for (; n + W <= hi; n += W) Vec::store(acc.data() + n, Vec::fma(coef, Vec::load(row + n), Vec::load(acc.data() + n)));
+        for (; n < hi; ++n) acc[n] += h[j * a.R + r] * to_float(row[n]);
+      }
     }
+    T* y = static_cast<T*>(a.y) + t * a.ldy;
+    for (int64_t n = 0; n < a.N; ++n) y[n] = from_float<T>(to_float(y[n]) + acc[n]);
   }
 }
 

@@ -35,9 +35,10 @@ LoraGroups lora_groups(const at::Tensor& row_slots) {
 
 namespace {
 
-// Up to this many rows, a step of several adapters runs the per-row kernel (one pass over the rows, each
-// reading its own slot: no gather, no per-adapter call); beyond, or with one adapter, each adapter's rows
-// are one shrink and one expand on the linear kernels.
+// Up to this many rows (decodes, short chunks), a step of several adapters runs the per-row kernel: one pass
+// over the rows, each reading its own slot, no gather and no per-adapter call. Beyond, or with one adapter
+// (whose matrices one product then reads once for all its rows), each adapter's rows are one shrink on the
+// linear kernels and one expand (a GEMM).
 constexpr int64_t kLoraRowsMax = 64;
 
 void lora_delta_rows(const KernelTable& table, at::Tensor& y, const at::Tensor& x, const LoraLayer& w,
@@ -47,7 +48,7 @@ void lora_delta_rows(const KernelTable& table, at::Tensor& y, const at::Tensor& 
   TORCH_CHECK(groups.row_slots.defined(), "lora_delta: the groups lack their row slots");
   const int64_t S = w.a.size(1);
   TORCH_CHECK(S <= 3, "lora_delta: at most 3 output slices, got ", S);
-  const int64_t N = w.b.size(1);
+  const int64_t N = w.b.size(2);
   LoraRowArgs args{x.data_ptr(),  x.stride(0), w.a.data_ptr(), w.b.data_ptr(), y.data_ptr(), y.stride(0),
                    groups.row_slots.data_ptr<int32_t>(), w.a.size(3), N, S, w.a.size(2),
                    S > 1 ? w.splits[0] : N, S > 2 ? w.splits[0] + w.splits[1] : N};
@@ -61,8 +62,8 @@ void lora_delta_rows(const KernelTable& table, at::Tensor& y, const at::Tensor& 
 
 void lora_delta(const KernelTable& table, at::Tensor& y, const at::Tensor& x, const LoraLayer& w,
                 const LoraGroups& groups) {
-  TORCH_CHECK(w.a.dim() == 4 && w.b.dim() == 3, "lora_delta: a must be [slots, S, R, K] and b [slots, N, S*R]");
-  const int64_t S = w.a.size(1), R = w.a.size(2), K = w.a.size(3), N = w.b.size(1);
+  TORCH_CHECK(w.a.dim() == 4 && w.b.dim() == 3, "lora_delta: a must be [slots, S, R, K] and b [slots, S*R, N]");
+  const int64_t S = w.a.size(1), R = w.a.size(2), K = w.a.size(3), N = w.b.size(2);
   TORCH_CHECK(static_cast<int64_t>(w.splits.size()) == S, "lora_delta: ", w.splits.size(), " splits for ", S,
               " slices");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && y.dim() == 2 && y.size(1) == N && y.size(0) == x.size(0),
@@ -79,7 +80,7 @@ void lora_delta(const KernelTable& table, at::Tensor& y, const at::Tensor& x, co
   for (const auto& g : groups.groups) {
     const at::Tensor xs = g.rows.defined() ? x.index_select(0, g.rows) : x.narrow(0, g.begin, g.count).contiguous();
     const at::Tensor h = linear(table, xs, w.a[g.slot].view({S * R, K}), std::nullopt);  // [m, S*R]
-    const at::Tensor delta = linear(table, h, w.b[g.slot], std::nullopt);  // [m, N]: b is block-diagonal
+    const at::Tensor delta = at::mm(h, w.b[g.slot]);  // [m, N]: b [S*R, N] is block-diagonal
     if (g.rows.defined()) {
       y.index_add_(0, g.rows, delta);
     } else {

@@ -1,4 +1,4 @@
-// LoRA deltas (conduit_engine/ops/base.py: Ops.lora_delta): y [T, N] += each row's (x a[s]^T) b[s]^T,
+// LoRA deltas (conduit_engine/ops/base.py: Ops.lora_delta): y [T, N] += each row's (x a[s]^T) b[s],
 // for the rows of each adapter slot s; rows of slot -1 (the base model) are untouched.
 #pragma once
 
@@ -10,8 +10,8 @@
 
 namespace conduit_cpu {
 
-// One layer's adapter pool: a [slots, S, R, K] (shrink per output slice), b [slots, N, S*R] (scale * expand,
-// block-diagonal: the columns of slice j read shrink slice j), and the widths of its S output slices.
+// One layer's adapter pool: a [slots, S, R, K] (shrink per output slice), b [slots, S*R, N] (scale * expand,
+// transposed, block-diagonal: the columns of slice j read shrink slice j), the widths of its S output slices.
 struct LoraLayer {
   at::Tensor a, b;
   std::vector<int64_t> splits;

@@ -28,11 +28,11 @@ def make_case(slots, splits, k, rank, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     num_slots, n = 3, sum(splits)
     a = torch.randn(num_slots, len(splits), rank, k, generator=gen).to(dtype)
-    b = torch.randn(num_slots, n, len(splits) * rank, generator=gen)
+    b = torch.randn(num_slots, len(splits) * rank, n, generator=gen)
     start = 0
     for j, width in enumerate(splits):  # block-diagonal: slice j's columns read shrink slice j only
-        b[:, start : start + width, : j * rank] = 0
-        b[:, start : start + width, (j + 1) * rank :] = 0
+        b[:, : j * rank, start : start + width] = 0
+        b[:, (j + 1) * rank :, start : start + width] = 0
         start += width
     b = b.to(dtype)
     a[..., rank // 2 :, :] = 0  # an adapter of half the pool's rank (padded with zeros)
@@ -62,7 +62,7 @@ def per_row(w: LoraWeights, x, y, slots):
         start = 0
         for j, width in enumerate(w.splits):
             h = w.a[s, j].float() @ x[t].float()
-            expand = w.b[s, start : start + width, j * rank : (j + 1) * rank].float()
+            expand = w.b[s, j * rank : (j + 1) * rank, start : start + width].float().t()
             out[t, start : start + width] += expand @ h
             start += width
     return out

@@ -75,7 +75,7 @@ class LoraPool:
                 max_loras, len(splits), max_rank, linear.in_features, dtype=param.dtype, device=param.device
             )
             b = torch.zeros(
-                max_loras, linear.out_features, len(splits) * max_rank, dtype=param.dtype, device=param.device
+                max_loras, len(splits) * max_rank, linear.out_features, dtype=param.dtype, device=param.device
             )
             linear.lora = LoraWeights(a, b, splits)
         model.compile_decoder()  # a one-call decoder now adds the deltas too
@@ -104,5 +104,5 @@ class LoraPool:
             for j in range(len(splits)) if part is None else (part,):
                 w.a[slot, j, :rank].copy_(a)
                 rows = slice(starts[j], starts[j] + splits[j])
-                cols = slice(j * self.max_rank, j * self.max_rank + rank)
-                w.b[slot, rows, cols].copy_(b if part is not None else b[rows])
+                ranks = slice(j * self.max_rank, j * self.max_rank + rank)
+                w.b[slot, ranks, rows].copy_((b if part is not None else b[rows]).t())

@@ -59,11 +59,12 @@ class LoraWeights:
     """One linear layer's LoRA pool: every adapter slot's matrices, zero where an adapter has none (and past
     its rank). Output column n belongs to slice j (the q, k, v of a fused qkv projection; one slice for an
     unfused layer): `splits` are the slices' widths. The shrink of slice j is a[s, j]; the expand is
-    block-diagonal, b[s, n, j*R:(j+1)*R] for the columns n of slice j and zero elsewhere, so one product
-    h · b[s]ᵀ expands every slice at once. The adapter's scaling is already folded into b."""
+    stored transposed and block-diagonal, b[s, j*R:(j+1)*R, n] for the columns n of slice j and zero
+    elsewhere, so one product h · b[s] expands every slice at once (and a kernel reads a rank row of b
+    along contiguous output columns). The adapter's scaling is already folded into b."""
 
     a: torch.Tensor  # [slots, S, R, K]: the shrink (lora_A) of each slice
-    b: torch.Tensor  # [slots, N, S*R]: the expand (scale · lora_B), block-diagonal over the slices
+    b: torch.Tensor  # [slots, S*R, N]: the expand (scale · lora_Bᵀ), block-diagonal over the slices
     splits: tuple[int, ...]  # widths of the S output slices (sum N)
 
 
@@ -178,13 +179,13 @@ class Ops(ABC):
         return F.linear(x, weight, bias)
 
     def lora_delta(self, y: torch.Tensor, x: torch.Tensor, w: LoraWeights, batch: LoraBatch) -> None:
-        """y [T, N] += each row's LoRA delta, in place: for a row of slot s, (x · a[s]ᵀ) · b[s]ᵀ (slice j of
+        """y [T, N] += each row's LoRA delta, in place: for a row of slot s, (x · a[s]ᵀ) · b[s] (slice j of
         the output reads slice j of the shrink); rows of slot -1 are untouched. x [T, K]; y, x, a, b share
         a dtype. The reference: per adapter, one shrink and one expand over its rows."""
         num_slices, rank, k = w.a.shape[1:]
         for slot, rows in batch.groups:
             h = x[rows] @ w.a[slot].reshape(num_slices * rank, k).t()  # [t, S*R]
-            delta = h @ w.b[slot].t()  # [t, N]
+            delta = h @ w.b[slot]  # [t, N]
             if isinstance(rows, slice):
                 y[rows] += delta
             else:

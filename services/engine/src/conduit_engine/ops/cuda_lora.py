@@ -19,10 +19,10 @@ EXPAND_THREADS = 256
 
 def check_lora_args(y: torch.Tensor, x: torch.Tensor, w: LoraWeights, batch: LoraBatch) -> None:
     slots, num_slices, rank, k = w.a.shape
-    n = w.b.shape[1]
+    n = w.b.shape[2]
     check(w.a.is_contiguous() and w.b.is_contiguous(), "lora pool: a and b must be contiguous")
     check(
-        tuple(w.b.shape) == (slots, n, num_slices * rank)
+        tuple(w.b.shape) == (slots, num_slices * rank, n)
         and sum(w.splits) == n
         and len(w.splits) == num_slices <= 3,
         f"lora pool: b {tuple(w.b.shape)} and splits {w.splits} do not fit a {tuple(w.a.shape)}",
