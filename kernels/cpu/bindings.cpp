@@ -70,6 +70,10 @@ void add_isa(pybind11::module_& m, const KernelTable& table) {
     MaybeReleaseGil gil(attention_work(q, sl));
     return conduit_cpu::attention(*t, q, kc, vc, qs, sl, bt, scale, window, softcap);
   });
+  sub.def("lora_delta", [t](at::Tensor& y, const at::Tensor& x, const conduit_cpu::LoraLayer& w,
+                            const at::Tensor& row_slots) {
+    conduit_cpu::lora_delta(*t, y, x, w, conduit_cpu::lora_groups(row_slots));
+  });
   sub.def("pack_linear", [t](const at::Tensor& w) { return std::make_shared<conduit_cpu::PackedLinear>(*t, w); });
   sub.def("pack_linear_int8", [t](const at::Tensor& w, const at::Tensor& scale) {
     return std::make_shared<conduit_cpu::PackedLinear>(*t, w, scale);
@@ -99,8 +103,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Conduit's CPU kernels (kernels/cpu): one submodule per instruction set";
   py::class_<conduit_cpu::StepTensors>(m, "StepTensors", "what every layer of one step reads")
       .def(py::init([](at::Tensor positions, at::Tensor cos_sin, at::Tensor slot_mapping, at::Tensor query_start,
-                       at::Tensor seq_lens, at::Tensor block_tables) {
-        return conduit_cpu::StepTensors{positions, cos_sin, slot_mapping, query_start, seq_lens, block_tables};
+                       at::Tensor seq_lens, at::Tensor block_tables, std::optional<at::Tensor> lora_slots) {
+             return conduit_cpu::StepTensors{positions,      cos_sin,  slot_mapping, query_start,
+                                             seq_lens,       block_tables, lora_slots};
+           }),
+           py::arg("positions"), py::arg("cos_sin"), py::arg("slot_mapping"), py::arg("query_start"),
+           py::arg("seq_lens"), py::arg("block_tables"), py::arg("lora_slots") = py::none());
+  py::class_<conduit_cpu::LoraLayer>(m, "LoraLayer", "one projection's adapter pool (a, b, output slices)")
+      .def(py::init([](at::Tensor a, at::Tensor b, std::vector<int64_t> splits) {
+        return conduit_cpu::LoraLayer{a, b, splits};
       }));
   py::class_<conduit_cpu::PackedLinear, std::shared_ptr<conduit_cpu::PackedLinear>>(
       m, "PackedLinear", "a linear layer's weight, packed once for the packed tiles")
@@ -120,7 +131,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                   CONDUIT_FIELD(down) CONDUIT_FIELD(qkv_bias) CONDUIT_FIELD(o_bias) CONDUIT_FIELD(gate_up_bias)
                       CONDUIT_FIELD(down_bias) CONDUIT_FIELD(q_norm) CONDUIT_FIELD(k_norm) CONDUIT_FIELD(num_heads)
                           CONDUIT_FIELD(num_kv_heads) CONDUIT_FIELD(head_dim) CONDUIT_FIELD(scale)
-                              CONDUIT_FIELD(eps) CONDUIT_FIELD(window) CONDUIT_FIELD(softcap) CONDUIT_FIELD(gelu);
+                              CONDUIT_FIELD(eps) CONDUIT_FIELD(window) CONDUIT_FIELD(softcap) CONDUIT_FIELD(gelu)
+                                  CONDUIT_FIELD(qkv_lora) CONDUIT_FIELD(o_lora) CONDUIT_FIELD(gate_up_lora)
+                                      CONDUIT_FIELD(down_lora);
 #undef CONDUIT_FIELD
   py::class_<conduit_cpu::DecoderStack, std::shared_ptr<conduit_cpu::DecoderStack>>(
       m, "DecoderStack", "a model's decoder layers, run as one call per step")

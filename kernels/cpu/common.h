@@ -225,6 +225,21 @@ using LinearFn = void (*)(const LinearArgs&, int64_t n_begin, int64_t n_end);
 using PackedLinearFn = void (*)(const PackedLinearArgs&, int64_t panel_begin, int64_t panel_end);
 using Int8LinearFn = void (*)(const Int8LinearArgs&, int64_t panel_begin, int64_t panel_end);
 using RowFn = void (*)(const RowArgs&, int64_t row_begin, int64_t row_end);
+// LoRA per row (BGMV): y[t] += (a[slot] x[t]) b[slot] for the rows t whose slot is >= 0. a [slots, SR, K],
+// b [slots, SR, N] block-diagonal (columns [0, split1) read shrink rows [0, R), [split1, split2) the next R,
+// the rest the last R).
+struct LoraRowArgs {
+  const void* x;
+  int64_t ldx;
+  const void* a;
+  const void* b;
+  void* y;
+  int64_t ldy;
+  const int32_t* row_slots;
+  int64_t K, N, S, R, split1, split2;
+};
+
+using LoraRowsFn = void (*)(const LoraRowArgs&, int64_t row_begin, int64_t row_end);
 using RotaryFn = void (*)(const RotaryArgs&, int64_t token_begin, int64_t token_end);
 using WriteKvFn = void (*)(const WriteKvArgs&, int64_t token_begin, int64_t token_end);
 using AttentionFn = void (*)(const AttentionArgs&, int64_t item_begin, int64_t item_end);
@@ -244,6 +259,7 @@ struct TypedKernels {
   WriteKvFn write_kv_quant;  // into an int8 or fp8 cache (WriteKvArgs.format)
   AttentionFn attention_int8;  // over an int8 cache (q and out in this dtype)
   AttentionFn attention_fp8;  // over an fp8 e4m3 cache
+  LoraRowsFn lora_rows;
 };
 
 // Everything one instruction set offers; `linear_rows` is the output-column granularity of `linear`

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "lora.h"
 #include "ops.h"
 
 namespace conduit_cpu {
@@ -16,6 +17,7 @@ namespace conduit_cpu {
 // What every layer of one step reads: the tensors of Ops.begin_step's StepContext.
 struct StepTensors {
   at::Tensor positions, cos_sin, slot_mapping, query_start, seq_lens, block_tables;
+  std::optional<at::Tensor> lora_slots;  // [T] int32: each row's adapter slot (-1: none); unset: no LoRA
 };
 
 // One decoder layer's weights and shape, taken from the loaded module (no copies).
@@ -29,6 +31,7 @@ struct LayerWeights {
   int64_t window = 0;  // 0: none
   double softcap = 0.0;  // 0: none
   bool gelu = false;  // tanh-GELU gate instead of SiLU
+  std::optional<LoraLayer> qkv_lora, o_lora, gate_up_lora, down_lora;  // the adapter pool, with LoRA on
 };
 
 using KvCaches = std::vector<std::pair<at::Tensor, at::Tensor>>;
@@ -44,8 +47,11 @@ class DecoderStack {
 
  private:
   at::Tensor attention_block(const LayerWeights& layer, const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& kv,
-                             const StepTensors& step) const;
-  at::Tensor mlp(const LayerWeights& layer, const at::Tensor& x) const;
+                             const StepTensors& step, const LoraGroups* lora) const;
+  at::Tensor mlp(const LayerWeights& layer, const at::Tensor& x, const LoraGroups* lora) const;
+  // a projection, plus its LoRA delta when the step has adapter rows and the layer a pool
+  at::Tensor project(const PackedLinear& w, const std::optional<at::Tensor>& bias,
+                     const std::optional<LoraLayer>& pool, const at::Tensor& x, const LoraGroups* lora) const;
 
   const KernelTable& table_;
   std::vector<LayerWeights> layers_;

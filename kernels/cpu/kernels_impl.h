@@ -642,6 +642,46 @@ static void attention_int8(const AttentionArgs& a, int64_t b, int64_t e) { atten
 template <class T>
 static void attention_fp8(const AttentionArgs& a, int64_t b, int64_t e) { attention_over<T, QuantCache<Fp8Codes>>(a, b, e); }
 
+// ---- LoRA per row -----------------------------------------------------------------------------------
+
+template <class P, class Q>
+static float dot(const P* p, const Q* q, int64_t n) {  // float or bf16 operands, float lanes
+  R acc = Vec::zero();
+  int64_t i = 0;
+  for (; i + W <= n; i += W) acc = Vec::fma(Vec::load(p + i), Vec::load(q + i), acc);
+  if (i < n) acc = Vec::fma(Vec::load_n(p + i, static_cast<int>(n - i)), Vec::load_n(q + i, static_cast<int>(n - i)), acc);
+  return Vec::reduce_add(acc);
+}
+
+template <class T>
+static void lora_rows(const LoraRowArgs& a, int64_t row_begin, int64_t row_end) {
+  const int64_t SR = a.S * a.R;
+  std::vector<float> h(static_cast<size_t>(SR));
+  std::vector<float> acc(static_cast<size_t>(a.N));
+  const int64_t bounds[4] = {0, a.S > 1 ? a.split1 : a.N, a.S > 2 ? a.split2 : a.N, a.N};
+  for (int64_t t = row_begin; t < row_end; ++t) {
+    const int32_t slot = a.row_slots[t];
+    if (slot < 0) continue;
+    const T* x = static_cast<const T*>(a.x) + t * a.ldx;
+    const T* A = static_cast<const T*>(a.a) + static_cast<int64_t>(slot) * SR * a.K;
+    for (int64_t j = 0; j < SR; ++j) h[j] = dot(x, A + j * a.K, a.K);
+    const T* B = static_cast<const T*>(a.b) + static_cast<int64_t>(slot) * SR * a.N;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; j < a.S; ++j) {  // slice j: its columns [lo, hi) read shrink rows [j R, (j + 1) R)
+      const int64_t lo = bounds[j], hi = j + 1 < a.S ? bounds[j + 1] : a.N;
+      for (int64_t r = 0; r < a.R; ++r) {
+        const R coef = Vec::set1(h[j * a.R + r]);
+        const T* row = B + (j * a.R + r) * a.N;
+        int64_t n = lo;
+        for (; n + W <= hi; n += W) Vec::store(acc.data() + n, Vec::fma(coef, Vec::load(row + n), Vec::load(acc.data() + n)));
+        for (; n < hi; ++n) acc[n] += h[j * a.R + r] * to_float(row[n]);
+      }
+    }
+    T* y = static_cast<T*>(a.y) + t * a.ldy;
+    for (int64_t n = 0; n < a.N; ++n) y[n] = from_float<T>(to_float(y[n]) + acc[n]);
+  }
+}
+
 // ---- the table ------------------------------------------------------------------------------------
 
 template <class T>
@@ -649,7 +689,7 @@ static constexpr TypedKernels typed_kernels() {
   return TypedKernels{
       &linear<T>,      &packed_linear<T>, &rms_norm<T>, &add_rms_norm<T>, &act_and_mul<T, silu_vec>,
       &act_and_mul<T, gelu_tanh_vec>, &rotary<T>, &write_kv<T>, &attention<T>, &int8_linear<T>,
-      &write_kv_quant<T>, &attention_int8<T>, &attention_fp8<T>,
+      &write_kv_quant<T>, &attention_int8<T>, &attention_fp8<T>, &lora_rows<T>,
   };
 }
 

@@ -93,6 +93,25 @@ def test_engine_args_are_accepted_by_the_engine_cli(release):
     assert model_mount["readOnly"] is True
     threads = release[1].get("engine", {}).get("tokenizerThreads")
     assert config.scheduler.tokenizer_threads == (threads or 2)
+    lora = release[1].get("engine", {}).get("lora", {})
+    assert config.lora.enable_lora == lora.get("enabled", False)
+    assert config.lora.lora_modules == tuple((a["name"], a["path"]) for a in lora.get("adapters", []))
+
+
+def test_lora_adapters_in_values_load_at_start_from_their_volume():
+    values = chart_render.values("gpu")
+    container = _container(find(chart_render.manifests(chart_render.render(values)), "StatefulSet"))
+    config = engine_cli.config_from_args(engine_cli.build_parser().parse_args(container["args"]))
+    assert config.lora.lora_modules == (
+        ("sql", "/models/lora/sql-lora"),
+        ("support", "example-org/support-lora"),
+    )
+    assert (config.lora.max_loras, config.lora.max_lora_rank, config.lora.cpu_loras) == (2, 32, 2)
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "lora")
+    assert mount == {"name": "lora", "mountPath": "/models/lora", "readOnly": True}
+    default = _container(find(chart_render.manifests(chart_render.render({})), "StatefulSet"))
+    assert "--enable-lora" not in default["args"]
+    assert all(m["name"] != "lora" for m in default["volumeMounts"])
 
 
 def test_gateway_discovers_the_engine_replicas_through_the_headless_service(release):

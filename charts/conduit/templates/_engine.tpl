@@ -105,6 +105,23 @@ spec:
             - --tokenizer-threads
             - {{ . | quote }}
             {{- end }}
+            {{- if $e.lora.enabled }}
+            - --enable-lora
+            - --max-loras
+            - {{ $e.lora.maxLoras | quote }}
+            - --max-lora-rank
+            - {{ $e.lora.maxLoraRank | quote }}
+            {{- with $e.lora.maxCpuLoras }}
+            - --max-cpu-loras
+            - {{ . | quote }}
+            {{- end }}
+            {{- with $e.lora.adapters }}
+            - --lora-modules
+            {{- range . }}
+            - {{ printf "%s=%s" .name .path | quote }}
+            {{- end }}
+            {{- end }}
+            {{- end }}
             {{- if $root.Values.tls.engine.enabled }}
             - --tls-cert
             - /etc/conduit/tls/tls.crt
@@ -197,6 +214,11 @@ spec:
               {{- with $e.model.subPath }}
               subPath: {{ . | quote }}
               {{- end }}
+            {{- if and $e.lora.enabled $e.lora.volume }}
+            - name: lora
+              mountPath: {{ $e.lora.mountPath | quote }}
+              readOnly: true
+            {{- end }}
             - name: tmp
               mountPath: /tmp
             - name: dshm
@@ -214,6 +236,10 @@ spec:
       volumes:
         - name: model
           {{- toYaml $e.model.volume | nindent 10 }}
+        {{- if and $e.lora.enabled $e.lora.volume }}
+        - name: lora
+          {{- toYaml $e.lora.volume | nindent 10 }}
+        {{- end }}
         - name: tmp
           emptyDir: {}
         - name: dshm

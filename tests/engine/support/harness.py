@@ -9,6 +9,7 @@ from conduit_engine.config import (
     CacheConfig,
     DisaggregationConfig,
     EngineConfig,
+    LoraConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -51,6 +52,7 @@ def make_engine(
     speculative: SpeculativeConfig | None = None,
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
+    lora: LoraConfig | None = None,
 ) -> LLMEngine:
     """An engine on `model`; with tensor_parallel_size > 1 or worker_process, its worker processes run
     until `engine.shutdown()`."""
@@ -80,6 +82,7 @@ def make_engine(
             parallel=ParallelConfig(tensor_parallel_size, worker_process),
             disaggregation=DisaggregationConfig(role=role),
             speculative=speculative,
+            lora=lora or LoraConfig(),
         )
     )
 

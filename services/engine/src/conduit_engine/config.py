@@ -273,6 +273,33 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraConfig:
+    """LoRA adapters (vLLM's flags): served at all (--enable-lora), loaded at start (--lora-modules), how
+    many one batch mixes (the pool's slots), how many stay loaded in memory, the pool's rank."""
+
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, folder or Hub id), loaded at start
+    max_loras: int = 1
+    max_cpu_loras: int | None = None  # None → max_loras
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, f"--max-loras must be >= 1, got {self.max_loras}")
+        _require(self.max_lora_rank >= 1, f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        _require(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})",
+        )
+        _require(self.enable_lora or not self.lora_modules, "--lora-modules needs --enable-lora")
+        names = [name for name, _ in self.lora_modules]
+        _require(len(set(names)) == len(names), f"--lora-modules: a name is given twice in {names}")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
@@ -283,4 +310,5 @@ class EngineConfig:
     telemetry: TelemetryConfig = TelemetryConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     speculative: SpeculativeConfig | None = None  # --speculative-config (None: no speculative decoding)
+    lora: LoraConfig = LoraConfig()
     enforce_eager: bool = False

@@ -33,3 +33,12 @@ class ModelLoadError(EngineError):
 
 class WorkerFailedError(EngineError):
     """A worker process died or raised: its shard of the model is gone, so the engine must stop."""
+
+
+class NotFoundError(EngineError):
+    """The call names something this engine does not have, such as a LoRA adapter (→ NOT_FOUND)."""
+
+
+class FailedPreconditionError(EngineError):
+    """The call cannot run in the engine's present state (→ FAILED_PRECONDITION): LoRA not enabled, an
+    adapter unloaded while requests of it are in flight."""

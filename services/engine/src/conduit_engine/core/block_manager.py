@@ -13,6 +13,9 @@ block whose tokens all lie before the window of the sequence's next query is nev
 released at once (its entry becomes RELEASED_BLOCK), so a sequence holds a bounded number of blocks
 however long it grows. A released block keeps its prefix-cache hash like any freed block.
 
+A sequence of a LoRA adapter chains its blocks from the adapter's root (`Sequence.lora_root`) instead of
+from nothing, so equal tokens under another adapter (or the base model) never share a block.
+
 A queued request's cached prefix is moved to the back of the eviction order (`touch_prefix`), so what
 it (and a cache-aware router) found cached when it arrived is still there when it is admitted.
 
@@ -136,7 +139,7 @@ class BlockManager:
         if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
             return 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        parent: BlockHash | None = None
+        parent = seq.lora_root
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = chain_hash(parent, tokens)
@@ -152,14 +155,14 @@ class BlockManager:
         self.release_outside_window(seq)
         return reused
 
-    def touch_prefix(self, token_ids: list[int] | tuple[int, ...]) -> int:
+    def touch_prefix(self, token_ids: list[int] | tuple[int, ...], root: BlockHash | None = None) -> int:
         """A request was queued: make the free blocks holding its prompt's cached prefix the most recently
         freed, so that while it waits other blocks are evicted first (what a router predicted it would find
         cached stays cached). Tail first, so the head stays the last to go. Returns the prefix's blocks."""
         if not self.enable_prefix_caching:
             return 0
         found: list[int] = []
-        parent: BlockHash | None = None
+        parent = root
         for i in range((len(token_ids) - 1) // self.block_size):
             parent = chain_hash(parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size]))
             block_id = self._cached.get(parent)
@@ -195,7 +198,7 @@ class BlockManager:
             return
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else seq.lora_root
         for i in range(len(hashes), num_full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = chain_hash(parent, tokens)

@@ -31,10 +31,14 @@ class Scheduler:
         max_model_len: int = 1 << 62,
         multi_pass: bool = True,
         speculative: SpeculativeConfig | None = None,
+        max_loras: int = 0,
     ) -> None:
         """`multi_pass`: whether the executor runs several forward passes in one step (decode bursts);
-        `speculative`: speculative decoding's configuration (None: off)."""
+        `speculative`: speculative decoding's configuration (None: off).
+        `max_loras` (> 0 with LoRA enabled): the running sequences use at most that many adapters, so
+        every batch fits the adapter pool's slots; a waiting sequence of another adapter waits."""
         self.config = config
+        self.max_loras = max_loras
         self.block_manager = block_manager
         max_passes = config.max_decode_steps if multi_pass else 1
         self.bursts = DecodeBursts(block_manager, max_passes, config.decode_burst_ms / 1000, max_model_len)
@@ -115,12 +119,17 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         deferred: list[tuple[int, int, int, Sequence]] = []
+        adapters = {s.lora_name for s in self.running if s.lora_name is not None}
         while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             entry = self._waiting[0]
             seq = entry[3]
             if seq.parent is not None and not _prompt_computed(seq.parent):
                 # n > 1: wait until the first choice has computed (and cached) the shared prompt.
                 deferred.append(heapq.heappop(self._waiting))
+                continue
+            lora = seq.lora_name
+            if lora is not None and lora not in adapters and len(adapters) >= self.max_loras > 0:
+                deferred.append(heapq.heappop(self._waiting))  # its adapter waits for a free slot
                 continue
             if not seq.block_table:
                 self.block_manager.allocate_prefix(seq)
@@ -139,6 +148,8 @@ class Scheduler:
                 out.admitted.append(seq)
             seq.status = SequenceStatus.RUNNING
             seq.was_admitted = True
+            if lora is not None:
+                adapters.add(lora)
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new

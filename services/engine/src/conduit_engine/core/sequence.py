@@ -7,6 +7,7 @@ Plain Python: no torch. The scheduler moves sequences between states; the block 
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,6 +23,12 @@ _seq_counter = itertools.count()
 # every query the sequence will still make (models whose every layer attends through the same window).
 # Entries keep their positions: entry i always stands for tokens [i * block_size, (i + 1) * block_size).
 RELEASED_BLOCK = -1
+
+
+def lora_prefix_root(name: str, generation: int) -> bytes:
+    """The prefix-cache root of adapter `name` as loaded the `generation`-th time (a name unloaded and
+    loaded again, possibly with other weights, never finds the blocks of its previous load)."""
+    return hashlib.sha256(f"lora\0{name}\0{generation}".encode()).digest()
 
 
 class SequenceStatus(enum.Enum):
@@ -64,6 +71,10 @@ class Sequence:
     stop_string: str | None = None
     stop_token_id: int | None = None
     grammar: GrammarState | None = None  # the output structure's matcher, when the request has one
+    lora_name: str | None = None  # the LoRA adapter it runs (None: the base model)
+    # The parent hash of its first prefix-cache block: None for the base model, else one per adapter load
+    # (lora_prefix_root), so no adapter's KV is ever served to another or to the base model.
+    lora_root: bytes | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from conduit_common.logs import request_extra
@@ -22,7 +22,7 @@ from conduit_engine.config import EngineConfig
 from conduit_engine.core.block_manager import BlockManager, BlockStats
 from conduit_engine.core.scheduler import Scheduler
 from conduit_engine.core.scheduler_output import SchedulerOutput
-from conduit_engine.core.sequence import FinishReason, Sequence
+from conduit_engine.core.sequence import FinishReason, Sequence, lora_prefix_root
 from conduit_engine.core.spec_decode import SpecDecodeCounters
 from conduit_engine.core.stop_rules import StopRules
 from conduit_engine.engine.admission import Admission, Limits
@@ -33,6 +33,7 @@ from conduit_engine.engine.observer import EngineObserver, StepRecord, StepTimer
 from conduit_engine.engine.output_processor import accept_token
 from conduit_engine.engine.request import GenerationRequest, RequestOutput
 from conduit_engine.engine.request_state import RequestState
+from conduit_engine.errors import FailedPreconditionError, InvalidRequestError, NotFoundError
 from conduit_engine.executor.factory import build_executor
 from conduit_engine.executor.step_batch import SeqStepResult
 from conduit_engine.kv_format import kv_element_dtype
@@ -52,6 +53,7 @@ from conduit_engine.structured.requests import StructuredOutputs
 
 if TYPE_CHECKING:
     from conduit_engine.executor.worker_group import WorkerGroup
+    from conduit_engine.lora.manager import AdapterInfo, LoraManager
     from conduit_engine.structured.compiler import CompiledStructure
     from conduit_engine.structured.spec import StructuredSpec
 
@@ -70,6 +72,11 @@ class EngineStats:
     kv_bytes_saved: int = 0  # not pulled: already in this engine's prefix cache
     kv_pulls: int = 0  # pulls into this engine that completed
     spec_decode: SpecDecodeCounters | None = None  # speculative decoding's totals; None: it is off
+    lora_adapters: list[str] = field(default_factory=list)  # the LoRA adapters served
+    lora_in_memory: list[str] = field(default_factory=list)  # those whose weights are loaded now
+    lora_running: dict[str, int] = field(default_factory=dict)  # adapter → requests in the running batch
+    lora_waiting: dict[str, int] = field(default_factory=dict)  # adapter → requests waiting
+    max_loras: int = 0  # adapters one batch may mix (0: LoRA off)
 
 
 class LLMEngine:
@@ -101,12 +108,20 @@ class LLMEngine:
         )
         # Prefix-cache events for SubscribeKvEvents (published by the loop thread after each step).
         self.kv_events = KvEventPublisher(self.block_manager)
+        # The adapters (--enable-lora): served names, loaded weights, pool slots.
+        self.lora: LoraManager | None = getattr(self.executor, "lora", None)
+        self._lora_roots: dict[str, bytes] = {}
+        self._lora_loads = itertools.count()
+        for name in self.lora.names() if self.lora is not None else ():
+            self._lora_roots[name] = lora_prefix_root(name, next(self._lora_loads))
+        max_loras = config.lora.max_loras if self.lora is not None else 0
         self.scheduler = Scheduler(
             config.scheduler,
             self.block_manager,
             self.max_model_len,
             self.executor.multi_pass,
             speculative=config.speculative,
+            max_loras=max_loras,
         )
         self.stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
         limits = Limits(self.arch.vocab_size, self.max_model_len, self.num_blocks, self.block_size)
@@ -176,9 +191,16 @@ class LLMEngine:
         loop (AsyncEngine does); otherwise it is compiled here, synchronously. A consume request is not
         queued yet: its pull is pending (`kv_consumer.pending`) until `finish_pull`.
         """
+        root = self._lora_root(req.lora)
         admitted = self.admission.admit(req, self._requests, prompt)
         params, prompt = admitted.params, admitted.prompt_token_ids
         check_transfer_request(req.kv_produce, req.kv_consume, params.n, len(prompt), self.kv_limits)
+        if req.kv_consume is not None and req.kv_consume.handle.lora_name != req.lora:
+            raise InvalidRequestError(
+                "kv_transfer.consume.handle.lora_name",
+                f"the KV was computed with {_adapter(req.kv_consume.handle.lora_name)}, "
+                f"the request runs {_adapter(req.lora)}",
+            )
         spec = params.structured
         if spec is not None and structure is None:
             structure = self.structured.compile_now(spec)
@@ -189,6 +211,8 @@ class LLMEngine:
         else:
             indices = consume.choice_indices if consume is not None else list(range(params.n))
         seqs = self._sequences(req.request_id, prompt, params, admitted.priority, indices)
+        for seq in seqs:
+            seq.lora_name, seq.lora_root = req.lora, root
         if spec is not None and structure is not None:
             for seq, grammar in zip(
                 seqs, self.structured.states(spec, structure, prompt, len(seqs)), strict=True
@@ -221,10 +245,60 @@ class LLMEngine:
             extra=request_extra(req.request_id),
         )
         if consume is None:
-            self.block_manager.touch_prefix(prompt)  # its cached prefix outlives its wait in the queue
+            self.block_manager.touch_prefix(prompt, root)  # its cached prefix outlives its wait in the queue
             for seq in seqs:
                 self.scheduler.add(seq)
         return prompt
+
+    def _lora_root(self, name: str | None) -> bytes | None:
+        if name is None:
+            return None
+        root = self._lora_roots.get(name)
+        if root is None:
+            raise InvalidRequestError("model", f"no LoRA adapter {name!r} is loaded on this engine")
+        return root
+
+    # ----- LoRA adapters -----------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> AdapterInfo:
+        """Serve the adapter at `path` (a folder or a Hub id) as `name`. Raises InvalidRequestError."""
+        manager = self._lora_manager()
+        if name == self.model_name:
+            raise InvalidRequestError("lora_name", f"{name!r} is the base model's name")
+        info = manager.load(name, path)
+        self._lora_roots[name] = lora_prefix_root(name, next(self._lora_loads))
+        return info
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name`; refused while requests of it are in flight."""
+        manager = self._lora_manager()
+        if not manager.has(name):
+            raise NotFoundError(f"lora_name: no LoRA adapter {name!r} is loaded on this engine")
+        busy = [r for r in self._requests.values() if any(s.lora_name == name for s in r.seqs)]
+        if busy:
+            raise FailedPreconditionError(
+                f"lora_name: adapter {name!r} has {len(busy)} request(s) in flight; unload it after them"
+            )
+        manager.unload(name)
+        del self._lora_roots[name]
+
+    def list_loras(self) -> list[AdapterInfo]:
+        return [] if self.lora is None else self.lora.list()
+
+    def lora_requests(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests per adapter: (running, waiting)."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for seqs, counts in ((self.scheduler.running, running), (self.scheduler.waiting, waiting)):
+            for _, name in {(s.request_id, s.lora_name) for s in seqs if s.lora_name}:
+                counts[name] = counts.get(name, 0) + 1
+        return running, waiting
+
+    def _lora_manager(self) -> LoraManager:
+        if self.lora is None:
+            raise FailedPreconditionError(
+                "LoRA adapters are not enabled on this engine (start it with --enable-lora)"
+            )
+        return self.lora
 
     def _replay_accept(self, state: RequestState) -> Callable[[Sequence, int], str]:
         """The token update for tokens sampled elsewhere (a consumed first token, a continuation): applied
@@ -468,6 +542,8 @@ class LLMEngine:
 
     # ----- introspection ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        lora_running, lora_waiting = self.lora_requests()
+        adapters = self.list_loras()
         return EngineStats(
             running=len({s.request_id for s in self.scheduler.running}),
             waiting=len({s.request_id for s in self.scheduler.waiting}),
@@ -479,6 +555,11 @@ class LLMEngine:
             kv_bytes_saved=self.kv_consumer.counters.bytes_saved,
             kv_pulls=self.kv_consumer.counters.pulls,
             spec_decode=None if self.scheduler.spec is None else self.scheduler.spec.counters.copy(),
+            lora_adapters=[a.name for a in adapters],
+            lora_in_memory=[a.name for a in adapters if a.loaded],
+            lora_running=lora_running,
+            lora_waiting=lora_waiting,
+            max_loras=0 if self.lora is None else self.lora.max_loras,
         )
 
     def check_integrity(self) -> None:
@@ -486,6 +567,10 @@ class LLMEngine:
         live += [s for s in self.kv_consumer.held_sequences() if s not in live]
         self.block_manager.check_integrity(live)
         self.kv_registry.check_integrity()
+
+
+def _adapter(name: str | None) -> str:
+    return "the base model" if name is None else f"LoRA adapter {name!r}"
 
 
 def _side(req: GenerationRequest) -> str:

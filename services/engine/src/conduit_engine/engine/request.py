@@ -36,6 +36,7 @@ class GenerationRequest:
     kv_consume: KvConsume | None = None
     # Migration: the choices another engine started, continued here from their tokens so far.
     continuation: Continuation | None = None
+    lora: str | None = None  # the LoRA adapter it runs (the request's model names it); None: the base model
 
     @property
     def num_choices(self) -> int:

@@ -20,6 +20,7 @@ from conduit_engine.config import (
     CacheConfig,
     DisaggregationConfig,
     EngineConfig,
+    LoraConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -179,6 +180,10 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
         "also export vllm:num_requests_running/waiting, vllm:kv_cache_usage_perc, vllm:cache_config_info",
     ),
     ("--otlp-endpoint", str, None, "send traces over OTLP/gRPC to http(s)://HOST:PORT (unset: no tracing)"),
+    ("--enable-lora", flag_bool, False, "serve LoRA adapters (--lora-modules, LoadLoraAdapter)"),
+    ("--max-loras", int, 1, "LoRA adapters one batch may mix (slots of the adapter pool)"),
+    ("--max-cpu-loras", int, None, "LoRA adapters kept loaded in memory, least recently used evicted"),
+    ("--max-lora-rank", int, 16, "highest LoRA rank served (the adapter pool's rank)"),
 )
 
 
@@ -197,6 +202,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
             add_bool_flag(parser, flag, default, help_text)
         else:
             parser.add_argument(flag, type=kind, default=default, help=help_text)
+    parser.add_argument(
+        "--lora-modules",
+        nargs="*",
+        default=None,
+        metavar="NAME=PATH",
+        help="with --enable-lora: adapters loaded at start, each a folder or a Hub id (env: space-separated)",
+    )
     apply_env_defaults(parser, os.environ if environ is None else environ)
     describe_env(parser)
     return parser
@@ -280,8 +292,27 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             engine_auth_token_file=args.engine_auth_token_file,
         ),
         speculative=parse_speculative_config(args.speculative_config),
+        lora=LoraConfig(
+            enable_lora=args.enable_lora,
+            lora_modules=parse_lora_modules(args.lora_modules),
+            max_loras=args.max_loras,
+            max_cpu_loras=args.max_cpu_loras,
+            max_lora_rank=args.max_lora_rank,
+        ),
         enforce_eager=args.enforce_eager,
     )
+
+
+def parse_lora_modules(values: list[str] | str | None) -> tuple[tuple[str, str], ...]:
+    """--lora-modules a=/path b=org/name (the variable: one space-separated string) → ((name, path), ...)."""
+    items = values.split() if isinstance(values, str) else values or []
+    modules = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: expected NAME=PATH, got {item!r}")
+        modules.append((name, path))
+    return tuple(modules)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from opentelemetry.trace import Status, StatusCode
@@ -29,7 +29,9 @@ from conduit_engine.entrypoints.proto_mapping import (
 from conduit_engine.errors import (
     EngineError,
     EngineUnavailableError,
+    FailedPreconditionError,
     InvalidRequestError,
+    NotFoundError,
     QueueFullError,
 )
 from conduit_engine.kv_transfer.errors import KvTransferError
@@ -38,6 +40,9 @@ from conduit_engine.kv_transfer.registry import KvTransfer
 from conduit_engine.kv_transfer.service import KvTransferService
 from conduit_engine.telemetry import EngineTelemetry
 from conduit_engine.telemetry.tracing import KV_BLOCKS, KV_BYTES
+
+if TYPE_CHECKING:
+    from conduit_engine.lora.manager import AdapterInfo
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +67,10 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, EngineUnavailableError):
         return grpc.StatusCode.UNAVAILABLE
-    if isinstance(exc, ModelNotFoundError):
+    if isinstance(exc, ModelNotFoundError | NotFoundError):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, FailedPreconditionError):
+        return grpc.StatusCode.FAILED_PRECONDITION
     return grpc.StatusCode.INTERNAL
 
 
@@ -178,11 +185,9 @@ class EngineServicer(pb_grpc.EngineServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         if not self.ready:
             raise EngineUnavailableError("the engine is still warming up")
-        if request.HasField("model") and request.model and request.model != self.core.model_name:
-            raise ModelNotFoundError(
-                f"model {request.model!r} is not served here (this engine serves {self.core.model_name!r})"
-            )
+        lora = self._adapter_of(request)
         req = request_from_pb(request)
+        req.lora = lora
         if not request.request_id:
             req.request_id = _metadata_request_id(context) or req.request_id
         current_request_id.set(req.request_id)  # this call's log lines carry it
@@ -197,6 +202,49 @@ class EngineServicer(pb_grpc.EngineServicer):
             if not sent:  # refused at admission: the engine never saw it, no record ends its span
                 self.telemetry.refused(trace, exc)
             raise
+
+    def _adapter_of(self, request: pb.GenerateRequest) -> str | None:
+        """The LoRA adapter the request's model names (None: the base model); NOT_FOUND for neither."""
+        model, core = request.model, self.core
+        if not request.HasField("model") or not model or model == core.model_name:
+            return None
+        if core.lora is not None and core.lora.has(model):
+            return model
+        served = f"{core.model_name!r}" + (f" and adapters {core.lora.names()}" if core.lora else "")
+        raise ModelNotFoundError(f"model {model!r} is not served here (this engine serves {served})")
+
+    # ----- LoRA adapters -------------------------------------------------------------------------------
+    async def LoadLoraAdapter(
+        self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadLoraAdapterResponse:
+        if not request.lora_name:
+            raise InvalidRequestError("lora_name", "must not be empty")
+        if not request.lora_path:
+            raise InvalidRequestError("lora_path", "must not be empty")
+        core = self.core
+        # On the engine thread between steps: the pool and the prefix-cache roots change there only.
+        info = await self.async_engine.run_sync(lambda: core.load_lora(request.lora_name, request.lora_path))
+        return pb.LoadLoraAdapterResponse(adapter=self._adapter_pb(info))
+
+    async def UnloadLoraAdapter(
+        self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnloadLoraAdapterResponse:
+        if not request.lora_name:
+            raise InvalidRequestError("lora_name", "must not be empty")
+        core = self.core
+        await self.async_engine.run_sync(lambda: core.unload_lora(request.lora_name))
+        return pb.UnloadLoraAdapterResponse()
+
+    async def ListLoraAdapters(
+        self, request: pb.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListLoraAdaptersResponse:
+        core = self.core
+        infos = await self.async_engine.run_sync(core.list_loras)
+        max_loras = core.config.lora.max_loras if core.lora is not None else 0
+        return pb.ListLoraAdaptersResponse(adapters=[self._adapter_pb(i) for i in infos], max_loras=max_loras)
+
+    def _adapter_pb(self, info: AdapterInfo) -> pb.LoraAdapter:
+        return pb.LoraAdapter(name=info.name, path=info.path, rank=info.rank, parent=self.core.model_name)
 
     def _handle(self, transfer: KvTransfer) -> pb.KvHandle:
         return handle_to_pb(
@@ -325,6 +373,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             spec_decode_draft_tokens=0 if spec is None else spec.num_draft_tokens,
             spec_decode_accepted_tokens=0 if spec is None else spec.num_accepted_tokens,
             kv_pulls_by_transport=self.async_engine.kv_pulls_by_transport,
+            lora_adapters=stats.lora_adapters,
         )
 
     async def SubscribeKvEvents(

@@ -15,6 +15,8 @@ from conduit_engine.models.facts import ModelFacts
 
 if TYPE_CHECKING:
     from conduit_engine.executor.worker_group import WorkerGroup
+    from conduit_engine.lora.manager import LoraManager
+    from conduit_engine.models.base import CausalLM
     from conduit_engine.worker.draft_runner import DraftRunner
 
 
@@ -43,6 +45,7 @@ def _in_process(config: EngineConfig, facts: ModelFacts) -> tuple[Executor, int]
     from conduit_engine.worker.loading import free_device_bytes, load_in_process
 
     model = load_in_process(config, facts)
+    lora = _lora_manager(config, model) if config.lora.enable_lora else None
     free = free_device_bytes(next(model.parameters()).device)
     num_blocks = size_kv_cache(config, facts, facts.arch, 1, [free])
     executor = InProcessExecutor(
@@ -58,6 +61,7 @@ def _in_process(config: EngineConfig, facts: ModelFacts) -> tuple[Executor, int]
         use_cuda_graphs=not config.enforce_eager,
         draft=_draft(config, facts, num_blocks),
         kv_cache_dtype=config.cache.kv_cache_dtype,
+        lora=lora,
     )
     return executor, num_blocks
 
@@ -76,3 +80,29 @@ def _draft(config: EngineConfig, facts: ModelFacts, num_blocks: int) -> DraftRun
     model = load_draft_in_process(folder, arch, config, facts)
     dtype = DTYPES[facts.dtype]
     return DraftRunner(model, num_blocks, config.cache.block_size, dtype, config.model.device)
+
+
+def _lora_manager(config: EngineConfig, model: CausalLM) -> LoraManager:
+    """The adapter pool (allocated before the KV cache is sized) with --lora-modules loaded."""
+    import logging
+
+    from conduit_engine.errors import InvalidRequestError, ModelLoadError
+    from conduit_engine.lora.manager import LoraManager
+
+    lc = config.lora
+    manager = LoraManager.in_process(
+        model, lc.max_loras, lc.cpu_loras, lc.max_lora_rank, config.model.download_dir
+    )
+    logging.getLogger(__name__).info(
+        "LoRA: %d slots of rank %d (%.1f MiB), %d adapters kept in memory",
+        lc.max_loras,
+        lc.max_lora_rank,
+        manager.pool_bytes / 2**20,
+        lc.cpu_loras,
+    )
+    for name, path in lc.lora_modules:
+        try:
+            manager.load(name, path)
+        except InvalidRequestError as exc:
+            raise ModelLoadError(f"--lora-modules {name}={path}: {exc}") from exc
+    return manager

@@ -22,6 +22,7 @@ from conduit_engine.executor.step_batch import (
     mask_rows,
 )
 from conduit_engine.layers.decoder import KVCache
+from conduit_engine.lora.manager import LoraManager
 from conduit_engine.models.base import CausalLM
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.structured.batch_mask import SequenceMasks
@@ -46,9 +47,12 @@ class InProcessExecutor:
         use_cuda_graphs: bool = False,
         draft: DraftRunner | None = None,
         kv_cache_dtype: str = "auto",
+        lora: LoraManager | None = None,
     ) -> None:
-        """`draft`: speculative decoding's draft model (method draft_model), over the same KV blocks."""
+        """`draft`: speculative decoding's draft model (method draft_model), over the same KV blocks.
+        `lora`: the adapters (--enable-lora); its pool was allocated before the KV cache was sized."""
         self.model = model
+        self.lora = lora
         self.config = config
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
@@ -74,9 +78,12 @@ class InProcessExecutor:
         if self.draft is not None:
             propose_with_draft(out, self.block_size, self.draft.greedy)
         batch, sampling_seqs = build_step(out, self.block_size, self.eos_token_ids)
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.batch([item.seq.lora_name for item in out.scheduled], batch.query_lens)
         if out.num_passes > 1:
-            return collect_passes(out, self.runner.run_passes(batch, out.num_passes))
-        step = self.runner.run(batch, self._masks.build(mask_rows(out, sampling_seqs)))
+            return collect_passes(out, self.runner.run_passes(batch, out.num_passes, lora))
+        step = self.runner.run(batch, self._masks.build(mask_rows(out, sampling_seqs)), lora)
         assert step is not None  # the whole model samples
         return collect_results(out, batch, sampling_seqs, step)
 

@@ -24,6 +24,9 @@ from conduit_engine.core.scheduler_output import SchedulerOutput
 from conduit_engine.errors import ModelLoadError, WorkerFailedError
 from conduit_engine.executor.step_batch import SeqStepResult, build_step, collect_results, mask_rows
 from conduit_engine.executor.worker_group import WorkerGroup
+from conduit_engine.lora.adapter import LoraAdapter
+from conduit_engine.lora.manager import LoraManager
+from conduit_engine.lora.pool import full_shapes
 from conduit_engine.models.facts import ModelFacts
 from conduit_engine.models.sharding import ShardPlan, check_tensor_parallel
 from conduit_engine.structured.batch_mask import SequenceMasks
@@ -75,9 +78,20 @@ class MultiprocExecutor:
         self.stats = BroadcastStats()
         self._masks = SequenceMasks(vocab_size, "cpu")
         self._lock = threading.Lock()  # one command at a time on the ordered pipes
+        self.lora: LoraManager | None = None  # with --enable-lora: its pools live in the workers
+        self._download_dir: str | None = None
+
+    def write_lora(self, slot: int, adapter: LoraAdapter) -> None:
+        """Every rank reads `adapter` from its path, keeps its shard and writes it into `slot`."""
+        spec = {"slot": slot, "name": adapter.name, "path": adapter.path, "download_dir": self._download_dir}
+        with self._lock:
+            self.group.send(control(Kind.LORA_WRITE, spec))
+            self.group.expect(Kind.DONE)
 
     def execute(self, out: SchedulerOutput) -> list[SeqStepResult]:
         batch, sampling_seqs = build_step(out, self.block_size, self.eos_token_ids)
+        if self.lora is not None:  # slot writes first: they take the pipes themselves
+            batch.lora_slots = self.lora.assign([item.seq.lora_name for item in out.scheduled])
         bitmask = self._masks.build(mask_rows(out, sampling_seqs))
         with self._lock:
             started = time.perf_counter_ns()
@@ -139,7 +153,36 @@ def start_multiproc(
         raise
     torch.set_num_threads(1)  # this process only schedules, detokenizes and encodes steps
     executor = MultiprocExecutor(workers, config.cache.block_size, facts.eos_token_ids, facts.arch.vocab_size)
+    if config.lora.enable_lora:
+        try:
+            executor.lora = _remote_lora(config, facts, executor)
+        except BaseException:
+            workers.shutdown()
+            raise
     return executor, num_blocks
+
+
+def _remote_lora(config: EngineConfig, facts: ModelFacts, executor: MultiprocExecutor) -> LoraManager:
+    """The adapters of an engine whose pools live in the workers, with --lora-modules loaded (read and
+    checked here; each rank reads its shard when a slot is first written)."""
+    from conduit_engine.errors import InvalidRequestError
+
+    lc = config.lora
+    executor._download_dir = config.model.download_dir
+    manager = LoraManager(
+        full_shapes(facts.arch),
+        executor.write_lora,
+        lc.max_loras,
+        lc.cpu_loras,
+        lc.max_lora_rank,
+        config.model.download_dir,
+    )
+    for name, path in lc.lora_modules:
+        try:
+            manager.load(name, path)
+        except InvalidRequestError as exc:
+            raise ModelLoadError(f"--lora-modules {name}={path}: {exc}") from exc
+    return manager
 
 
 def start_workers(group: WorkerGroup, config: EngineConfig, facts: ModelFacts) -> int:
@@ -176,6 +219,8 @@ def start_workers(group: WorkerGroup, config: EngineConfig, facts: ModelFacts) -
             "use_cuda_graphs": not config.enforce_eager,
             "kv_cache_dtype": config.cache.kv_cache_dtype,
         }
+        if config.lora.enable_lora:
+            allocate["lora"] = {"max_loras": config.lora.max_loras, "max_rank": config.lora.max_lora_rank}
         group.send(control(Kind.ALLOCATE, allocate))
         group.expect(Kind.READY, ranks)
     except WorkerFailedError as exc:

@@ -26,6 +26,7 @@ class KvHandleRef:
     num_tokens: int  # prompt tokens the transfer holds
     layout_fingerprint: str
     transports: SourceTransports = SourceTransports()
+    lora_name: str | None = None  # the LoRA adapter the KV was computed with (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ class KvProducer:
         if req.kv_transfer is None:
             prompt = seq.prompt_token_ids
             blocks = seq.block_table[: self.registry.block_manager.blocks_needed(len(prompt))]
-            req.kv_transfer = self.registry.produce(blocks, prompt)
+            req.kv_transfer = self.registry.produce(blocks, prompt, seq.lora_name, seq.lora_root)
         if seq.is_finished:
             return None
         seq.finish(FinishReason.KV_HANDOFF)

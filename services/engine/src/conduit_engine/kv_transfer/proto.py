@@ -39,6 +39,7 @@ def handle_to_pb(
         layout=layout_to_pb(layout),
         expires_unix_ms=transfer.expires_unix_ms,
         transports=pb.KvSourceTransports(shm_host=transports.shm_host, nixl=transports.nixl),
+        lora_name=transfer.lora_name or "",
     )
 
 
@@ -56,6 +57,7 @@ def handle_from_pb(handle: pb.KvHandle) -> KvHandleRef:
         num_tokens=handle.num_tokens,
         layout_fingerprint=handle.layout.fingerprint,
         transports=SourceTransports(handle.transports.shm_host, handle.transports.nixl),
+        lora_name=handle.lora_name or None,
     )
 
 

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from conduit_engine.core.block_manager import BlockHash, BlockManager, prefix_block_hashes
+from conduit_engine.core.block_manager import BlockHash, BlockManager, chain_hash, prefix_block_hashes
 from conduit_engine.kv_transfer.errors import KvTransferNotFoundError
 
 DEFAULT_LEASE_SECONDS = 30.0
@@ -39,6 +39,7 @@ class KvTransfer:
     token_ids: tuple[int, ...]  # the prompt whose KV the blocks hold
     block_hashes: tuple[BlockHash, ...]  # prefix-cache chain hashes of the full blocks
     expires_at: float  # Unix seconds when the lease ends
+    lora_name: str | None = None  # the LoRA adapter the KV was computed with (None: the base model)
     active_pulls: int = 0
     ended: bool = False  # pulled, released or expired: no new pulls; unpinned when no pull is active
 
@@ -91,10 +92,18 @@ class KvTransferRegistry:
         return list(self._transfers)
 
     # ----- lifecycle -----------------------------------------------------------------------------
-    def produce(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> KvTransfer:
+    def produce(
+        self,
+        block_ids: Sequence[int],
+        token_ids: Sequence[int],
+        lora_name: str | None = None,
+        lora_root: BlockHash | None = None,
+    ) -> KvTransfer:
         """Pin the blocks holding `token_ids`' KV (their owner must still hold them) under a new id.
 
         `block_ids` are the first blocks of the owner's block table: exactly enough for the tokens.
+        `lora_name`, `lora_root`: the owner's adapter and its prefix-cache root (its blocks' hashes chain
+        from there).
         """
         if not token_ids:
             raise ValueError("token_ids: a transfer holds at least one token")
@@ -108,8 +117,9 @@ class KvTransferRegistry:
             transfer_id=uuid.uuid4().hex,  # a capability: whoever knows it can read the prompt's KV
             block_ids=tuple(block_ids),
             token_ids=tuple(token_ids),
-            block_hashes=tuple(prefix_block_hashes(list(token_ids), self.block_manager.block_size)),
+            block_hashes=_block_hashes(token_ids, self.block_manager.block_size, lora_root),
             expires_at=self._clock() + self.lease_seconds,
+            lora_name=lora_name,
         )
         self._transfers[transfer.transfer_id] = transfer
         return transfer
@@ -189,3 +199,15 @@ class KvTransferRegistry:
         if transfer.ended and transfer.active_pulls == 0:
             del self._transfers[transfer.transfer_id]
             self.block_manager.unpin(transfer.block_ids)
+
+
+def _block_hashes(token_ids: Sequence[int], block_size: int, root: BlockHash | None) -> tuple[BlockHash, ...]:
+    """The prefix-cache hashes of the full blocks of `token_ids`, chained from `root` (an adapter's)."""
+    if root is None:
+        return tuple(prefix_block_hashes(list(token_ids), block_size))
+    hashes: list[BlockHash] = []
+    parent = root
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(parent, tuple(token_ids[start : start + block_size]))
+        hashes.append(parent)
+    return tuple(hashes)

@@ -50,7 +50,7 @@ class PagedAttention(nn.Module):
         step: StepContext,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q, k, v = self.qkv_proj(x, step).split(self.split, dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -67,4 +67,4 @@ class PagedAttention(nn.Module):
             sliding_window=self.sliding_window,
             logit_softcap=self.logit_softcap,
         )
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj(out.reshape(num_tokens, -1), step)

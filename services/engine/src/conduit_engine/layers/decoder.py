@@ -47,10 +47,10 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, kv_cache, step)
         if not self.sandwich_norms:
             h, residual = self.post_attention_layernorm(h, residual)
-            return self.mlp(h), residual
+            return self.mlp(h, step), residual
         h = self.post_attention_layernorm.norm(h)
         h, residual = self.pre_feedforward_layernorm(h, residual)
-        return self.post_feedforward_layernorm.norm(self.mlp(h)), residual
+        return self.post_feedforward_layernorm.norm(self.mlp(h, step)), residual
 
     def spec(self) -> DecoderLayerSpec:
         """This layer's weights and shape, for a backend that runs whole layers (Ops.compile_decoder)."""
@@ -79,4 +79,8 @@ class DecoderLayer(nn.Module):
             sliding_window=attn.sliding_window,
             logit_softcap=attn.logit_softcap,
             gelu=mlp.gelu,
+            qkv_lora=attn.qkv_proj.lora,
+            o_lora=attn.o_proj.lora,
+            gate_up_lora=mlp.gate_up_proj.lora,
+            down_lora=mlp.down_proj.lora,
         )

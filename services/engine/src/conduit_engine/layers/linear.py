@@ -6,6 +6,10 @@ builds it with this rank's output features, so it needs no communication. `RowPa
 down_proj): each rank multiplies its slice of the input features, an all-reduce sums the partial outputs,
 then the bias is added once; without a communicator (the model runs whole) it is exactly `Linear`.
 
+With LoRA enabled (`lora`, set by lora/pool.py), a step whose rows name adapters adds each row's delta
+after the base projection (`Ops.lora_delta`), whatever the base weight's format; a row-parallel layer adds
+its rank's partial delta before the all-reduce (the delta is linear in the input's slices).
+
 Parameters are named and shaped as nn.Linear's (`weight` [out, in], optional `bias` [out]), so
 checkpoints load into them unchanged; TorchOps computes them with F.linear, the reference.
 
@@ -22,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from conduit_engine.ops import Ops
+from conduit_engine.ops import LoraWeights, Ops, StepContext
 
 if TYPE_CHECKING:
     from conduit_engine.layers.collectives import Communicator
@@ -40,6 +44,7 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.register_parameter("weight_scale", None)
+        self.lora: LoraWeights | None = None  # this layer's adapter pool, with LoRA enabled
 
     @property
     def quantized(self) -> bool:
@@ -53,8 +58,14 @@ class Linear(nn.Module):
         scale = scale.to(device=weight.device, dtype=torch.float32).reshape(-1).contiguous()
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias, self.weight_scale)
+    def forward(self, x: torch.Tensor, step: StepContext | None = None) -> torch.Tensor:
+        out = self.ops.linear(x, self.weight, self.bias, self.weight_scale)
+        self._add_lora(out, x, step)
+        return out
+
+    def _add_lora(self, out: torch.Tensor, x: torch.Tensor, step: StepContext | None) -> None:
+        if step is not None and step.lora is not None and self.lora is not None:
+            self.ops.lora_delta(out, x, self.lora, step.lora)
 
     def extra_repr(self) -> str:
         return (
@@ -70,10 +81,11 @@ class RowParallelLinear(Linear):
         super().__init__(in_features, out_features, bias, ops)
         self.comm = comm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepContext | None = None) -> torch.Tensor:
         if self.comm is None:
-            return self.ops.linear(x, self.weight, self.bias, self.weight_scale)
+            return super().forward(x, step)
         out = self.ops.linear(x, self.weight, None, self.weight_scale)
+        self._add_lora(out, x, step)
         self.comm.all_reduce(out)
         if self.bias is not None:
             out += self.bias

@@ -9,7 +9,7 @@ from torch import nn
 
 from conduit_engine.layers.linear import Linear, RowParallelLinear
 from conduit_engine.models.config import ArchConfig
-from conduit_engine.ops import Ops
+from conduit_engine.ops import Ops, StepContext
 
 if TYPE_CHECKING:
     from conduit_engine.layers.collectives import Communicator
@@ -27,5 +27,5 @@ class GatedMLP(nn.Module):
             config.intermediate_size, config.hidden_size, config.mlp_bias, ops, comm
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, step: StepContext | None = None) -> torch.Tensor:
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x, step)), step)

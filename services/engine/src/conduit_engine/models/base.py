@@ -17,7 +17,7 @@ from conduit_engine.layers.norm import RMSNorm
 from conduit_engine.layers.rotary import cos_sin_cache
 from conduit_engine.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from conduit_engine.models.config import ArchConfig
-from conduit_engine.ops import AttentionMetadata, DecoderRunner, Ops
+from conduit_engine.ops import AttentionMetadata, DecoderRunner, LoraBatch, Ops
 
 if TYPE_CHECKING:
     from conduit_engine.models.sharding import ModelShard
@@ -53,6 +53,7 @@ class CausalLM(nn.Module):
         self._embed_scale: float | None = None
         # The decoder layers as one call, when the ops backend offers it (set once loading finishes).
         self._decoder: DecoderRunner | None = None
+        self._decoder_lora = False  # whether it adds the LoRA deltas of a step's adapter rows
 
     def init_rope(self, device: torch.device) -> None:
         self.cos_sin = cos_sin_cache(self.config, self.max_positions, device)
@@ -71,8 +72,15 @@ class CausalLM(nn.Module):
         scale = self.config.embed_scale
         if scale is not None:
             self._embed_scale = float(torch.tensor(scale, dtype=self.embed_tokens.weight.dtype))
+        self.compile_decoder()
+
+    def compile_decoder(self) -> None:
+        """(Re)build the one-call decoder, where the backend offers one; again once the LoRA pools exist
+        (lora/pool.py), so that steps with adapter rows run it too."""
         if not self._sharded:
-            self._decoder = self.ops.compile_decoder([layer.spec() for layer in self.layers])
+            specs = [layer.spec() for layer in self.layers]
+            self._decoder = self.ops.compile_decoder(specs)
+            self._decoder_lora = all(spec.qkv_lora is not None for spec in specs)
 
     def describe_ops(self) -> str:
         """The ops backend and how the decoder layers run on it (one call per step, or one by one)."""
@@ -85,13 +93,16 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] int64 → final hidden states [T, H]."""
+        """input_ids, positions [T] int64 → final hidden states [T, H]. `lora`: the rows that run an
+        adapter (a compiled decoder runs them when it was built with the adapter pools)."""
         step = self.ops.begin_step(positions, meta, self.cos_sin)
+        step.lora = lora
         x = self.embed_tokens(input_ids)
         if self._embed_scale is not None:
             x = x * self._embed_scale
-        if self._decoder is not None:
+        if self._decoder is not None and (lora is None or self._decoder_lora):
             x, residual = self._decoder(x, kv_caches, step)
         else:
             residual = None

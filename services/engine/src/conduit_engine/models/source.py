@@ -72,7 +72,22 @@ def check_model_folder(folder: Path, repo_id: str | None = None) -> None:
         )
 
 
-def _download(repo_id: str, revision: str | None, download_dir: str | None) -> str:
+def resolve_files(
+    model: str, patterns: tuple[str, ...], revision: str | None = None, download_dir: str | None = None
+) -> Path:
+    """The local folder of `model` (a folder, or a Hub id whose files matching `patterns` are fetched into
+    the cache): how a LoRA adapter comes from the same places as a base model."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if not is_hub_id(model):
+        raise ModelLoadError(f"folder {model} does not exist (and it is not a Hub id like org/name)")
+    return Path(_download(model, revision, download_dir, patterns))
+
+
+def _download(
+    repo_id: str, revision: str | None, download_dir: str | None, patterns: tuple[str, ...] = SERVING_FILES
+) -> str:
     # The Hub client only for Hub ids: a local folder starts without it (it costs ~0.5 s to import).
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
@@ -87,7 +102,7 @@ def _download(repo_id: str, revision: str | None, download_dir: str | None) -> s
     cache = download_dir or constants.HF_HUB_CACHE
     try:
         return snapshot_download(
-            repo_id, revision=revision, cache_dir=download_dir, allow_patterns=list(SERVING_FILES)
+            repo_id, revision=revision, cache_dir=download_dir, allow_patterns=list(patterns)
         )
     except GatedRepoError as exc:  # before RepositoryNotFoundError, its base class
         raise ModelLoadError(

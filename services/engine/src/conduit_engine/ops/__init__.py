@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
-from conduit_engine.ops.base import AttentionMetadata, DecoderLayerSpec, DecoderRunner, Ops, StepContext
+from conduit_engine.ops.base import (
+    AttentionMetadata,
+    DecoderLayerSpec,
+    DecoderRunner,
+    LoraBatch,
+    LoraWeights,
+    Ops,
+    StepContext,
+)
 
-__all__ = ["AttentionMetadata", "DecoderLayerSpec", "DecoderRunner", "Ops", "StepContext", "get_ops"]
+__all__ = [
+    "AttentionMetadata",
+    "DecoderLayerSpec",
+    "DecoderRunner",
+    "LoraBatch",
+    "LoraWeights",
+    "Ops",
+    "StepContext",
+    "get_ops",
+]
 
 
 def get_ops(device: str, cpu_kernels: str = "auto") -> Ops:

@@ -56,6 +56,32 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass(frozen=True, slots=True)
+class LoraWeights:
+    """One linear layer's LoRA pool: every adapter slot's matrices, zero where an adapter has none (and past
+    its rank). Output column n belongs to slice j (the q, k, v of a fused qkv projection; one slice for an
+    unfused layer): `splits` are the slices' widths. The shrink of slice j is a[s, j]; the expand is
+    stored transposed and block-diagonal, b[s, j*R:(j+1)*R, n] for the columns n of slice j and zero
+    elsewhere, so one product h · b[s] expands every slice at once (and a kernel reads a rank row of b
+    along contiguous output columns). The adapter's scaling is already folded into b."""
+
+    a: torch.Tensor  # [slots, S, R, K]: the shrink (lora_A) of each slice
+    b: torch.Tensor  # [slots, S*R, N]: the expand (scale · lora_Bᵀ), block-diagonal over the slices
+    splits: tuple[int, ...]  # widths of the S output slices (sum N)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraBatch:
+    """Which adapter slot each packed row of a step uses (-1: the base model, no delta).
+
+    `groups` lists each slot present with its rows (a slice when they are contiguous, else an int64 index
+    tensor), for backends that run one shrink and one expand per adapter (the punica / S-LoRA grouping);
+    `row_slots` is the same per row, for kernels that walk rows."""
+
+    row_slots: torch.Tensor  # [T] int32 on the model's device
+    groups: tuple[tuple[int, slice | torch.Tensor], ...]
+
+
 @dataclass(slots=True)
 class StepContext:
     """What every layer of one step shares, made once per step by `Ops.begin_step`.
@@ -69,6 +95,7 @@ class StepContext:
     meta: AttentionMetadata
     cos_sin_cache: torch.Tensor  # [max_positions, head_dim] float32: cos in [:, :D/2], sin in [:, D/2:]
     scratch: dict[str, object] = field(default_factory=dict)
+    lora: LoraBatch | None = None  # the step's adapter rows; None: every row runs the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +126,12 @@ class DecoderLayerSpec:
     sliding_window: int | None
     logit_softcap: float | None
     gelu: bool  # tanh-GELU gate (else SiLU)
+    # The projections' adapter pools (lora/pool.py), with LoRA enabled: a runner given them adds each row's
+    # delta when a step's StepContext.lora says which rows run which slot.
+    qkv_lora: LoraWeights | None = None
+    o_lora: LoraWeights | None = None
+    gate_up_lora: LoraWeights | None = None
+    down_lora: LoraWeights | None = None
 
 
 # (hidden states after the embedding, every layer's (k_cache, v_cache), the step) → (last layer's output,
@@ -166,6 +199,19 @@ class Ops(ABC):
         if weight_scale is not None:
             return quant.int8_linear(x, weight, weight_scale, bias)
         return F.linear(x, weight, bias)
+
+    def lora_delta(self, y: torch.Tensor, x: torch.Tensor, w: LoraWeights, batch: LoraBatch) -> None:
+        """y [T, N] += each row's LoRA delta, in place: for a row of slot s, (x · a[s]ᵀ) · b[s] (slice j of
+        the output reads slice j of the shrink); rows of slot -1 are untouched. x [T, K]; y, x, a, b share
+        a dtype. The reference: per adapter, one shrink and one expand over its rows."""
+        num_slices, rank, k = w.a.shape[1:]
+        for slot, rows in batch.groups:
+            h = x[rows] @ w.a[slot].reshape(num_slices * rank, k).t()  # [t, S*R]
+            delta = h @ w.b[slot]  # [t, N]
+            if isinstance(rows, slice):
+                y[rows] += delta
+            else:
+                y.index_add_(0, rows, delta)
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

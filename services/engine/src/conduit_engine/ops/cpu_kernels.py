@@ -37,6 +37,7 @@ SOURCES = (
     "bindings.cpp",
     "ops.cpp",
     "decoder.cpp",
+    "lora.cpp",
     "isa_avx512bf16.cpp",
     "isa_avx512.cpp",
     "isa_avx2.cpp",

@@ -7,9 +7,10 @@ AVX-512 BW, AVX2 or portable integer tiles), RMSNorm with and without the residu
 the gated activations, KV-cache writes, and paged attention that reads the KV blocks in place (decode and
 prefill chunks, sliding windows, soft-capping). `compile_decoder` runs all decoder layers of a step as
 one C++ call composed of the same kernels, so a small model pays no Python per op. KV transfer and
-grammar masking stay TorchOps'. Every kernel is checked against TorchOps in tests/kernels/test_cpu_ops.py,
-and the whole model against transformers in test_cpu_model_parity.py, on every instruction set the
-machine runs.
+grammar masking stay TorchOps'. LoRA deltas (kernels/cpu/lora.cpp) run per adapter slot on the same
+linear kernels, inside the compiled decoder too. Every kernel is checked against TorchOps in
+tests/kernels/test_cpu_ops.py, and the whole model against transformers in test_cpu_model_parity.py, on
+every instruction set the machine runs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from conduit_engine.config import CPU_KERNEL_CHOICES
 from conduit_engine.errors import ModelLoadError
 from conduit_engine.ops import cpu_kernels
-from conduit_engine.ops.base import DecoderLayerSpec, DecoderRunner, Ops, StepContext
+from conduit_engine.ops.base import DecoderLayerSpec, DecoderRunner, LoraBatch, LoraWeights, Ops, StepContext
 from conduit_engine.ops.torch_ops import TorchOps
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class CpuOps(TorchOps):
         self._k = getattr(module, isa)
         # Prepacked linear weights (kernels/cpu/common.h panels), by the address of the weight's data.
         self._packed: dict[int, object] = {}
+        # The LoRA pools' C++ views, by the pool's id (kept with the pool, so the id stays its own).
+        self._lora_layers: dict[int, tuple[LoraWeights, object]] = {}
 
     def describe(self) -> str:
         return f"cpu kernels ({self.isa}), {len(self._packed)} weights prepacked"
@@ -102,7 +105,21 @@ class CpuOps(TorchOps):
         weights.scale, weights.eps, weights.gelu = spec.scale, spec.eps, spec.gelu
         weights.window = spec.sliding_window or 0
         weights.softcap = spec.logit_softcap or 0.0
+        for name in ("qkv_lora", "o_lora", "gate_up_lora", "down_lora"):
+            pool = getattr(spec, name)
+            if pool is not None:
+                setattr(weights, name, self._lora_layer(pool))
         return weights
+
+    def _lora_layer(self, w: LoraWeights) -> object:
+        """The C++ view of a LoRA pool (its tensors themselves: slots written later are seen)."""
+        layer = self._lora_layers.get(id(w))
+        if layer is None:
+            layer = self._lora_layers[id(w)] = (w, self._module.LoraLayer(w.a, w.b, list(w.splits)))
+        return layer[1]
+
+    def lora_delta(self, y: torch.Tensor, x: torch.Tensor, w: LoraWeights, batch: LoraBatch) -> None:
+        self._k.lora_delta(y, x, self._lora_layer(w), batch.row_slots)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # per-head q/k norms: [T, H, D]
@@ -177,6 +194,7 @@ class _CompiledDecoder:
                 meta.query_start_loc,
                 meta.seq_lens,
                 meta.block_tables,
+                None if step.lora is None else step.lora.row_slots,
             )
         return self._stack.forward(x, kv_caches, tensors)
 

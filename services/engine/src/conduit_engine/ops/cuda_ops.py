@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from conduit_engine.ops import cuda_checks as checks
+from conduit_engine.ops import cuda_lora
 from conduit_engine.ops import kernel_loader as kl
 from conduit_engine.ops.attention_geometry import (
     DEFAULT_SM_COUNT,
@@ -34,6 +35,8 @@ from conduit_engine.ops.attention_geometry import (
 )
 from conduit_engine.ops.base import (
     AttentionMetadata,
+    LoraBatch,
+    LoraWeights,
     Ops,
     StepContext,
     check_gather_out,
@@ -276,6 +279,11 @@ class CudaOps(Ops):
 
     def check_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         checks.check_cache(k_cache, v_cache)
+
+    def lora_delta(self, y: torch.Tensor, x: torch.Tensor, w: LoraWeights, batch: LoraBatch) -> None:
+        if self.check_calls:
+            cuda_lora.check_lora_args(y, x, w, batch)
+        cuda_lora.lora_delta(self._launcher, y, x, w, batch)
 
     # ---- normalisation and activation --------------------------------------------------------------
 

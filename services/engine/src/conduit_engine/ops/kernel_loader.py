@@ -31,6 +31,7 @@ KERNEL_SOURCES = (
     "bitmask.cu",
     "kv_transfer.cu",
     "int8_gemm.cu",
+    "lora.cu",
 )
 
 _CTYPES = {torch.float32: "float", torch.float16: "conduit::f16", torch.bfloat16: "conduit::bf16"}
@@ -191,6 +192,14 @@ def int8_gemm_kernel(dtype: torch.dtype) -> KernelRef:
     return KernelRef("int8_gemm.cu", f"int8_gemm_mma_kernel<{ctype(dtype)}>")
 
 
+def lora_shrink_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("lora.cu", f"lora_shrink_kernel<{ctype(dtype)}>")
+
+
+def lora_expand_kernel(dtype: torch.dtype) -> KernelRef:
+    return KernelRef("lora.cu", f"lora_expand_kernel<{ctype(dtype)}>")
+
+
 def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int]) -> list[KernelRef]:
     """Every specialisation the CUDA ops may launch for these model dtypes and head sizes."""
     refs: list[KernelRef] = []
@@ -208,6 +217,8 @@ def all_specializations(dtypes: Sequence[torch.dtype], head_dims: Sequence[int])
             scatter_kv_blocks_kernel(dtype),
             quantize_rows_int8_kernel(dtype),
             int8_gemm_kernel(dtype),
+            lora_shrink_kernel(dtype),
+            lora_expand_kernel(dtype),
         ]
         refs += [prefill_attention_kernel(dtype, head_dim) for head_dim in head_dims]
         for cache_dtype, kv in KV_FORMATS.items():  # --kv-cache-dtype int8 | fp8

@@ -7,6 +7,7 @@ exports the four vLLM names Kubernetes inference routers read, with vLLM's meani
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -247,6 +248,8 @@ class EngineStateCollector(Collector):
         yield from _kv_transfers(stats)
         if stats.spec_decode is not None:
             yield from _spec_decode(stats.spec_decode, "conduit_engine_spec_decode_", [], [])
+        if stats.max_loras:
+            yield from _lora(stats)
         if self.vllm_compat:
             yield from self._vllm(stats, usage)
             if stats.spec_decode is not None:
@@ -273,6 +276,23 @@ class EngineStateCollector(Collector):
         )
         info.add_metric([*self._cache_info.values(), "0"], 1)
         yield info
+        if stats.max_loras:
+            # The Inference Extension's model-server protocol (LoRA affinity): the adapters running and
+            # waiting, comma-separated, and the batch's adapter limit; the value is when it was read.
+            lora = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            lora.add_metric(
+                [
+                    str(stats.max_loras),
+                    ",".join(sorted(stats.lora_waiting)),
+                    ",".join(sorted(stats.lora_running)),
+                ],
+                time.time(),
+            )
+            yield lora
 
 
 def _spec_decode(
@@ -318,6 +338,33 @@ def _kv_cache_gauges(kv: KvCacheInfo, total_blocks: int) -> Iterator[Metric]:
         "conduit_engine_kv_cache_bytes",
         "Bytes of the KV cache (all blocks, scales included).",
         total_blocks * kv.block_bytes,
+    )
+
+
+def _lora(stats: EngineStats) -> Iterator[Metric]:
+    """LoRA (--enable-lora): each served adapter, and its requests running and waiting."""
+    loaded = GaugeMetricFamily(
+        "conduit_engine_lora_adapter_loaded",
+        "Served LoRA adapters: 1 when its weights are in memory, 0 when read again at its next request.",
+        labels=["adapter"],
+    )
+    running = GaugeMetricFamily(
+        "conduit_engine_lora_requests_running",
+        "Requests of a LoRA adapter in the running batch.",
+        labels=["adapter"],
+    )
+    waiting = GaugeMetricFamily(
+        "conduit_engine_lora_requests_waiting", "Requests of a LoRA adapter waiting.", labels=["adapter"]
+    )
+    for name in stats.lora_adapters:
+        loaded.add_metric([name], 1.0 if name in stats.lora_in_memory else 0.0)
+        running.add_metric([name], stats.lora_running.get(name, 0))
+        waiting.add_metric([name], stats.lora_waiting.get(name, 0))
+    yield loaded
+    yield running
+    yield waiting
+    yield _gauge(
+        "conduit_engine_lora_max_loras", "LoRA adapters one batch may mix (--max-loras).", stats.max_loras
     )
 
 

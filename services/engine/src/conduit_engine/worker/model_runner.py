@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from conduit_engine.layers.decoder import KVCache
+from conduit_engine.lora.manager import lora_batch
 from conduit_engine.models.base import CausalLM
-from conduit_engine.ops import AttentionMetadata
+from conduit_engine.ops import AttentionMetadata, LoraBatch
 from conduit_engine.ops.kv_quant import cache_layout
 from conduit_engine.sampling.grammar_mask import StepBitmask, apply_grammar_mask
 from conduit_engine.sampling.logprobs import compute_prompt_logprobs
@@ -71,10 +72,16 @@ class ModelRunner:
 
     # ----- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: StepBatch, bitmask: StepBitmask | None = None) -> StepOutput | None:
-        """The step's sampled tokens and logprobs (rank 0), or None (the other ranks)."""
+    def run(
+        self, batch: StepBatch, bitmask: StepBitmask | None = None, lora: LoraBatch | None = None
+    ) -> StepOutput | None:
+        """The step's sampled tokens and logprobs (rank 0), or None (the other ranks). `lora`: the rows
+        that run an adapter (lora/manager.py), None when all run the base model; or, from a worker's
+        step, `batch.lora_slots`."""
+        if lora is None and batch.lora_slots:
+            lora = lora_batch(batch.lora_slots, batch.query_lens, self.device)
         input_ids, positions, meta = self._tensors(batch)
-        hidden = self._forward(input_ids, positions, meta)
+        hidden = self._forward(input_ids, positions, meta, lora)
         prompt = [self._prompt_logprobs(hidden, span) for span in batch.prompt_spans]
         if batch.sampling is None:
             return StepOutput([], [], prompt) if self.samples else None
@@ -87,7 +94,7 @@ class ModelRunner:
         return StepOutput(sampled.token_ids, sampled.logprobs, prompt)
 
     @torch.inference_mode()
-    def run_passes(self, batch: StepBatch, passes: int) -> list[list[int]]:
+    def run_passes(self, batch: StepBatch, passes: int, lora: LoraBatch | None = None) -> list[list[int]]:
         """A decode burst (core/decode_bursts.py): `passes` forward passes, each fed the tokens the one before
         sampled; the tokens of each pass, in logits-row order. Every row decodes one token and samples
         without history, so the step's sampling plan holds for every pass; the block tables already
@@ -102,7 +109,7 @@ class ModelRunner:
                 input_ids = torch.as_tensor(tokens[-1], dtype=torch.int64, device=self.device)
                 positions = positions + 1
                 meta = _advanced(meta, positions, rows)
-            logits = self.model.compute_logits(self._forward(input_ids, positions, meta))
+            logits = self.model.compute_logits(self._forward(input_ids, positions, meta, lora))
             assert logits is not None
             if sampling is None:
                 sampling = metadata_from_plan(batch.sampling, logits.shape[-1], logits.device)
@@ -110,13 +117,18 @@ class ModelRunner:
         return tokens
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """The final hidden states: a captured CUDA graph where one fits the batch, else the model."""
-        if self.graphs is not None and self.graphs.can_run(meta):
+        """The final hidden states: a captured CUDA graph where one fits the batch (and no row runs an
+        adapter), else the model."""
+        if lora is None and self.graphs is not None and self.graphs.can_run(meta):
             # A view of the graph's output buffer: consumed before the next pass.
             return self.graphs.run(input_ids, positions, meta)
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta, lora)
 
     def _tensors(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device

@@ -61,6 +61,7 @@ def encode_step(batch: StepBatch, bitmask: StepBitmask | None) -> bytes:
     else:
         words = bitmask.bitmask.shape[1]
         arrays += [("i", bitmask.bitmask.contiguous().numpy()), ("q", bitmask.rows.contiguous().numpy())]
+    arrays.append(as_array("i", batch.lora_slots))
     return encode(Kind.STEP, (batch.table_width, plan is not None, words), arrays)
 
 
@@ -86,6 +87,7 @@ def decode_step(frame: Frame, device: torch.device) -> tuple[StepBatch, StepBitm
         logits_rows=a[6],
         prompt_spans=spans,
         sampling=plan,
+        lora_slots=a[11 + _NUM_PLAN].tolist(),
     )  # type: ignore[arg-type]  # numpy arrays where the host has lists: the executor takes either
     bitmask = None
     rows = a[10 + _NUM_PLAN]

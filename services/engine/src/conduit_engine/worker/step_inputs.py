@@ -36,6 +36,9 @@ class StepBatch:
     logits_rows: list[int]  # hidden rows to sample from, one per sampled sequence
     prompt_spans: list[PromptSpan] = field(default_factory=list)
     sampling: SamplingPlan | None = None  # None when no sequence samples this step
+    lora_slots: list[int] = field(
+        default_factory=list
+    )  # per sequence, its adapter's pool slot (-1: none); [] for none
 
     @property
     def num_seqs(self) -> int:

@@ -43,6 +43,7 @@ class Kind(enum.IntEnum):
     DONE = 10  # rank 0 → engine: a command without an answer went through
     ERROR = 11  # worker → engine: the exception that stops it (JSON)
     SHUTDOWN = 12  # engine → worker: exit
+    LORA_WRITE = 13  # engine → workers: write a LoRA adapter into a pool slot (JSON); rank 0 answers DONE
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,9 @@ import torch
 
 from conduit_common import logs
 from conduit_engine.layers.collectives import Communicator
+from conduit_engine.lora.adapter import shard_adapter
+from conduit_engine.lora.manager import resolve_adapter
+from conduit_engine.lora.pool import LoraPool
 from conduit_engine.models.architectures import read_arch_config
 from conduit_engine.models.loader import DTYPES, load_model
 from conduit_engine.models.quantization import plan_quantization
@@ -139,6 +142,7 @@ class Worker:
             time.monotonic() - started,
         )
         self.runner: ModelRunner | None = None
+        self.lora_pool: LoraPool | None = None
 
     def memory_report(self) -> dict[str, Any]:
         """Device memory left after loading (CUDA; None on the CPU), for sizing the KV cache, and how
@@ -147,6 +151,9 @@ class Worker:
         return {"rank": self.rank, "free_bytes": free, "ops": self.model.describe_ops()}
 
     def allocate(self, spec: dict[str, Any]) -> None:
+        lora = spec.get("lora")
+        if lora is not None:  # the adapter pool first: the KV cache comes after it
+            self.lora_pool = LoraPool(self.model, lora["max_loras"], lora["max_rank"])
         self.runner = ModelRunner(
             self.model,
             spec["num_blocks"],
@@ -186,7 +193,20 @@ class Worker:
         if frame.kind is Kind.SCATTER_KV:
             self._scatter_kv(frame.arrays[0].tolist(), frame.arrays[1])
             return encode(Kind.DONE)
+        if frame.kind is Kind.LORA_WRITE:
+            self._write_lora(frame.json())
+            return encode(Kind.DONE)
         raise ValueError(f"unexpected command {frame.kind.name}")
+
+    def _write_lora(self, spec: dict[str, Any]) -> None:
+        """Read the adapter (checked by the engine when it was loaded), keep this rank's shard of it, and
+        write it into its slot."""
+        assert self.lora_pool is not None, "LORA_WRITE without a LoRA pool"
+        adapter = resolve_adapter(spec["name"], spec["path"], self.lora_pool.max_rank, spec["download_dir"])
+        if self.plan is not None:
+            adapter = shard_adapter(adapter, self.plan)
+        self.lora_pool.check(adapter)
+        self.lora_pool.write(spec["slot"], adapter)
 
     def _gather_kv(self, block_ids: list[int]) -> bytes | None:
         assert self.runner is not None

@@ -202,7 +202,7 @@ class GenerationHandler(ABC):
 
     def _context_length(self) -> int | None:
         """The model's context length (max_model_len), from a node that serves it; None if none is known."""
-        node = self.ctx.pool.served_models().get(self.body.model)
+        node = self.ctx.pool.serving_node(self.body.model)
         info = node.model_info if node is not None else None
         return info.max_model_len if info is not None and info.max_model_len else None
 

@@ -622,10 +622,10 @@ async def _tokenize(
     ctx: GatewayContext, model: str, request: engine_pb2.TokenizeRequest
 ) -> engine_pb2.TokenizeResponse:
     """Tokenize on an engine serving `model` (404 when none does, 503 when none is ready)."""
-    node = ctx.pool.served_models().get(model)
+    node = ctx.pool.serving_node(model)
     if node is None:
         await ctx.pool.refresh()  # a just-started engine may not have reported yet
-        node = ctx.pool.served_models().get(model)
+        node = ctx.pool.serving_node(model)
     if node is None:
         if not ctx.pool.routable():
             raise no_engine_ready()

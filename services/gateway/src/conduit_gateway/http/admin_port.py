@@ -1,4 +1,5 @@
-"""--admin-port: the admin API answers only on its own port, and that port answers nothing else.
+"""--admin-port: the admin API (and the LoRA load/unload endpoints) answers only on its own port, and that
+port answers nothing else.
 
 One server listens on both ports (http/server.py); the local port of the connection (`scope["server"]`)
 tells which listener a request came in on, so a NetworkPolicy or firewall can expose the API port and
@@ -12,9 +13,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.http.middleware import HttpMiddleware, send_error
 
+# Admin requests outside /admin: loading and unloading LoRA adapters (http/lora_routes.py).
+ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
 
 def is_admin_path(path: str) -> bool:
-    return path == "/admin" or path.startswith("/admin/")
+    return path == "/admin" or path.startswith("/admin/") or path in ADMIN_PATHS
 
 
 class AdminPortMiddleware(HttpMiddleware):

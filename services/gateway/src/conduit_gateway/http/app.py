@@ -22,7 +22,7 @@ from conduit_gateway.config import GatewayConfig
 from conduit_gateway.context import GatewayContext
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.handlers.drain import cancel_drains
-from conduit_gateway.http import admin
+from conduit_gateway.http import admin, lora_routes
 from conduit_gateway.http.admin_port import AdminPortMiddleware
 from conduit_gateway.http.anthropic import AnthropicApiMiddleware
 from conduit_gateway.http.middleware import (
@@ -107,6 +107,7 @@ def create_app(
     if config.admin_keys:
         # Off unless configured: without admin keys /admin does not exist (404).
         app.include_router(admin.router)
+        app.include_router(lora_routes.router)  # LoRA load/unload: the admin keys guard them
     _add_error_handlers(app)
     # add_middleware wraps: the last one added runs first.
     # --max-body-bytes, or less on the prompt routes once the engines' prompt bounds are known.
@@ -116,8 +117,8 @@ def create_app(
         timeout_s=config.body_timeout_s,
     )
     app.add_middleware(KeyLimitsMiddleware, limiter=ctx.rate_limiter)  # inside ApiKeyMiddleware: the key
-    app.add_middleware(ApiKeyMiddleware, keys=ctx.api_keys)
-    app.add_middleware(ApiKeyMiddleware, keys=ctx.admin_keys, prefix="/admin")
+    app.add_middleware(ApiKeyMiddleware, keys=ctx.api_keys, exempt=lora_routes.PATHS)
+    app.add_middleware(ApiKeyMiddleware, keys=ctx.admin_keys, prefix=("/admin", *lora_routes.PATHS))
     if config.admin_port is not None:
         app.add_middleware(AdminPortMiddleware, admin_port=config.admin_port)
     app.add_middleware(InternalErrorMiddleware)

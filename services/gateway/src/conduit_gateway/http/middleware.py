@@ -147,16 +147,25 @@ class InternalErrorMiddleware(HttpMiddleware):
 class ApiKeyMiddleware(HttpMiddleware):
     """Require `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on paths under `prefix`
     when keys are configured; the key is looked up by its SHA-256 digest and the matched ApiKey (name,
-    limits) goes to `request.state.api_key`. The API keys guard /v1; the admin keys, in a second instance,
-    guard /admin."""
+    limits) goes to `request.state.api_key`. The API keys guard /v1 but the `exempt` paths; the admin keys,
+    in a second instance, guard /admin and the LoRA load/unload paths (`prefix` may be several)."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeyStore, prefix: str = "/v1") -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: ApiKeyStore,
+        prefix: str | tuple[str, ...] = "/v1",
+        exempt: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(app)
         self._keys = keys
-        self._prefix = prefix
+        self._prefixes = (prefix,) if isinstance(prefix, str) else prefix
+        self._exempt = exempt
 
     def _guards(self, path: str) -> bool:
-        return path == self._prefix or path.startswith(self._prefix + "/")
+        if path in self._exempt:
+            return False
+        return any(path == prefix or path.startswith(prefix + "/") for prefix in self._prefixes)
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self._keys.enabled or not self._guards(scope["path"]):

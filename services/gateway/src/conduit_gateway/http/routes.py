@@ -21,6 +21,7 @@ from conduit_gateway.http.request_body import GatewayRoute
 from conduit_gateway.http.sse import wait_for_disconnect
 from conduit_gateway.keys.keys_file import ApiKey
 from conduit_gateway.race import finished_first
+from conduit_gateway.routing.lora import AdapterView, adapters
 from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.pool import require_serving
 from conduit_gateway.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
@@ -104,7 +105,8 @@ async def list_models(request: Request) -> ModelList | JSONResponse:
     served = sorted(pool.served_models().items())
     if anthropic.VERSION_HEADER in request.headers:  # an anthropic SDK: its page of ModelInfo
         return JSONResponse(anthropic.model_page([_anthropic_info(name, engine) for name, engine in served]))
-    return ModelList(data=[_card(name, engine) for name, engine in served])
+    loras = sorted(adapters(pool.routable()).values(), key=lambda view: view.name)
+    return ModelList(data=[_card(name, engine) for name, engine in served] + [_lora_card(v) for v in loras])
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(401, 404, 503))
@@ -113,6 +115,9 @@ async def retrieve_model(model_id: str, request: Request) -> ModelCard | JSONRes
     require_serving(pool)
     engine = pool.served_models().get(model_id)
     if engine is None:
+        view = adapters(pool.routable()).get(model_id)
+        if view is not None and anthropic.VERSION_HEADER not in request.headers:
+            return _lora_card(view)
         raise model_not_found(model_id)
     if anthropic.VERSION_HEADER in request.headers:
         return JSONResponse(_anthropic_info(model_id, engine))
@@ -148,6 +153,11 @@ def _card(name: str, engine: EngineNode) -> ModelCard:
     return ModelCard(
         id=name, created=engine.model_seen_at, max_model_len=info.max_model_len if info is not None else None
     )
+
+
+def _lora_card(view: AdapterView) -> ModelCard:
+    card = _card(view.name, view.nodes[0])
+    return card.model_copy(update={"root": view.path or None, "parent": view.parent})
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:

@@ -111,5 +111,21 @@ class EngineClient:
         reply = await self._engine.ReleaseKv(request, timeout=timeout_s, metadata=self._dialer.metadata())
         return reply.released
 
+    async def list_loras(self, timeout_s: float) -> engine_pb2.ListLoraAdaptersResponse:
+        return await self._engine.ListLoraAdapters(
+            engine_pb2.ListLoraAdaptersRequest(), timeout=timeout_s, metadata=self._dialer.metadata()
+        )
+
+    async def load_lora(self, name: str, path: str, timeout_s: float) -> engine_pb2.LoraAdapter:
+        request = engine_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        reply = await self._engine.LoadLoraAdapter(
+            request, timeout=timeout_s, metadata=self._dialer.metadata()
+        )
+        return reply.adapter
+
+    async def unload_lora(self, name: str, timeout_s: float) -> None:
+        request = engine_pb2.UnloadLoraAdapterRequest(lora_name=name)
+        await self._engine.UnloadLoraAdapter(request, timeout=timeout_s, metadata=self._dialer.metadata())
+
     async def close(self) -> None:
         await self._channel.close(grace=None)

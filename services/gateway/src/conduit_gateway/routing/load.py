@@ -24,6 +24,7 @@ class LoadReport:
     kv_blocks_total: int
     kv_blocks_cached: int
     prefix_cache_hit_rate: float
+    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters it serves
 
     @classmethod
     def from_pb(cls, reply: engine_pb2.GetLoadResponse) -> LoadReport:
@@ -34,6 +35,7 @@ class LoadReport:
             kv_blocks_total=reply.kv_blocks_total,
             kv_blocks_cached=reply.kv_blocks_cached,
             prefix_cache_hit_rate=round(reply.prefix_cache_hit_rate, 6),
+            lora_adapters=tuple(reply.lora_adapters),
         )
 
 

@@ -94,6 +94,9 @@ class EngineNode:
         # When model_info was first fetched: the `created` of the model in GET /v1/models.
         self.model_seen_at = 0
         self.load: LoadReport | None = None
+        # LoRA adapters it serves (name → where from): ListLoraAdapters when it starts serving, then each
+        # GetLoad's names and the loads and unloads the gateway makes (routing/lora.py).
+        self.lora_adapters: dict[str, str] = {}
         self.in_flight = 0
         self.active_blocks = 0  # KV blocks of this gateway's requests open on the node (prompt blocks)
         self._changed_at = 0.0  # when one of them started or ended (monotonic)
@@ -235,6 +238,8 @@ class EngineNode:
     def _set_load(self, report: LoadReport | None) -> None:
         self.load = report
         self._load_at = time.monotonic()
+        if report is not None:  # adapters loaded or unloaded there by others; new ones' paths unknown
+            self.lora_adapters = {n: self.lora_adapters.get(n, "") for n in report.lora_adapters}
 
     async def set_health(self, serving: bool) -> None:
         """Apply a health report; on the way into SERVING fetch the model info first (a restarted engine
@@ -248,11 +253,23 @@ class EngineNode:
                     return
                 if not self._admit(self.model_info):
                     return
+                await self._read_adapters()
                 self.model_seen_at = int(time.time())
                 self.serving = True
                 log.info("engine %s is SERVING %s", self.address, self.model)
             elif not serving:
                 self._leave_rotation("stopped serving")
+
+    async def _read_adapters(self) -> None:
+        """The LoRA adapters it serves now (none from an engine without them or without the RPC)."""
+        try:
+            listed = await self.client.list_loras(self._config.model_info_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                log.warning("engine %s ListLoraAdapters failed: %s", self.address, exc.code().name)
+            self.lora_adapters = {}
+            return
+        self.lora_adapters = {a.name: a.path for a in listed.adapters}
 
     def _admit(self, info: engine_pb2.GetModelInfoResponse) -> bool:
         """Run the pool's admission check; a refusal is logged once per new reason."""

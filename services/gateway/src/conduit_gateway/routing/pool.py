@@ -25,6 +25,7 @@ from conduit_gateway.config import ConfigError, GatewayConfig, parse_engine_addr
 from conduit_gateway.errors import model_not_found, no_engine_ready
 from conduit_gateway.routing.discovery import DnsDiscovery, Resolver
 from conduit_gateway.routing.kv_index import KvIndex
+from conduit_gateway.routing.lora import LORA_LOAD_TIMEOUT_S, LoraLoader, acquire_adapter, adapters
 from conduit_gateway.routing.node import EngineNode, NodeSource
 from conduit_gateway.routing.prefix_key import prefix_key
 from conduit_gateway.routing.roles import NodeRole, admission_problem
@@ -81,6 +82,7 @@ class EnginePool:
         # Removed nodes whose requests are still finishing, with the task that closes them afterwards.
         self._retiring: dict[EngineNode, asyncio.Task[None]] = {}
         self._refreshing: asyncio.Future[bool] | None = None
+        self.lora_loader = LoraLoader(LORA_LOAD_TIMEOUT_S)
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -230,6 +232,15 @@ class EnginePool:
                 models.setdefault(node.model, node)
         return models
 
+    def serving_node(self, model: str) -> EngineNode | None:
+        """A routable node serving `model`, a base model or a LoRA adapter (an adapter shares its base
+        model's tokenizer and limits): for the model's info and tokenization."""
+        node = self.served_models().get(model)
+        if node is None:
+            view = adapters(self.routable()).get(model)
+            node = view.nodes[0] if view is not None else None
+        return node
+
     def eject(self, node: EngineNode, reason: str) -> None:
         """A request saw UNAVAILABLE: stop routing there until its health watch says SERVING again."""
         node.eject(reason)
@@ -279,6 +290,8 @@ class EnginePool:
     ) -> EngineNode:
         """Pick a routable node of the `role` pool for `request.model`, skipping `exclude`.
 
+        A model that is a LoRA adapter goes to a node that has it loaded, else to the least loaded node of
+        its base model, which loads it first (routing/lora.py).
         Raises 503 when no node is ready and 404 when no node (ready or not) serves the model.
         """
         if not self.routable(role):
@@ -287,6 +300,16 @@ class EnginePool:
         ready = [node for node in self.routable(role) if node not in exclude]
         candidates = [node for node in ready if node.model == request.model]
         if not candidates:
+            selector = self._selectors[role]
+            adapter_node = await acquire_adapter(
+                self.lora_loader,
+                self.engines,
+                ready,
+                request.model,
+                lambda nodes: selector.choose(nodes, request),
+            )
+            if adapter_node is not None:
+                return adapter_node
             pool = "" if role is NodeRole.COLOCATED else f"{role} "
             if not ready:
                 raise no_engine_ready(f"no {pool}engine is ready")
