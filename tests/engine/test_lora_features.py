@@ -56,7 +56,7 @@ def consume(rid, prompt, params, firsts, layout, lora_name):
     transfer = handed.kv_transfer
     assert transfer.lora_name == lora_name  # the transfer names its adapter
     handle = KvHandleRef(
-        transfer.transfer_id, "in-process", len(prompt), layout.fingerprint, transfer.lora_name
+        transfer.transfer_id, "in-process", len(prompt), layout.fingerprint, lora_name=transfer.lora_name
     )
     first = (KvFirstToken(handed.index, handed.token_ids[0]),)
     return GenerationRequest(
