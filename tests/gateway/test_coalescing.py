@@ -435,3 +435,55 @@ def test_a_slow_anthropic_sdk_reader_gets_merged_text_deltas_and_the_same_messag
     assert _collapsed(slow_types, {"content_block_delta"}) == _collapsed(fast_types, {"content_block_delta"})
     merged = slow_types.count("content_block_delta")
     assert merged < MAX_TOKENS * 3 // 4, merged
+
+
+# Reasoning up to the first `</think>` (deepseek_r1: the template opened the tag), the answer after it.
+THINKING_WORDS = (*WORDS[:100], "</think>")
+
+
+@pytest.fixture(scope="module")
+def thinking_stack():
+    with FakeEngine(MODEL) as fake:
+        fake.reset(Script(words=THINKING_WORDS, max_tokens_cap=MAX_TOKENS))
+        with start_gateway(
+            fake.address, "--log-level", "warning", "--reasoning-parser", "deepseek_r1"
+        ) as gateway:
+            yield gateway
+
+
+def _blocks(events: list[tuple[str | None, str]]) -> tuple[list[str], dict[str, str], dict]:
+    """A Messages stream's event names (pings left out), each block type's streamed text, its usage."""
+    names, texts, usage = [], {"thinking": "", "text": ""}, {}
+    for name, data in events:
+        if name not in _MESSAGE_EVENTS:
+            continue
+        names.append(name)
+        event = json.loads(data)
+        delta = event.get("delta", {})
+        if name == "content_block_delta" and delta["type"] == "thinking_delta":
+            texts["thinking"] += delta["thinking"]
+        elif name == "content_block_delta" and delta["type"] == "text_delta":
+            texts["text"] += delta["text"]
+        elif name == "message_delta":
+            usage = event["usage"]
+    return names, texts, usage
+
+
+def test_a_slow_reader_of_a_thinking_message_gets_one_delta_per_block_and_read_and_the_same_blocks(
+    thinking_stack,
+):
+    body = {**_message_body(), "stream": True, "thinking": {"type": "adaptive"}}
+    slow, fast = run_side_by_side(
+        lambda start: _blocks(slow_events(thinking_stack.url, "/v1/messages", body, start)),
+        lambda: _blocks(fast_events(thinking_stack.url, "/v1/messages", body)),
+    )
+    names, texts, usage = slow
+    assert texts["thinking"] == "".join(WORDS[:100])
+    assert len(texts["text"]) > 0
+    for fast_names, fast_texts, fast_usage in fast:
+        assert (fast_texts, fast_usage) == (texts, usage)
+        assert _collapsed(names, {"content_block_delta"}) == _collapsed(fast_names, {"content_block_delta"})
+    assert _collapsed(names, {"content_block_delta"}).count("content_block_start") == 2
+    assert usage["output_tokens"] == MAX_TOKENS
+    merged = names.count("content_block_delta")
+    assert merged < MAX_TOKENS * 3 // 4, merged
