@@ -22,6 +22,48 @@ def _response(response_id: str = "resp_1", status: str = "in_progress") -> dict:
     return {"id": response_id, "status": status, "output": []}
 
 
+def test_merged_joins_each_run_of_one_items_deltas_and_keeps_sequence_numbers_contiguous():
+    """What a client that reads slowly gets of one batch: the same events in the same order, each run
+    of one item's deltas as one (logprobs one entry per token), numbered on from the batch's first."""
+    writer = ResponseWriter(_response())
+    opening = writer.opening()
+    one = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}
+    batch = writer.feed(OutputDelta(reasoning="h"))
+    batch += writer.feed(OutputDelta(reasoning="m"))
+    batch += writer.feed(OutputDelta(reasoning=".", content="Hi"), [one])
+    batch += writer.feed(OutputDelta(content=" there"), [one, one])
+    batch += writer.feed(OutputDelta(tool_calls=[ToolCallDelta(0, "call_1", "f", '{"a"')]))
+    batch += writer.feed(OutputDelta(tool_calls=[ToolCallDelta(0, None, None, ":1}")]))
+    unmerged = list(batch)
+    merged = writer.merged(batch)
+    assert [e["type"] for e in merged] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+    ]
+    deltas = [e for e in merged if e["type"].endswith(".delta")]
+    assert [e["delta"] for e in deltas] == ["hm.", "Hi there", '{"a":1}']
+    assert deltas[1]["logprobs"] == [one, one, one]
+    first = len(opening)
+    assert [e["sequence_number"] for e in merged] == list(range(first, first + len(merged)))
+    # The events it took in are left as they were (a stored copy may hold them).
+    assert [e["delta"] for e in unmerged if e["type"] == "response.output_text.delta"] == ["Hi", " there"]
+    # The next event goes on from the merged batch's last number.
+    final = writer.finish("completed", {"input_tokens": 1})
+    assert final[-1]["sequence_number"] == first + len(merged) + len(final) - 1
+
+
 def test_writer_opens_and_closes_each_item_in_order():
     writer = ResponseWriter(_response())
     events = writer.opening()

@@ -32,8 +32,9 @@ from conduit_gateway.handlers import fields
 from conduit_gateway.handlers.base import ChunkedHandler
 from conduit_gateway.handlers.chat_output import ChatChoiceState
 from conduit_gateway.handlers.choices import ChoiceSet, ChoiceState, UsageTotals
+from conduit_gateway.handlers.coalesce import merge_batch
 from conduit_gateway.handlers.message_blocks import Event, MessageBlocks, sse
-from conduit_gateway.handlers.streams import EngineStream, read_messages
+from conduit_gateway.handlers.streams import Batch, EngineStream, read_batches
 from conduit_gateway.handlers.thinking_budget import BudgetedStream, ThinkingBudget
 from conduit_gateway.http.anthropic import stream_error_event
 from conduit_gateway.http.sse import ClientPace
@@ -288,7 +289,6 @@ class MessagesHandler(ChunkedHandler):
     async def _events(
         self, streams: list[EngineStream], choices: ChoiceSet, usage: UsageTotals, pace: ClientPace
     ) -> AsyncIterator[str]:
-        # Each message is its own events here (content blocks, pings): `pace` is not used.
         (stream,) = streams
         first = stream.first.usage
         # message_start precedes every token: its usage counts the prompt only.
@@ -308,10 +308,19 @@ class MessagesHandler(ChunkedHandler):
         with self._reading(streams):
             yield sse("message_start", {"type": "message_start", "message": started}) + _PING
             try:
-                heartbeat = _with_heartbeat(read_messages(streams, self.unread), self.ping_interval_s)
+                # While the client is behind, the messages that arrived meanwhile are parsed as one
+                # (handlers/coalesce.py): one delta per block instead of one per token.
+                batches = read_batches(streams, self.unread, pace)
+                heartbeat = _with_heartbeat(batches, self.ping_interval_s)
                 async with contextlib.aclosing(heartbeat) as items:
-                    async for item in items:
-                        events = _PING if item is None else self._sse_of(choices, usage, *item)
+                    async for batch in items:
+                        if batch is None:
+                            yield _PING
+                            continue
+                        events = "".join(
+                            self._sse_of(choices, usage, prompt_index, message)
+                            for prompt_index, message in merge_batch(batch)
+                        )
                         if events:  # none while a parser holds text back
                             yield events
                 self._finished(usage, choices)
@@ -366,11 +375,9 @@ class MessageChoiceState(ChatChoiceState):
 _PING = sse("ping", {"type": "ping"})
 
 
-async def _with_heartbeat(
-    items: AsyncIterator[tuple[int, engine_pb2.GenerateResponse]], interval_s: float
-) -> AsyncIterator[tuple[int, engine_pb2.GenerateResponse] | None]:
+async def _with_heartbeat(items: AsyncIterator[Batch], interval_s: float) -> AsyncIterator[Batch | None]:
     """The items of `items`, with None each time `interval_s` passes without one (a ping is due)."""
-    pending: asyncio.Future[tuple[int, engine_pb2.GenerateResponse]] | None = None
+    pending: asyncio.Future[Batch] | None = None
     try:
         while True:
             if pending is None:

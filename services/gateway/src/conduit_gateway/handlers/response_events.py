@@ -12,6 +12,15 @@ from typing import Any
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.parsers.chat_output import OutputDelta
 
+# The delta events of one item that a client reading slowly gets merged (their texts, and logprobs, joined).
+_MERGED_DELTAS = frozenset(
+    {
+        "response.output_text.delta",
+        "response.reasoning_text.delta",
+        "response.function_call_arguments.delta",
+    }
+)
+
 # The event that ends a response of each final status (a cancelled one just ends).
 _TERMINAL_EVENT = {
     "completed": "response.completed",
@@ -124,6 +133,40 @@ class ResponseWriter:
         if terminal is not None:
             events.append(self.event(terminal, response=self.snapshot()))
         return events
+
+    def merged(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`events`, the latest this writer made, with each run of consecutive delta events of one item
+        as one event (texts concatenated, logprobs one entry per token as before), renumbered from the
+        first one's `sequence_number` so that the stream's numbers stay contiguous."""
+        if len(events) < 2:
+            return events
+        out: list[dict[str, Any]] = []
+        grown: dict[int, dict[str, Any]] = {}  # id → an event that took others in (its own copy)
+        for event in events:
+            last = out[-1] if out else None
+            if (
+                last is None
+                or event["type"] not in _MERGED_DELTAS
+                or last["type"] != event["type"]
+                or last["item_id"] != event["item_id"]
+            ):
+                out.append(event)
+                continue
+            if id(last) not in grown:
+                last = {**last, "delta": [last["delta"]]}
+                if "logprobs" in last:
+                    last["logprobs"] = list(last["logprobs"])
+                out[-1] = grown[id(last)] = last
+            last["delta"].append(event["delta"])
+            if "logprobs" in event:
+                last["logprobs"].extend(event["logprobs"])
+        for event in grown.values():
+            event["delta"] = "".join(event["delta"])
+        first = events[0]["sequence_number"]
+        for offset, event in enumerate(out):
+            event["sequence_number"] = first + offset
+        self.sequence = first + len(out)
+        return out
 
     def error_event(self, error: OpenAIError) -> dict[str, Any]:
         return self.event("error", code=error.code, message=error.message, param=error.param)

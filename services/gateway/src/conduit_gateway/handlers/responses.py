@@ -28,8 +28,8 @@ from conduit_gateway.handlers.choices import ChoiceSet, UsageTotals, safe_logpro
 from conduit_gateway.handlers.response_events import ResponseWriter, item_id
 from conduit_gateway.handlers.response_input import Message, map_input, output_messages, to_pb
 from conduit_gateway.handlers.sampling import sampling_params
-from conduit_gateway.handlers.streams import EngineStream, read_messages
-from conduit_gateway.http.sse import EventStreamResponse
+from conduit_gateway.handlers.streams import EngineStream, read_batches
+from conduit_gateway.http.sse import ClientPace, EventStreamResponse
 from conduit_gateway.keys.keys_file import ApiKey
 from conduit_gateway.parsers.chat_output import ChatOutputParser, OutputDelta
 from conduit_gateway.parsers.reasoning import reasoning_parser_class
@@ -141,9 +141,10 @@ class ResponsesHandler(GenerationHandler):
                 await self._save(writer)  # 503 before any output when the store is down
             if self.body.stream:
                 streaming = True
-                events = self._sse_events(streams, writer)
+                pace = ClientPace()
+                events = self._sse_events(streams, writer, pace)
                 return self._with_limit_headers(
-                    EventStreamResponse(events, on_close=lambda: self._release(streams))
+                    EventStreamResponse(events, on_close=lambda: self._release(streams), pace=pace)
                 )
             try:
                 async for _ in self._generate(streams, writer, persist=False):
@@ -447,11 +448,16 @@ class ResponsesHandler(GenerationHandler):
     _failure: OpenAIError | None = None
 
     async def _generate(
-        self, streams: list[EngineStream], writer: ResponseWriter, persist: bool
+        self,
+        streams: list[EngineStream],
+        writer: ResponseWriter,
+        persist: bool,
+        pace: ClientPace | None = None,
     ) -> AsyncIterator[list[dict[str, Any]]]:
-        """The response's event batches, opening to terminal (one batch per engine message); with
-        `persist` (background) each batch is appended to the store as it comes, and the final record
-        and events are stored before the terminal batch is handed out."""
+        """The response's event batches, opening to terminal (one batch per engine message, or per read
+        of a streaming client that is behind: `pace`); with `persist` (background) each batch is appended
+        to the store as it comes, and the final record and events are stored before the terminal batch
+        is handed out."""
         choices = ChoiceSet(1, self.new_choice)
         usage = self._new_usage(len(streams))
         appender = EventAppender(self.service, self.response_id) if persist else None
@@ -463,34 +469,28 @@ class ResponsesHandler(GenerationHandler):
                 appender.add(batch, self._record(writer))  # the record says in_progress
             yield batch
             try:
-                async with contextlib.aclosing(read_messages(streams, self.unread)) as messages:
-                    async for prompt_index, message in messages:
-                        self._count(usage, prompt_index, message)
-                        choice, _ = self._choice(choices, prompt_index, message)
-                        assert isinstance(choice, ChatChoiceState)
+                # While a streaming client is behind, the messages that arrived meanwhile come in one batch:
+                # each is parsed as before (reasoning tokens counted per message), and the batch's
+                # deltas of one item go out as one event (ResponseWriter.merged).
+                async with contextlib.aclosing(read_batches(streams, self.unread, pace)) as batches:
+                    async for messages in batches:
                         batch = []
-                        if message.text:
-                            choice.texts.append(message.text)
-                            delta = choice.output.feed(message.text)
-                            self.reasoning_tokens += reasoning_share(delta, len(message.token_ids))
-                            logprobs = _logprob_entries(message.logprobs) if self._wants_logprobs else []
-                            batch = writer.feed(delta, logprobs)
-                        if message.finished:
-                            self._finish(choice, message)
-                            batch += writer.feed(choice.output.finish())
-                            if choice.finish_reason == "length":
-                                status, reason = "incomplete", "max_output_tokens"
-                            elif choice.finish_reason == "abort":
-                                raise OpenAIError(
-                                    503,
-                                    "The engine aborted the response.",
-                                    type="server_error",
-                                    code="engine_aborted",
-                                )
+                        failure: OpenAIError | None = None
+                        for prompt_index, message in messages:
+                            try:
+                                ended = self._feed(writer, choices, usage, prompt_index, message, batch)
+                            except OpenAIError as exc:
+                                failure = exc  # raised once the events before it went out
+                                break
+                            if ended is not None:
+                                status, reason = ended
+                        batch = writer.merged(batch)
                         if batch:
                             if appender is not None:
                                 appender.add(batch)
                             yield batch
+                        if failure is not None:
+                            raise failure
             except grpc.aio.AioRpcError as exc:
                 raise self._rpc_error(exc) from None
             self._finished(usage, choices)
@@ -515,10 +515,44 @@ class ResponsesHandler(GenerationHandler):
             await self.service.put(self._record(writer))
         yield final
 
-    async def _sse_events(self, streams: list[EngineStream], writer: ResponseWriter) -> AsyncIterator[str]:
+    def _feed(
+        self,
+        writer: ResponseWriter,
+        choices: ChoiceSet,
+        usage: UsageTotals,
+        prompt_index: int,
+        message: engine_pb2.GenerateResponse,
+        events: list[dict[str, Any]],
+    ) -> tuple[str, str | None] | None:
+        """Add the events of one engine message to `events`; at the choice's end, the response's final
+        status and incomplete reason (OpenAIError when the engine aborted it)."""
+        self._count(usage, prompt_index, message)
+        choice, _ = self._choice(choices, prompt_index, message)
+        assert isinstance(choice, ChatChoiceState)
+        if message.text:
+            choice.texts.append(message.text)
+            delta = choice.output.feed(message.text)
+            self.reasoning_tokens += reasoning_share(delta, len(message.token_ids))
+            logprobs = _logprob_entries(message.logprobs) if self._wants_logprobs else []
+            events += writer.feed(delta, logprobs)
+        if not message.finished:
+            return None
+        self._finish(choice, message)
+        events += writer.feed(choice.output.finish())
+        if choice.finish_reason == "length":
+            return "incomplete", "max_output_tokens"
+        if choice.finish_reason == "abort":
+            raise OpenAIError(
+                503, "The engine aborted the response.", type="server_error", code="engine_aborted"
+            )
+        return "completed", None
+
+    async def _sse_events(
+        self, streams: list[EngineStream], writer: ResponseWriter, pace: ClientPace
+    ) -> AsyncIterator[str]:
         finished = False
         try:
-            async with contextlib.aclosing(self._generate(streams, writer, persist=False)) as batches:
+            async with contextlib.aclosing(self._generate(streams, writer, False, pace)) as batches:
                 async for batch in batches:
                     yield "".join(sse(event) for event in batch)
             finished = True

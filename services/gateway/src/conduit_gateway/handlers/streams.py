@@ -382,27 +382,82 @@ async def read_batches(
 ) -> AsyncIterator[Batch]:
     """`read_messages` in batches: each waits for one message; while the client is behind, it waits for
     the client to catch up and takes along every message that arrived meanwhile (handlers/coalesce.py
-    merges them). Each stream's order is kept; its end or error comes after the batch. A request of
-    several prompts reads one message per batch."""
-    if len(streams) == 1:
-        stream = streams[0]
-        yield [(stream.prompt_index, stream.first)]
-        ready = getattr(stream, "ready", None)
-        while (message := await stream.read()) is not None:
-            batch = [(stream.prompt_index, message)]
-            if ready is not None and pace is not None and pace.behind:
-                try:
-                    await pace.caught_up()
-                except BaseException:  # the client left: the drain counts the message
-                    if unread is not None:
-                        unread.extend(batch)
-                    raise
-                batch += [(stream.prompt_index, more) for more in ready()]
-            yield batch
+    merges them). Each stream's order is kept; its end or error comes after the batch."""
+    if len(streams) != 1:
+        async with contextlib.aclosing(_read_several(streams, unread, pace)) as batches:
+            async for batch in batches:
+                yield batch
         return
-    async with contextlib.aclosing(read_messages(streams, unread)) as messages:
-        async for item in messages:
-            yield [item]
+    stream = streams[0]
+    yield [(stream.prompt_index, stream.first)]
+    ready = getattr(stream, "ready", None)
+    while (message := await stream.read()) is not None:
+        batch = [(stream.prompt_index, message)]
+        if ready is not None and pace is not None and pace.behind:
+            await _catch_up(pace, batch, unread)
+            batch += [(stream.prompt_index, more) for more in ready()]
+        yield batch
+
+
+async def _catch_up(pace: ClientPace, batch: Batch, unread: Unread | None) -> None:
+    """Wait for the client to read what it is behind on; if it leaves meanwhile, the drain counts `batch`."""
+    try:
+        await pace.caught_up()
+    except BaseException:
+        if unread is not None:
+            unread.extend(batch)
+        raise
+
+
+async def _read_several(
+    streams: Sequence[EngineStream], unread: Unread | None, pace: ClientPace | None
+) -> AsyncIterator[Batch]:
+    """`read_batches` of several prompts' streams: a task per stream reads it into one queue; a batch
+    takes what the queue holds once the client caught up, up to the first stream error (raised after it)."""
+    yield [(stream.prompt_index, stream.first) for stream in streams]
+    queue: asyncio.Queue[tuple[int, engine_pb2.GenerateResponse | BaseException | None]] = asyncio.Queue()
+
+    async def pump(stream: EngineStream) -> None:
+        try:
+            while (message := await stream.read()) is not None:
+                queue.put_nowait((stream.prompt_index, message))
+            queue.put_nowait((stream.prompt_index, None))
+        except Exception as exc:  # handed to the reader, which raises it
+            queue.put_nowait((stream.prompt_index, exc))
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    failure: BaseException | None = None  # a stream's error, raised once the messages before it went out
+    try:
+        remaining = len(streams)
+        while remaining:
+            if failure is not None:
+                raise failure
+            prompt_index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            batch: Batch = [(prompt_index, item)]
+            if pace is not None and pace.behind:
+                await _catch_up(pace, batch, unread)
+                while not queue.empty():
+                    prompt_index, item = queue.get_nowait()
+                    if item is None:
+                        remaining -= 1
+                    elif isinstance(item, BaseException):
+                        failure = item
+                        break
+                    else:
+                        batch.append((prompt_index, item))
+            yield batch
+    finally:
+        for task in tasks:
+            task.cancel()
+        while not queue.empty():
+            prompt_index, item = queue.get_nowait()
+            if unread is not None and isinstance(item, engine_pb2.GenerateResponse):
+                unread.append((prompt_index, item))
 
 
 def close_all(streams: Sequence[EngineStream]) -> None:
