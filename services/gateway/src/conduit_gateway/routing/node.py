@@ -251,9 +251,11 @@ class EngineNode:
                 except grpc.aio.AioRpcError as exc:
                     log.warning("engine %s GetModelInfo failed: %s", self.address, exc.code().name)
                     return
+                await self._read_adapters()
+                # No await between admission and SERVING: two engines of a disaggregated pool coming up
+                # at once each see the other admitted, so layouts that differ are always refused.
                 if not self._admit(self.model_info):
                     return
-                await self._read_adapters()
                 self.model_seen_at = int(time.time())
                 self.serving = True
                 log.info("engine %s is SERVING %s", self.address, self.model)
