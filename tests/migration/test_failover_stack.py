@@ -30,10 +30,8 @@ pytestmark = pytest.mark.integration
 
 ADMIN_KEY = "admin-secret"
 REQUESTS = 160  # each scenario's load, all at once; with n=2 for an eighth of them
-# Eight sequences per batch: each engine runs some of its requests and queues the rest. A SIGTERMed engine
-# hands every stream back at once (--drain-seconds 0): with any wait, a fast machine sometimes finished
-# the drained engine's whole share within it, and no stream was handed back.
-ENGINE_ARGS = ("--max-num-seqs", "8", "--drain-seconds", "0")
+# Eight sequences per batch: each engine runs some of its requests and queues the rest.
+ENGINE_ARGS = ("--max-num-seqs", "8", "--drain-seconds", "1")
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
@@ -406,7 +404,7 @@ def test_sigterm_drain_of_an_engine_under_load_fails_no_request(whole_fleet, gat
     before = _migrations(gateway.url).get("drain", 0)
     running = Load(gateway.url, load(REQUESTS)).start()
     _wait_until_streaming(running, gateway.url, whole_fleet.addresses[1])
-    whole_fleet.engines[1].process.send_signal(signal.SIGTERM)  # --drain-seconds 0: hand back at once
+    whole_fleet.engines[1].process.send_signal(signal.SIGTERM)  # --drain-seconds 1, then hand back
     _assert_equal_outputs(running.join(), reference)
     assert _migrations(gateway.url).get("drain", 0) > before
     assert whole_fleet.engines[1].process.wait(timeout=60) == 0
