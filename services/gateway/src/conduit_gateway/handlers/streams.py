@@ -326,6 +326,26 @@ async def open_streams(
 Unread = list[tuple[int, engine_pb2.GenerateResponse]]
 
 
+# What a prompt's pump task puts in the shared queue: a message, the stream's end (None), or its error.
+_Pumped = tuple[int, engine_pb2.GenerateResponse | BaseException | None]
+
+
+def _pump_all(streams: Sequence[EngineStream]) -> tuple[asyncio.Queue[_Pumped], list[asyncio.Task[None]]]:
+    """A task per stream reading it into one queue: each message, then None at its end, or its error
+    (handed to the reader, which raises it). The caller cancels the tasks."""
+    queue: asyncio.Queue[_Pumped] = asyncio.Queue()
+
+    async def pump(stream: EngineStream) -> None:
+        try:
+            while (message := await stream.read()) is not None:
+                queue.put_nowait((stream.prompt_index, message))
+            queue.put_nowait((stream.prompt_index, None))
+        except Exception as exc:
+            queue.put_nowait((stream.prompt_index, exc))
+
+    return queue, [asyncio.create_task(pump(stream)) for stream in streams]
+
+
 async def read_messages(
     streams: Sequence[EngineStream], unread: Unread | None = None
 ) -> AsyncIterator[tuple[int, engine_pb2.GenerateResponse]]:
@@ -343,17 +363,7 @@ async def read_messages(
         while (message := await stream.read()) is not None:
             yield stream.prompt_index, message
         return
-    queue: asyncio.Queue[tuple[int, engine_pb2.GenerateResponse | BaseException | None]] = asyncio.Queue()
-
-    async def pump(stream: EngineStream) -> None:
-        try:
-            while (message := await stream.read()) is not None:
-                queue.put_nowait((stream.prompt_index, message))
-            queue.put_nowait((stream.prompt_index, None))
-        except Exception as exc:  # handed to the reader, which raises it
-            queue.put_nowait((stream.prompt_index, exc))
-
-    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    queue, tasks = _pump_all(streams)
     try:
         remaining = len(streams)
         while remaining:
@@ -415,17 +425,7 @@ async def _read_several(
     """`read_batches` of several prompts' streams: a task per stream reads it into one queue; a batch
     takes what the queue holds once the client caught up, up to the first stream error (raised after it)."""
     yield [(stream.prompt_index, stream.first) for stream in streams]
-    queue: asyncio.Queue[tuple[int, engine_pb2.GenerateResponse | BaseException | None]] = asyncio.Queue()
-
-    async def pump(stream: EngineStream) -> None:
-        try:
-            while (message := await stream.read()) is not None:
-                queue.put_nowait((stream.prompt_index, message))
-            queue.put_nowait((stream.prompt_index, None))
-        except Exception as exc:  # handed to the reader, which raises it
-            queue.put_nowait((stream.prompt_index, exc))
-
-    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    queue, tasks = _pump_all(streams)
     failure: BaseException | None = None  # a stream's error, raised once the messages before it went out
     try:
         remaining = len(streams)
