@@ -239,6 +239,7 @@ def test_pd_engines_move_kv_over_the_transport_of_conduit_kv_transport(transport
         config = engine_cli.config_from_args(parser.parse_args(service["command"]))
         assert config.disaggregation.kv_transport == (transport or "grpc"), role
     assert services["prefill"]["ipc"] == "shareable" and services["decode"]["ipc"] == "service:prefill"
+    assert services["decode"]["pid"] == "service:prefill"  # shm copies out of the prefill engine's memfd
 
 
 def test_pd_gateway_pairs_the_two_engines_and_stands_in_for_the_gateway(pd_project):

@@ -5,7 +5,8 @@ gateway: a prefill and a decode engine both started with `--kv-transport shm`, a
 Per transport: the stream gives exactly the colocated text, the decode engine's GetLoad counts the pull
 under that transport (not a fallback to gRPC), and every engine ends holding no block, no transfer and no
 request, with no pull's segment left in /dev/shm (only the one made ahead for the next pull, unlinked
-when the engine stops); when the source dies or the handle's lease ends before the pull, the decode
+when the engine stops; these in-process engines' shm pulls copy straight out of the source's shared
+cache and make none); when the source dies or the handle's lease ends before the pull, the decode
 engine recomputes and the stream goes on with the same text. The NIXL pair skips where
 NIXL cannot start (the engine falls back to gRPC and says so in GetModelInfo.kv_transport), except in CI.
 """
@@ -98,12 +99,16 @@ def test_a_disaggregated_request_moves_its_kv_over_the_transport(fleet, make_gat
     prefill, decode = engines_of(kind)
     gateway = make_gateway(prefill=[prefill], decode=[decode])
     before, pulled = pulls(fleet, decode), load(fleet.addresses[decode]).kv_bytes_pulled
+    segments = shm_segments()
     reply = complete(gateway.url, max_tokens=20)
     assert reply.choices[0].text == colocated_text(fleet, decode, 20)
     assert reply.usage.completion_tokens == 20
     after = pulls(fleet, decode)
     assert after.get(kind, 0) == before.get(kind, 0) + 1 and after.get("grpc", 0) == before.get("grpc", 0)
     assert load(fleet.addresses[decode]).kv_bytes_pulled > pulled
+    # Both caches live in their engine's process: shm copies straight out of the prefill engine's
+    # shared cache, so no pull made a segment (not even the one made ahead after a segment pull).
+    assert shm_segments() - segments == set()
     wait_idle(fleet, [prefill, decode])
 
 

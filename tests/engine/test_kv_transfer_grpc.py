@@ -35,6 +35,7 @@ from conduit_engine.kv_transfer.service import KvTransferService
 from conduit_engine.kv_transfer.transport import KvPullSpec
 from conduit_engine.ops.torch_ops import TorchOps
 from conduit_engine.sampling_params import SamplingParams
+from conduit_engine.worker.kv_cache import allocate_kv_caches, shared_kv_cache_file
 from tests.support.clock import ManualClock
 from tests.support.kv_blocks import LocalKvBlocks, layout_of, nixl_endpoint_or_skip, pull_spec_for
 
@@ -68,6 +69,18 @@ def caches(dtype: torch.dtype, seed: int | None) -> list[tuple[torch.Tensor, tor
         (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
         for _ in range(LAYERS)
     ]
+
+
+def shared_copy(kv: list[tuple[torch.Tensor, torch.Tensor]]):
+    """`kv` copied into caches that live in a shared memfd, as an in-process engine's with
+    --kv-transport shm; returns (caches, the SharedKvCacheFile)."""
+    first = kv[0][0]
+    shared = shared_kv_cache_file(len(kv), tuple(first.shape), first.dtype)
+    out = allocate_kv_caches(len(kv), tuple(first.shape), first.dtype, torch.device("cpu"), shared)
+    for (k, v), (k_out, v_out) in zip(kv, out, strict=True):
+        k_out.copy_(k)
+        v_out.copy_(v)
+    return out, shared
 
 
 class GatedKvBlocks(LocalKvBlocks):
@@ -105,11 +118,15 @@ class Source:
         gate: threading.Event | None = None,
     ) -> None:
         """`security`: a ServerSecurity for the port (TLS, token); None is plaintext. `transport`: what it
-        serves besides gRPC (shm, or nixl: an agent over its caches; skips where NIXL cannot start)."""
+        serves besides gRPC (shm; shm-direct: shm with its caches in a shared memfd, as an in-process
+        engine's; or nixl: an agent over its caches; skips where NIXL cannot start)."""
         self.clock = ManualClock()
         self.bm = BlockManager(NUM_BLOCKS, BLOCK)
         self.registry = KvTransferRegistry(self.bm, LEASE, self.clock)
         self.kv = caches(dtype, seed=7)
+        self.shm_cache = None
+        if transport == "shm-direct":
+            self.kv, self.shm_cache = shared_copy(self.kv)
         self.layout = layout_of("stories-test", self.kv)
         self.nixl = nixl_endpoint_or_skip(self.kv) if transport == "nixl" else None
         store = (
@@ -122,8 +139,9 @@ class Source:
             on_this_thread,
             chunk_bytes=chunk_blocks * self.layout.block_bytes,
             shm_chunk_bytes=chunk_blocks * self.layout.block_bytes,
-            serve_shm=transport == "shm",
+            serve_shm=transport in ("shm", "shm-direct"),
             nixl=self.nixl,
+            shm_cache=self.shm_cache,
         )
         self.server = grpc.aio.server(interceptors=security.interceptors() if security else [])
         pb_grpc.add_EngineServicer_to_server(self.servicer(), self.server)

@@ -38,11 +38,19 @@ from conduit_engine.kv_transfer.nixl_transport import NixlKvTransport
 from conduit_engine.kv_transfer.params import SourceTransports
 from conduit_engine.kv_transfer.puller import KvPuller
 from conduit_engine.kv_transfer.setup import KvTransports, start_transports
+from conduit_engine.kv_transfer.shm_cache import block_runs, copy_blocks
 from conduit_engine.kv_transfer.shm_segment import shm_host_id
 from conduit_engine.kv_transfer.shm_transport import ShmKvTransport
 from conduit_engine.kv_transfer.transport import KvPullSpec
 from conduit_engine.ops.torch_ops import TorchOps
-from tests.engine.test_kv_transfer_grpc import LEASE, NUM_BLOCKS, Source, assert_blocks_equal, caches
+from tests.engine.test_kv_transfer_grpc import (
+    LEASE,
+    NUM_BLOCKS,
+    Source,
+    assert_blocks_equal,
+    caches,
+    shared_copy,
+)
 from tests.support.kv_blocks import (
     LocalKvBlocks,
     layout_of,
@@ -53,7 +61,7 @@ from tests.support.kv_blocks import (
 
 pytestmark = pytest.mark.integration
 
-TRANSPORTS = ["grpc", "shm", "nixl"]
+TRANSPORTS = ["grpc", "shm", "shm-direct", "nixl"]
 
 
 class Pair:
@@ -71,6 +79,8 @@ class Pair:
             self.transport = NixlKvTransport(self.dst_nixl, timeout_s=30)
         elif kind == "shm":
             self.transport = ShmKvTransport(timeout_s=30)
+        elif kind == "shm-direct":  # this cache in the process: copies straight out of the source's
+            self.transport = ShmKvTransport(caches=flat(self.dst_kv), timeout_s=30)
         else:
             self.transport = GrpcKvTransport(timeout_s=30)
 
@@ -90,6 +100,10 @@ class Pair:
         for endpoint in (self.source.nixl, self.dst_nixl):
             if endpoint is not None:
                 endpoint.close()
+
+
+def flat(kv) -> list[torch.Tensor]:
+    return [cache for pair in kv for cache in pair]
 
 
 async def until(condition, what: str) -> None:
@@ -190,6 +204,16 @@ async def test_a_pull_cancelled_midway_leaves_the_transfer_pullable_then_it_comp
             return result
 
         monkeypatch.setattr(endpoint, "read", read_then_stall)
+        writer = pair.writer(range(5), 0)
+    elif pair.kind == "shm-direct":  # no sink writes: cancel between the copy and the release
+        release = pair.transport.release
+
+        async def stall_before_release(*args):
+            stalled.set()
+            await asyncio.Event().wait()
+            return await release(*args)
+
+        monkeypatch.setattr(pair.transport, "release", stall_before_release)
         writer = pair.writer(range(5), 0)
     else:
         writer = StalledWriter(LocalKvBlocks(TorchOps(), pair.dst_kv), block_bytes, range(5), 0)
@@ -440,3 +464,104 @@ async def test_a_nixl_read_that_fails_is_pulled_again_over_grpc(monkeypatch):
     finally:
         await puller.close()
         await p.close()
+
+
+def test_block_runs_coalesce_blocks_consecutive_on_both_sides():
+    runs = block_runs([4, 5, 6, 9, 10, 11, 2], [0, 1, 2, 3, 7, 8, 9])
+    assert runs == [(4, 0, 3), (9, 3, 1), (10, 7, 2), (2, 9, 1)]
+    assert block_runs([], []) == []
+
+
+async def test_a_source_whose_cache_is_not_shared_is_pulled_from_through_segments(caplog):
+    """A direct pull from a source serving only segments (its cache in worker processes, or on a device)
+    is UNIMPLEMENTED; the transport pulls the same pending transfer through a segment, and from then on
+    goes to that source through segments at once."""
+    caplog.set_level("INFO", logger="conduit_engine.kv_transfer.shm_transport")
+    before = shm_segments()
+    p = Pair("shm")
+    p.transport = ShmKvTransport(caches=flat(p.dst_kv), timeout_s=30)
+    await p.source.server.start()
+    try:
+        for n in range(2):
+            transfer = p.source.produce(list(range(40 + 20 * n, 52 + 20 * n)))  # 3 blocks
+            assert (await p.transport.pull(p.spec(transfer), p.writer([4, 5, 6], 0))).num_blocks == 3
+            assert_blocks_equal(p.source.kv, transfer.block_ids, p.dst_kv, [4, 5, 6])
+            assert p.source.bm.stats().used == 0 and p.source.registry.num_pending == 0
+        notes = [r.getMessage() for r in caplog.records if "go through segments" in r.getMessage()]
+        assert len(notes) == 1 and "UNIMPLEMENTED: shm_direct: this engine's KV cache is not in" in notes[0]
+    finally:
+        await p.close()
+    assert shm_segments() - before == set()
+
+
+async def test_a_file_that_is_not_the_sources_cache_is_never_read(monkeypatch):
+    """Fault injection: the source names a descriptor whose inode is not its cache's (a reused pid or
+    descriptor looks like this). The puller refuses to map it and pulls the still pending transfer
+    through a segment."""
+    p = Pair("shm-direct")
+    await p.source.server.start()
+    describe = p.source.shm_cache.describe
+
+    def wrong_inode(*args):
+        blocks = describe(*args)
+        blocks.inode += 1
+        return blocks
+
+    monkeypatch.setattr(p.source.shm_cache, "describe", wrong_inode)
+    try:
+        transfer = p.source.produce(list(range(12)))
+        assert (await p.transport.pull(p.spec(transfer), p.writer([0, 1, 2], 0))).num_blocks == 3
+        assert_blocks_equal(p.source.kv, transfer.block_ids, p.dst_kv, [0, 1, 2])
+        assert p.source.bm.stats().used == 0 and p.source.registry.num_pending == 0
+    finally:
+        await p.close()
+
+
+async def test_a_direct_pull_of_blocks_outside_the_sources_cache_writes_nothing(monkeypatch):
+    """Fault injection: a confused or hostile source describes blocks past the end of its cache."""
+    p = Pair("shm-direct")
+    await p.source.server.start()
+    describe = p.source.shm_cache.describe
+    monkeypatch.setattr(
+        p.source.shm_cache, "describe", lambda ids, stride: describe([*ids[:-1], 10**6], stride)
+    )
+    try:
+        transfer = p.source.produce(list(range(12)))
+        writer = p.writer([0, 1, 2], 0)
+        with pytest.raises(KvTransferError, match=r"source blocks \[1000000, 1000001\) lie past the end"):
+            await p.transport.pull(p.spec(transfer), writer)
+        assert writer.blocks_written == 0 and all(not k.any() and not v.any() for k, v in p.dst_kv)
+        assert p.source.registry.release(transfer.transfer_id)  # the puller's failure path releases it
+    finally:
+        await p.close()
+    p.source.bm.check_integrity([])
+
+
+async def test_a_lease_ending_during_a_direct_copy_fails_the_pull(monkeypatch):
+    p = Pair("shm-direct")
+    await p.source.server.start()
+    try:
+        transfer = p.source.produce(list(range(12)))
+
+        def copy_past_the_lease(*args):
+            copied = copy_blocks(*args)
+            p.source.clock.now += LEASE  # the source frees the blocks: what was copied may be stale
+            assert p.source.registry.expire_due() == [transfer.transfer_id]  # (the loop awaits the copy)
+            return copied
+
+        monkeypatch.setattr("conduit_engine.kv_transfer.shm_transport.copy_blocks", copy_past_the_lease)
+        with pytest.raises(KvTransferError, match="the transfer ended during the copy"):
+            await p.transport.pull(p.spec(transfer), p.writer([0, 1, 2], 0))
+        assert p.source.bm.stats().used == 0 and p.source.registry.num_pending == 0
+    finally:
+        await p.close()
+
+
+def test_an_in_process_engine_with_shm_shares_its_cache_and_pulls_into_it():
+    kv, shared = shared_copy(caches(torch.float32, seed=3))
+    transports = start_transports("shm", SimpleNamespace(kv_caches=kv, kv_cache_file=shared), 30)
+    assert transports.shm_cache is shared and transports.caches == flat(kv)
+    assert "its KV cache shared" in transports.describe()
+    workers = start_transports("shm", object(), 30)  # tensor parallelism: the cache is in the workers
+    assert (workers.kind, workers.shm_cache, workers.caches) == ("shm", None, None)
+    assert "through segments" in workers.describe()

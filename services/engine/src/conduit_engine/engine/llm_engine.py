@@ -406,6 +406,7 @@ class LLMEngine:
             chunk_bytes=self.config.disaggregation.chunk_bytes,
             max_message_bytes=max_message_bytes,
             serve_shm=bool(self.kv_transports.offered.shm_host),
+            shm_cache=self.kv_transports.shm_cache,
             nixl=self.kv_transports.nixl,
         )
 

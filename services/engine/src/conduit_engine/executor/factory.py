@@ -62,6 +62,7 @@ def _in_process(config: EngineConfig, facts: ModelFacts) -> tuple[Executor, int]
         draft=_draft(config, facts, num_blocks),
         kv_cache_dtype=config.cache.kv_cache_dtype,
         lora=lora,
+        shared_kv_cache=config.disaggregation.kv_transport == "shm",
     )
     return executor, num_blocks
 

@@ -21,6 +21,7 @@ from conduit_engine.executor.step_batch import (
     collect_results,
     mask_rows,
 )
+from conduit_engine.kv_transfer.shm_cache import SharedKvCacheFile
 from conduit_engine.layers.decoder import KVCache
 from conduit_engine.lora.manager import LoraManager
 from conduit_engine.models.base import CausalLM
@@ -48,9 +49,11 @@ class InProcessExecutor:
         draft: DraftRunner | None = None,
         kv_cache_dtype: str = "auto",
         lora: LoraManager | None = None,
+        shared_kv_cache: bool = False,
     ) -> None:
         """`draft`: speculative decoding's draft model (method draft_model), over the same KV blocks.
-        `lora`: the adapters (--enable-lora); its pool was allocated before the KV cache was sized."""
+        `lora`: the adapters (--enable-lora); its pool was allocated before the KV cache was sized.
+        `shared_kv_cache`: a host cache in one memfd, for same-host pulls straight out of it."""
         self.model = model
         self.lora = lora
         self.config = config
@@ -66,6 +69,7 @@ class InProcessExecutor:
             max_model_len=max_model_len,
             use_cuda_graphs=use_cuda_graphs,
             kv_cache_dtype=kv_cache_dtype,
+            shared_kv_cache=shared_kv_cache,
         )
         self._masks = SequenceMasks(config.vocab_size, device)
         self.draft = draft
@@ -73,6 +77,11 @@ class InProcessExecutor:
     @property
     def kv_caches(self) -> list[KVCache]:
         return self.runner.kv_caches
+
+    @property
+    def kv_cache_file(self) -> SharedKvCacheFile | None:
+        """The memfd the host cache lives in (shared_kv_cache), else None."""
+        return self.runner.kv_cache_file
 
     def execute(self, out: SchedulerOutput) -> list[SeqStepResult]:
         if self.draft is not None:

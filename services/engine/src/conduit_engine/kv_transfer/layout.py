@@ -71,6 +71,11 @@ class KvLayoutSpec:
         rows = 2 * self.num_layers * self.block_size * self.num_kv_heads
         return rows * kv_head_bytes(self.dtype, self.head_dim)
 
+    @property
+    def region_block_bytes(self) -> int:
+        """Bytes of one block in one layer's K (or V) cache of the whole model's KV heads."""
+        return self.block_size * self.num_kv_heads * kv_head_bytes(self.dtype, self.head_dim)
+
     def num_blocks(self, num_tokens: int) -> int:
         """Blocks holding `num_tokens` tokens (the last one may be partly filled)."""
         return (num_tokens + self.block_size - 1) // self.block_size

@@ -112,7 +112,7 @@ class KvPuller:
         transport = self._transports.get(kind)
         if transport is None:
             if kind == "shm":
-                transport = ShmKvTransport(**self._options)  # type: ignore[arg-type]
+                transport = ShmKvTransport(caches=self._local.caches, **self._options)
             elif kind == "nixl":
                 transport = NixlKvTransport(self._local.nixl, **self._options)
             else:

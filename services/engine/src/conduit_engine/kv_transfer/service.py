@@ -12,10 +12,11 @@ Gathering runs in a worker thread: pinned blocks are not written (a worker-backe
 gather with its steps itself).
 
 The request's `transport` picks how the blocks travel: KvChunk bytes (gRPC); the puller's shared-memory
-segment, each chunk gathered straight into it and sent without data (shm, same host); or, for NIXL, one
-chunk describing where the blocks lie in this engine's registered cache: the puller reads them itself and
-releases the transfer (ReleaseKv), so that pull leaves the transfer pending, its blocks pinned, until then
-or until the lease ends. A transport this engine does not serve answers UNIMPLEMENTED.
+segment, each chunk gathered straight into it and sent without data (shm, same host); or, for NIXL and
+for direct shared-memory pulls (shm_direct), one chunk describing where the blocks lie in this engine's
+registered or shared cache: the puller reads them itself and releases the transfer (ReleaseKv), so that
+pull leaves the transfer pending, its blocks pinned, until then or until the lease ends. A transport
+this engine does not serve answers UNIMPLEMENTED.
 Errors abort the call with their status code here (the same codes server.status_for gives them).
 """
 
@@ -39,6 +40,7 @@ from conduit_engine.kv_transfer.errors import (
 from conduit_engine.kv_transfer.grpc_transport import DEFAULT_MAX_MESSAGE_BYTES
 from conduit_engine.kv_transfer.layout import KvLayoutSpec
 from conduit_engine.kv_transfer.registry import KvTransfer, KvTransferRegistry
+from conduit_engine.kv_transfer.shm_cache import SharedKvCacheFile
 from conduit_engine.kv_transfer.shm_segment import ShmSegment
 
 RunOnEngine = Callable[[Callable[[], Any]], Awaitable[Any]]
@@ -88,9 +90,11 @@ class KvTransferService:
         serve_shm: bool = False,
         nixl: NixlBlocksSource | None = None,
         shm_chunk_bytes: int = SHM_CHUNK_BYTES,
+        shm_cache: SharedKvCacheFile | None = None,
     ) -> None:
         """`serve_shm`: answer KV_TRANSPORT_SHM pulls (write into the puller's segment); `nixl`: this
-        engine's registered cache, to answer KV_TRANSPORT_NIXL pulls with its blocks' descriptors."""
+        engine's registered cache, to answer KV_TRANSPORT_NIXL pulls with its blocks' descriptors;
+        `shm_cache`: the memfd this engine's cache lives in, to answer direct shared-memory pulls."""
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes: must be >= 1, got {chunk_bytes}")
         if layout.block_bytes + _MESSAGE_OVERHEAD > max_message_bytes:
@@ -104,6 +108,7 @@ class KvTransferService:
         self._tasks: set[asyncio.Future[Any]] = set()  # engine calls that outlive a cancelled RPC
         self._serve_shm = serve_shm
         self._nixl = nixl
+        self._shm_cache = shm_cache if serve_shm else None
         limit = (max_message_bytes - _MESSAGE_OVERHEAD) // layout.block_bytes
         self.blocks_per_chunk = min(blocks_per_chunk(layout.block_bytes, chunk_bytes), limit)
         self.blocks_per_shm_chunk = blocks_per_chunk(layout.block_bytes, shm_chunk_bytes)
@@ -148,6 +153,10 @@ class KvTransferService:
                 # then they stay pinned, as after a pull that broke off.
                 yield self._nixl_chunk(request, transfer)
                 return
+            elif request.transport == pb.KV_TRANSPORT_SHM and request.shm_direct:
+                # As for NIXL: the puller copies out of this engine's cache, then calls ReleaseKv.
+                yield self._shm_direct_chunk(request, transfer)
+                return
             elif request.transport == pb.KV_TRANSPORT_SHM:
                 async with contextlib.aclosing(self._shm_chunks(request, transfer)) as chunks:
                     async for chunk in chunks:
@@ -184,6 +193,16 @@ class KvTransferService:
                 yield pb.KvChunk(first_block=first, num_blocks=len(ids), total_blocks=total)
         finally:
             segment.close()
+
+    def _shm_direct_chunk(self, request: pb.PullKvRequest, transfer: KvTransfer) -> pb.KvChunk:
+        if self._shm_cache is None:
+            raise KvTransportUnavailableError(
+                "shm_direct: this engine's KV cache is not in shared memory (only an engine whose cache "
+                "lives in its own process on the CPU with --kv-transport shm shares it)"
+            )
+        start, total = request.start_block, transfer.num_blocks
+        blocks = self._shm_cache.describe(transfer.block_ids[start:], self._layout.region_block_bytes)
+        return pb.KvChunk(first_block=start, num_blocks=total - start, total_blocks=total, shm=blocks)
 
     def _nixl_chunk(self, request: pb.PullKvRequest, transfer: KvTransfer) -> pb.KvChunk:
         if self._nixl is None:

@@ -2,7 +2,8 @@
 
 - grpc: KvChunk bytes only.
 - shm: also shared memory with engines on this host (the same boot id and /dev/shm mount); pulls from
-  other hosts stay gRPC.
+  other hosts stay gRPC. An engine whose cache lives in its process on the CPU allocated it in a memfd
+  (shm_cache): pullers copy straight out of it; otherwise blocks go through a segment per pull.
 - nixl: also NIXL one-sided reads, when the NIXL wheel imports and its UCX backend starts, and the KV
   cache lives in the engine process (not with tensor parallelism's worker processes yet).
 
@@ -14,10 +15,12 @@ agent that cannot be used, makes the puller pull that transfer over gRPC.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from conduit_engine.kv_transfer.params import SourceTransports
+from conduit_engine.kv_transfer.shm_cache import SharedKvCacheFile
 from conduit_engine.kv_transfer.shm_segment import shm_host_id
 
 log = logging.getLogger(__name__)
@@ -30,10 +33,15 @@ class KvTransports:
     kind: str  # the transport in use: grpc, shm or nixl (after any fallback)
     offered: SourceTransports
     nixl: Any = None  # NixlKvEndpoint
+    # shm: the memfd this engine's cache lives in (sources serve direct pulls out of it), and this
+    # engine's cache tensors when they live in its process (direct pulls copy into them); else None.
+    shm_cache: SharedKvCacheFile | None = None
+    caches: Sequence[Any] | None = None
 
     def describe(self) -> str:
         if self.kind == "shm":
-            return f"shared memory with engines on this host ({self.offered.shm_host}), gRPC otherwise"
+            how = "its KV cache shared" if self.shm_cache is not None else "through segments"
+            return f"shared memory with engines on this host ({self.offered.shm_host}; {how}), gRPC otherwise"
         if self.kind == "nixl":
             return f"NIXL agent {self.nixl.name} over UCX ({self.nixl.memory}), gRPC otherwise"
         return "gRPC"
@@ -44,7 +52,12 @@ def start_transports(kind: str, executor: object, timeout_s: float) -> KvTranspo
     if kind == "shm":
         host = shm_host_id()
         if host is not None:
-            return _started(KvTransports("shm", SourceTransports(shm_host=host)))
+            pairs = getattr(executor, "kv_caches", None)
+            caches = None
+            if pairs is not None and pairs[0][0].device.type == "cpu":
+                caches = [cache for pair in pairs for cache in pair]
+            shared = getattr(executor, "kv_cache_file", None)
+            return _started(KvTransports("shm", SourceTransports(shm_host=host), None, shared, caches))
         return _fallback(kind, "no /dev/shm or no boot id on this host")
     if kind == "nixl":
         caches = getattr(executor, "kv_caches", None)

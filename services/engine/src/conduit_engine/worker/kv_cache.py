@@ -7,11 +7,11 @@ so the kernels' vector loads never straddle cache lines (numpy's calloc is only 
 background thread then has the kernel map every page (madvise MADV_POPULATE_WRITE, in chunks, the GIL
 released): a page first written by a step would cost that step a fault (on this VM, about 8% of the 110M
 model's decode speed while the cache is fresh), and populating never changes what a page holds, so it
-runs safely beside the steps."""
+runs safely beside the steps. With --kv-transport shm the in-process cache is shared memory instead (one
+memfd, kv_transfer.shm_cache), the same lazily mapped zero pages, that same-host pullers copy from."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import mmap
@@ -22,15 +22,13 @@ import torch
 
 from conduit_engine.config import EngineConfig
 from conduit_engine.kv_format import kv_element_dtype, kv_head_bytes
+from conduit_engine.kv_transfer.shm_cache import SharedKvCacheFile
 from conduit_engine.layers.decoder import KVCache
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.models.facts import ModelFacts
+from conduit_engine.worker import page_populate
 
 log = logging.getLogger(__name__)
-
-# Linux 5.14+: populate (allocate and map) pages writable, leaving their contents as they are.
-_MADV_POPULATE_WRITE = 23
-_POPULATE_CHUNK = 4 << 20
 
 # Auto-sized caches hold at most this many full batches of full-length sequences.
 _MAX_AUTO_BLOCKS_FACTOR = 2
@@ -75,44 +73,45 @@ def size_kv_cache(
 
 
 def allocate_kv_caches(
-    num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    num_layers: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    shared: SharedKvCacheFile | None = None,
 ) -> list[KVCache]:
-    """One zeroed (keys, values) pair of `shape` per layer; host pages are mapped on first write."""
+    """One zeroed (keys, values) pair of `shape` per layer; host pages are mapped on first write. On the
+    host with `shared` (2 regions per layer of the pair's bytes), the tensors are its regions: the cache
+    same-host pullers copy from directly (kv_transfer.shm_cache)."""
     if device.type != "cpu":
         return [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)
         ]
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffers = iter(shared.buffers) if shared is not None else None
 
     def zeros() -> torch.Tensor:
         # The tensor keeps the mapping alive; the pages stay unmapped until written.
-        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+        buffer = next(buffers) if buffers is not None else mmap.mmap(-1, nbytes)
+        return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
     return [(zeros(), zeros()) for _ in range(num_layers)]
 
 
+def shared_kv_cache_file(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype) -> SharedKvCacheFile:
+    """The memfd a shared host cache of `num_layers` (keys, values) pairs of `shape` lives in."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return SharedKvCacheFile(2 * num_layers, nbytes)
+
+
 def populate_in_background(caches: list[KVCache]) -> threading.Thread | None:
     """Map every page of host `caches` from a daemon thread (None on a device, or without madvise)."""
-    tensors = [t for pair in caches for t in pair if t.device.type == "cpu"]
-    if not tensors:
-        return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-
-    def populate() -> None:
-        for tensor in tensors:
-            start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-            for offset in range(0, size, _POPULATE_CHUNK):  # ctypes releases the GIL for each call
-                if madvise(start + offset, min(_POPULATE_CHUNK, size - offset), _MADV_POPULATE_WRITE):
-                    log.debug(
-                        "KV cache pages are mapped on first write (madvise: errno %d)", ctypes.get_errno()
-                    )
-                    return
-
-    thread = threading.Thread(target=populate, name="kv-cache-populate", daemon=True)
-    thread.start()
-    return thread
+    ranges = [
+        (t.data_ptr(), t.numel() * t.element_size())
+        for pair in caches
+        for t in pair
+        if t.device.type == "cpu"
+    ]
+    return page_populate.populate_in_background(
+        ranges, page_populate.MADV_POPULATE_WRITE, "kv-cache-populate"
+    )

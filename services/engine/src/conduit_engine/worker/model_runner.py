@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from conduit_engine.kv_transfer.shm_cache import SharedKvCacheFile
 from conduit_engine.layers.decoder import KVCache
 from conduit_engine.lora.manager import lora_batch
 from conduit_engine.models.base import CausalLM
@@ -25,7 +26,7 @@ from conduit_engine.sampling.logprobs import compute_prompt_logprobs
 from conduit_engine.sampling.metadata import metadata_from_plan
 from conduit_engine.sampling.sampler import Sampler
 from conduit_engine.sampling.token_logprobs import TokenLogprobs
-from conduit_engine.worker.kv_cache import allocate_kv_caches, populate_in_background
+from conduit_engine.worker.kv_cache import allocate_kv_caches, populate_in_background, shared_kv_cache_file
 from conduit_engine.worker.step_inputs import PromptSpan, StepBatch, StepOutput
 
 
@@ -43,7 +44,10 @@ class ModelRunner:
         max_model_len: int = 2048,
         use_cuda_graphs: bool = False,
         kv_cache_dtype: str = "auto",
+        shared_kv_cache: bool = False,
     ) -> None:
+        """`shared_kv_cache`: on the host, the KV cache lives in one memfd (`kv_cache_file`) that same-host
+        KV pullers copy from (--kv-transport shm); elsewhere it is ignored."""
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
@@ -51,7 +55,12 @@ class ModelRunner:
         local = model.local_config
         cache_dtype, row = cache_layout(kv_cache_dtype, dtype, local.head_dim)
         shape = (num_blocks, block_size, local.num_kv_heads, row)
-        self.kv_caches: list[KVCache] = allocate_kv_caches(local.num_layers, shape, cache_dtype, self.device)
+        self.kv_cache_file: SharedKvCacheFile | None = None
+        if shared_kv_cache and self.device.type == "cpu":
+            self.kv_cache_file = shared_kv_cache_file(local.num_layers, shape, cache_dtype)
+        self.kv_caches: list[KVCache] = allocate_kv_caches(
+            local.num_layers, shape, cache_dtype, self.device, self.kv_cache_file
+        )
         populate_in_background(self.kv_caches)
         for k_cache, v_cache in self.kv_caches:
             model.ops.check_kv_cache(k_cache, v_cache)
