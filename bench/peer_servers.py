@@ -46,6 +46,11 @@ class ServeJob:
     threads: int
     # "int8": Conduit --quantization int8, llama-server on a q8_0 GGUF of the same weights (vLLM: none)
     quantization: str = "none"
+    # Each server's own speculative decoding: "ngram" (Conduit's prompt lookup, llama-server's
+    # ngram-simple) or "draft" (draft_model; llama-server -md on a GGUF of it), proposing `spec_k` tokens.
+    speculative: str = "none"
+    spec_k: int = 4
+    draft_dir: Path | None = None
 
 
 def run_script(script: str, *args: str) -> str:
@@ -99,6 +104,12 @@ def _conduit(job: ServeJob) -> tuple[list[str], dict[str, str], int]:
     # run_stack takes no engine flags: the engine reads these from its CONDUIT_* environment.
     env = {"CONDUIT_DTYPE": job.dtype, "CONDUIT_MAX_NUM_SEQS": str(job.max_num_seqs)}
     env["CONDUIT_QUANTIZATION"] = job.quantization
+    if job.speculative == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": job.spec_k, "prompt_lookup_min": 2}
+        env["CONDUIT_SPECULATIVE_CONFIG"] = json.dumps({**spec, "prompt_lookup_max": 5})
+    elif job.speculative == "draft":
+        spec = {"method": "draft_model", "model": str(job.draft_dir), "num_speculative_tokens": job.spec_k}
+        env["CONDUIT_SPECULATIVE_CONFIG"] = json.dumps(spec)
     return args, env, port
 
 
@@ -109,6 +120,13 @@ def _llama_cpp(job: ServeJob) -> tuple[list[str], dict[str, str], int]:
     # -np slots share -c: each sequence gets context_per_seq tokens, as in the other servers.
     args += ["-np", str(job.max_num_seqs), "-c", str(job.max_num_seqs * job.context_per_seq)]
     args += ["-t", str(job.threads), "--alias", job.name]
+    if job.speculative == "ngram":  # look up the last 2 tokens in the context, propose the k after them
+        args += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2"]
+        args += ["--spec-ngram-simple-size-m", str(job.spec_k)]
+    elif job.speculative == "draft":
+        assert job.draft_dir is not None
+        draft = to_gguf(job.draft_dir, job.draft_dir.name, job.dtype, job.quantization)
+        args += ["-md", str(draft), "--spec-draft-n-max", str(job.spec_k), "-td", str(job.threads)]
     return args, {}, port
 
 

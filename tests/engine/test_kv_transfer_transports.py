@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from types import SimpleNamespace
 
 import grpc
@@ -38,7 +39,7 @@ from conduit_engine.kv_transfer.nixl_transport import NixlKvTransport
 from conduit_engine.kv_transfer.params import SourceTransports
 from conduit_engine.kv_transfer.puller import KvPuller
 from conduit_engine.kv_transfer.setup import KvTransports, start_transports
-from conduit_engine.kv_transfer.shm_cache import block_runs, copy_blocks
+from conduit_engine.kv_transfer.shm_cache import MappedKvSources, block_runs, copy_blocks
 from conduit_engine.kv_transfer.shm_segment import shm_host_id
 from conduit_engine.kv_transfer.shm_transport import ShmKvTransport
 from conduit_engine.kv_transfer.transport import KvPullSpec
@@ -565,3 +566,25 @@ def test_an_in_process_engine_with_shm_shares_its_cache_and_pulls_into_it():
     workers = start_transports("shm", object(), 30)  # tensor parallelism: the cache is in the workers
     assert (workers.kind, workers.shm_cache, workers.caches) == ("shm", None, None)
     assert "through segments" in workers.describe()
+
+
+def test_a_mapped_source_is_unmapped_when_it_restarts_or_idles_but_never_under_a_copy():
+    _, first = shared_copy(caches(torch.float32, seed=1))
+    _, second = shared_copy(caches(torch.float32, seed=2))  # the same address after a restart
+    stride = first.region_bytes // NUM_BLOCKS
+    mapped = MappedKvSources(idle_s=60)
+    old = mapped.acquire("h:1", first.describe([0], stride))  # a copy in progress holds it
+    new = mapped.acquire("h:1", second.describe([0], stride))
+    assert new is not old and len(mapped) == 1
+    assert old.address and not old._map.closed  # retired, still mapped under its copy
+    mapped.release(old)
+    assert old._map.closed
+    mapped.release(new)
+    assert not new._map.closed  # still the source's mapping, kept for its next pull
+    assert mapped.sweep() == 0
+    assert mapped.sweep(now=time.monotonic() + 60) == 1 and new._map.closed and len(mapped) == 0
+    again = mapped.acquire("h:1", second.describe([0], stride))
+    mapped.close()  # the engine stops during a copy: unmapped when the copy is done
+    assert not again._map.closed
+    mapped.release(again)
+    assert again._map.closed

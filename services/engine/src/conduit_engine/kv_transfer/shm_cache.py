@@ -25,6 +25,7 @@ import ctypes
 import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +38,7 @@ from conduit_engine.worker.page_populate import MADV_POPULATE_READ, populate_in_
 
 _PAGE = mmap.PAGESIZE
 _MAX_MAPPED_SOURCES = 16  # mapped source caches kept by a puller (least recently used unmapped)
+MAPPED_IDLE_S = 300.0  # a source not pulled from for this long is unmapped
 
 
 def _page_round(size: int) -> int:
@@ -123,6 +125,16 @@ class MappedKvSource:
     def matches(self, blocks: pb.KvShmBlocks) -> bool:
         return (blocks.pid, blocks.inode, blocks.file_bytes) == (self.pid, self.inode, self.size)
 
+    def alive(self) -> bool:
+        """Whether the source process still runs (its pid may be reused: the idle limit covers that)."""
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # someone else's process now holds the pid
+            return False
+        return True
+
     def close(self) -> None:
         self._stop.set()
         if self._populating is not None:
@@ -132,28 +144,65 @@ class MappedKvSource:
 
 
 class MappedKvSources:
-    """A puller's mapped source caches, by source address (bounded; least recently used unmapped)."""
+    """A puller's mapped source caches, by source address. A mapping keeps the source's cache memory
+    alive even after the source is gone, so it is retired when its source restarts (a new file at that
+    address), exits, or has not been pulled from for `idle_s` (`sweep`), and beyond `limit` sources the
+    least recently used goes first. A retired mapping is unmapped once no copy uses it (`acquire` /
+    `release` count the copies): a copy never reads an unmapped range."""
 
-    def __init__(self, limit: int = _MAX_MAPPED_SOURCES) -> None:
+    def __init__(self, limit: int = _MAX_MAPPED_SOURCES, idle_s: float = MAPPED_IDLE_S) -> None:
         self._limit = limit
-        self._maps: OrderedDict[str, MappedKvSource] = OrderedDict()
+        self._idle_s = idle_s
+        self._maps: OrderedDict[str, tuple[MappedKvSource, float]] = OrderedDict()
+        self._users: dict[MappedKvSource, int] = {}
 
-    def get(self, source_address: str, blocks: pb.KvShmBlocks) -> MappedKvSource:
-        mapped = self._maps.pop(source_address, None)
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def acquire(self, source_address: str, blocks: pb.KvShmBlocks) -> MappedKvSource:
+        """The mapping of `blocks`' file at `source_address` (made on first use), held until `release`."""
+        entry = self._maps.pop(source_address, None)
+        mapped = entry[0] if entry is not None else None
         if mapped is not None and not mapped.matches(blocks):  # the source restarted
-            mapped.close()
+            self._retire(mapped)
             mapped = None
         if mapped is None:
             mapped = MappedKvSource(blocks)
-        self._maps[source_address] = mapped
+        self._maps[source_address] = (mapped, time.monotonic())
+        self._users[mapped] = self._users.get(mapped, 0) + 1
         while len(self._maps) > self._limit:
-            _, oldest = self._maps.popitem(last=False)
-            oldest.close()
+            _, (oldest, _) = self._maps.popitem(last=False)
+            self._retire(oldest)
         return mapped
 
+    def release(self, mapped: MappedKvSource) -> None:
+        """A copy `acquire` allowed is done with `mapped`."""
+        self._users[mapped] -= 1
+        if self._users[mapped] == 0:
+            del self._users[mapped]
+            if all(entry[0] is not mapped for entry in self._maps.values()):  # retired meanwhile
+                mapped.close()
+
+    def sweep(self, now: float | None = None) -> int:
+        """Retire the sources whose process is gone or that were idle for idle_s; returns how many."""
+        now = time.monotonic() if now is None else now
+        gone = [
+            address
+            for address, (mapped, used) in self._maps.items()
+            if now - used >= self._idle_s or not mapped.alive()
+        ]
+        for address in gone:
+            self._retire(self._maps.pop(address)[0])
+        return len(gone)
+
     def close(self) -> None:
+        """Retire every mapping (those still copying are unmapped when their copy is done)."""
         maps, self._maps = list(self._maps.values()), OrderedDict()
-        for mapped in maps:
+        for mapped, _ in maps:
+            self._retire(mapped)
+
+    def _retire(self, mapped: MappedKvSource) -> None:
+        if mapped not in self._users:
             mapped.close()
 
 

@@ -30,7 +30,7 @@ from typing import Any
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.kv_transfer.errors import KvTransferError, KvTransportUnavailableError
 from conduit_engine.kv_transfer.grpc_transport import GrpcKvTransport, check_chunk, pull_request
-from conduit_engine.kv_transfer.shm_cache import MappedKvSources, copy_blocks
+from conduit_engine.kv_transfer.shm_cache import MAPPED_IDLE_S, MappedKvSources, copy_blocks
 from conduit_engine.kv_transfer.shm_segment import ShmSegment
 from conduit_engine.kv_transfer.transport import KvBlockSink, KvPullResult, KvPullSpec
 
@@ -54,6 +54,7 @@ class ShmKvTransport(GrpcKvTransport):
         self._spare: asyncio.Future[ShmSegment] | None = None
         self._caches = caches
         self._mapped = MappedKvSources()
+        self._sweeping: asyncio.TimerHandle | None = None
         self._segments_only: set[str] = set()  # sources whose cache is not shared, or not ours to open
 
     async def pull(
@@ -93,12 +94,13 @@ class ShmKvTransport(GrpcKvTransport):
             )
         # A cache that cannot be opened is KvTransportUnavailableError: the transfer is still pending
         # (this pull left it so), and the segment path pulls it again.
-        source = self._mapped.get(spec.source_address, blocks)
+        source = self._mapped.acquire(spec.source_address, blocks)
         assert self._caches is not None
         # The copy writes destination blocks: it runs to its end even when the pull is cancelled.
         copy = asyncio.get_running_loop().run_in_executor(
             None, copy_blocks, source, blocks, self._caches, dest_block_ids
         )
+        copy.add_done_callback(lambda _: self._mapped.release(source))
         try:
             num_bytes = await asyncio.shield(copy)
         except asyncio.CancelledError:
@@ -106,6 +108,7 @@ class ShmKvTransport(GrpcKvTransport):
                 await copy
             raise
         sink.written_directly(spec.num_blocks)  # type: ignore[attr-defined]
+        self._sweep_later()
         if not await self.release(spec.source_address, spec.transfer_id):
             raise KvTransferError(
                 f"PullKv {spec.transfer_id}: the transfer ended during the copy (its lease ran out); "
@@ -138,7 +141,20 @@ class ShmKvTransport(GrpcKvTransport):
                 self._spare = asyncio.get_running_loop().run_in_executor(None, ShmSegment.create, size)
         return KvPullResult(num_blocks=spec.num_blocks, num_bytes=size)
 
+    def _sweep_later(self) -> None:
+        """Unmap sources that are gone or idle, now and every so often while any stays mapped."""
+        self._mapped.sweep()
+        if self._sweeping is None and len(self._mapped):
+            self._sweeping = asyncio.get_running_loop().call_later(MAPPED_IDLE_S / 4, self._swept)
+
+    def _swept(self) -> None:
+        self._sweeping = None
+        self._sweep_later()
+
     async def close(self) -> None:
+        if self._sweeping is not None:
+            self._sweeping.cancel()
+            self._sweeping = None
         self._mapped.close()
         spare, self._spare = self._spare, None
         if spare is not None:
