@@ -115,3 +115,34 @@ def test_a_stream_that_breaks_after_its_last_choice_finished_ends_without_moving
 
     asyncio.run(read_all())
     assert reopened == []
+
+
+@pytest.mark.parametrize("failure", ["lost", "unavailable"])
+def test_a_stream_handed_back_whose_call_then_breaks_moves_as_a_drain(failure):
+    """A draining engine hands the stream back, then stops its server: the call (or the node's health
+    watch, which cancels it) breaks before the stream's end is read. The move is the drain's."""
+    from conduit_gateway.handlers.streams import StreamLost
+
+    broken = (
+        StreamLost("127.0.0.1:1", "watch broke")
+        if failure == "lost"
+        else grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"
+        )
+    )
+    inner = Scripted([message(3, engine_pb2.FINISH_REASON_MIGRATE), broken])
+    continued = Scripted([None])
+    moves = []
+
+    async def reopen(index, request, exclude):
+        return continued
+
+    request = engine_pb2.GenerateRequest(request_id="r")
+    stream = MigratingStream(request, inner, Migrations(3, reopen, moves.append))
+
+    async def read_all():
+        assert not (await stream.read()).finished  # handed back: relayed as not finished
+        await stream.read()  # the continuation's first message
+
+    asyncio.run(read_all())
+    assert [move.reason for move in moves] == ["drain"]

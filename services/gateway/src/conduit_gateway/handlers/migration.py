@@ -145,14 +145,17 @@ class MigratingStream:
 
     async def read(self) -> engine_pb2.GenerateResponse | None:
         """The next message, from whichever engine serves the stream now; None at the end."""
+        # A stream the engine has handed back moves for that reason even when its call then breaks
+        # rather than ends (a draining engine stops its server: the call, or the node's health watch,
+        # may break before the stream's end is read).
         try:
             message = await self._stream.read()
         except StreamLost as exc:
-            failure = _Failure("unavailable", exc)
+            failure = self._handed_back or _Failure("unavailable", exc)
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in MIGRATABLE:
                 raise
-            failure = _Failure(
+            failure = self._handed_back or _Failure(
                 "unavailable" if exc.code() == grpc.StatusCode.UNAVAILABLE else "engine_error", exc
             )
         else:
