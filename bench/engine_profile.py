@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/engine_profile.py [--model 134m|stories|PATH] [--concurrency 1 16]
                                              [--prompt-len 32] [--output-len 128] [--dtype float32]
-                                             [--threads N]
+                                             [--threads N] [--quantization none|int8]
 
 For each concurrency, c requests of PROMPT_LEN random tokens each generate OUTPUT_LEN greedy tokens
 (ignore_eos) together, twice:
@@ -89,10 +89,12 @@ def instrument(engine: LLMEngine, clock: PhaseClock) -> None:
     engine._update = clock.wrap("postprocess", engine._update)
 
 
-def make_engine(folder: Path, max_num_seqs: int, dtype: str, threads: int) -> LLMEngine:
+def make_engine(
+    folder: Path, max_num_seqs: int, dtype: str, threads: int, quantization: str = "none"
+) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=ModelConfig(path=str(folder), dtype=dtype, num_threads=threads),
+            model=ModelConfig(path=str(folder), dtype=dtype, num_threads=threads, quantization=quantization),
             cache=CacheConfig(num_blocks=16 * max_num_seqs),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
         )
@@ -192,13 +194,15 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the engine's default)")
+    parser.add_argument("--quantization", choices=["none", "int8"], default="none")
     args = parser.parse_args()
     folder = {"134m": random_llama_110m, "stories": stories_path}.get(args.model, lambda: Path(args.model))()
-    engine = make_engine(folder, max(args.concurrency), args.dtype, args.threads)
+    engine = make_engine(folder, max(args.concurrency), args.dtype, args.threads, args.quantization)
     clock = PhaseClock()
     instrument(engine, clock)
     print(
-        f"{folder.name}, {args.dtype}, torch threads {torch.get_num_threads()}, "
+        f"{folder.name}, {args.dtype}, quantization {args.quantization}, "
+        f"torch threads {torch.get_num_threads()}, "
         f"prompts {args.prompt_len} tokens, {args.output_len} output tokens"
     )
     generate(engine, request_set(2, engine.arch.vocab_size, prompt_range=(4, 8), output_range=(4, 8)), "warm")
