@@ -2,7 +2,7 @@
 model, at concurrency 1 and 16, on an input-grounded and a free-generation workload, in one run.
 
     .venv/bin/python bench/speculative.py [--rounds 3] [--requests 32] [--k 4] [--no-draft] [--draft-layers 4]
-        [--wall]
+        [--wall] [--tensor-parallel-size N]
 
 Concurrency 1 runs 8 requests one after the other (--max-num-seqs 1), concurrency 16 runs --requests of
 them 16 at a time.
@@ -11,7 +11,9 @@ The engines run in this process (LLMEngine, greedy, ignore_eos, one torch thread
 each warmed up; the configurations take turns within each round and the best round of each is reported
 beside the median, with the median over rounds of the ratio to "off" of the same round. Time is this
 process's CPU time by default (the machine is shared: other processes' load stretches wall time at
-random, not CPU time); --wall uses wall-clock time.
+random, not CPU time); --wall uses wall-clock time. --tensor-parallel-size N (N >= 2) runs the target in N
+worker processes (the draft stays in this process) and measures wall-clock time, since the workers'
+CPU time is not this process's.
 
 Workloads on stories260K (the only real checkpoint here):
 - grounded: prompts holding a passage that the model then continues identically. A passage is the
@@ -34,7 +36,7 @@ from pathlib import Path
 
 from common import REPO, stories_path
 
-from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from conduit_engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from conduit_engine.engine.llm_engine import LLMEngine
 from conduit_engine.engine.request import GenerationRequest
 from conduit_engine.errors import ModelLoadError
@@ -67,6 +69,7 @@ CUTS = (4, 6, 8, 12)
 MIN_COPY = 24
 CONCURRENCY = (1, 16)
 CPU_TIME = True  # --wall: tokens per wall-clock second instead of per CPU second of this process
+TENSOR_PARALLEL = 1  # --tensor-parallel-size
 
 
 def make_engine(folder: Path, max_num_seqs: int, spec: SpeculativeConfig | None) -> LLMEngine:
@@ -76,6 +79,7 @@ def make_engine(folder: Path, max_num_seqs: int, spec: SpeculativeConfig | None)
             cache=CacheConfig(num_blocks=40 * max_num_seqs + 64),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
             speculative=spec,
+            parallel=ParallelConfig(tensor_parallel_size=TENSOR_PARALLEL),
         )
     )
     run(engine, [([1, 403, 407], 8)])  # warm-up
@@ -165,9 +169,11 @@ def main() -> None:
     parser.add_argument("--no-draft", action="store_true")
     parser.add_argument("--draft-layers", type=int, default=4, help="layers of stories260K the draft keeps")
     parser.add_argument("--wall", action="store_true", help="wall-clock seconds, not CPU seconds")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="N >= 2 implies --wall")
     args = parser.parse_args()
-    global CPU_TIME
-    CPU_TIME = not args.wall
+    global CPU_TIME, TENSOR_PARALLEL
+    TENSOR_PARALLEL = args.tensor_parallel_size
+    CPU_TIME = not args.wall and TENSOR_PARALLEL == 1
     target = stories_path()
     configs: dict[str, SpeculativeConfig | None] = {
         "off": None,
@@ -177,19 +183,22 @@ def main() -> None:
         try:
             folder = draft_folder(target, args.draft_layers)
             draft = SpeculativeConfig("draft_model", args.k, model=str(folder))
-            make_engine(target, 1, draft)
+            make_engine(target, 1, draft).shutdown()
             configs["draft"] = draft
         except (ValueError, ModelLoadError) as exc:
             print(f"draft model: not measured ({exc})")
     probe = make_engine(target, 16, None)
     sets = workloads(probe, args.requests)
+    probe.shutdown()
     grounded = sets["grounded"]
     print(
         f"grounded: {len({tuple(p) for p, _ in grounded})} distinct prompts, "
         f"{statistics.mean(n for _, n in grounded):.0f} tokens each on average; free: 96 tokens each"
     )
-    clock = "wall-clock" if args.wall else "CPU (this process, one torch thread)"
-    print(f"k = {args.k}; {args.rounds} rounds; tokens per {clock} second, best (median); median ratio")
+    clock = "wall-clock" if not CPU_TIME else "CPU (this process, one torch thread)"
+    where = f"; target in {TENSOR_PARALLEL} workers" if TENSOR_PARALLEL > 1 else ""
+    rounds = f"{args.rounds} rounds{where}"
+    print(f"k = {args.k}; {rounds}; tokens per {clock} second, best (median); median ratio")
     print("to off over the rounds (each round runs every configuration back to back)")
     header = f"{'workload':9} {'c':>3} {'config':6} {'tok/s best':>10} {'(median)':>9} {'x off':>6}"
     header += f" {'accept':>7}"
@@ -213,6 +222,8 @@ def main() -> None:
                     f"{workload:9} {concurrency:>3} {name:6} {max(rates[name]):>10.0f} "
                     f"{statistics.median(rates[name]):>9.0f} {ratio:>6.2f} {acc:>7} {per_pos}"
                 )
+        for engine in engines.values():
+            engine.shutdown()
 
 
 def _counters(engine: LLMEngine):

@@ -418,8 +418,6 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_the_field(stories_path,
     (swapped / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(ModelLoadError, match="^--speculative-config: model: the draft's tokenizer maps"):
         make_engine(stories_path, speculative=draft(swapped))
-    with pytest.raises(ModelLoadError, match="method draft_model runs the draft in the engine process"):
-        make_engine(stories_path, speculative=draft(stories_path), worker_process=True)
 
 
 def test_decode_bursts_run_between_draft_proposals(stories_path, story, tmp_path):

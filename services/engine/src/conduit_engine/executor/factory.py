@@ -9,14 +9,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from conduit_engine.config import EngineConfig
-from conduit_engine.errors import ModelLoadError
 from conduit_engine.executor.base import Executor
 from conduit_engine.models.facts import ModelFacts
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from conduit_engine.executor.worker_group import WorkerGroup
     from conduit_engine.lora.manager import LoraManager
     from conduit_engine.models.base import CausalLM
+    from conduit_engine.models.config import ArchConfig
     from conduit_engine.worker.draft_runner import DraftRunner
 
 
@@ -25,17 +27,23 @@ def build_executor(
 ) -> tuple[Executor, int]:
     """(executor, KV blocks). `workers`: processes spawned earlier (before gRPC started); spawned here
     when None and the configuration needs them. Raises ModelLoadError; no worker survives a failed start."""
-    spec = config.speculative
     if not config.parallel.uses_workers:
         return _in_process(config, facts)
-    if spec is not None and spec.method == "draft_model":
-        raise ModelLoadError(
-            "--speculative-config: method draft_model runs the draft in the engine process: it needs "
-            "--tensor-parallel-size 1 without --worker-process (use method ngram there)"
-        )
     from conduit_engine.executor.multiproc import start_multiproc
 
-    return start_multiproc(config, facts, workers)
+    try:
+        checked = _check_draft(config, facts)  # before the target loads: a draft that cannot serve fails fast
+    except BaseException:
+        if workers is not None:
+            workers.shutdown()
+        raise
+    executor, num_blocks = start_multiproc(config, facts, workers)
+    try:
+        executor.draft = _draft(config, facts, num_blocks, checked, beside_workers=True)
+    except BaseException:
+        executor.shutdown()
+        raise
+    return executor, num_blocks
 
 
 def _in_process(config: EngineConfig, facts: ModelFacts) -> tuple[Executor, int]:
@@ -67,18 +75,40 @@ def _in_process(config: EngineConfig, facts: ModelFacts) -> tuple[Executor, int]
     return executor, num_blocks
 
 
-def _draft(config: EngineConfig, facts: ModelFacts, num_blocks: int) -> DraftRunner | None:
-    """Speculative decoding's draft model (method draft_model), checked against the target, or None."""
+def _check_draft(config: EngineConfig, facts: ModelFacts) -> tuple[Path, ArchConfig] | None:
+    """The draft's folder and architecture once checked against the target (ModelLoadError naming the
+    field if it cannot propose for it), or None without method draft_model."""
     spec = config.speculative
     if spec is None or spec.method != "draft_model" or spec.model is None:
         return None
     from conduit_engine.models.draft import check_draft
+
+    return check_draft(spec.model, facts, config.model.revision, config.model.download_dir)
+
+
+def _draft(
+    config: EngineConfig,
+    facts: ModelFacts,
+    num_blocks: int,
+    checked: tuple[Path, ArchConfig] | None = None,
+    beside_workers: bool = False,
+) -> DraftRunner | None:
+    """Speculative decoding's draft model (method draft_model), checked against the target, or None.
+
+    It always runs whole in the engine process, also when the target runs in worker processes
+    (`beside_workers`): its k passes per step then cost no pipe round trips and no collectives, and its
+    proposals reach the workers inside the one STEP frame of the verification (README: *Workers and
+    tensor parallelism*). `checked`: what `_check_draft` returned, when it ran already."""
+    if checked is None:
+        checked = _check_draft(config, facts)
+    if checked is None:
+        return None
     from conduit_engine.models.loader import DTYPES
     from conduit_engine.worker.draft_runner import DraftRunner
     from conduit_engine.worker.loading import load_draft_in_process
 
-    folder, arch = check_draft(spec.model, facts, config.model.revision, config.model.download_dir)
-    model = load_draft_in_process(folder, arch, config, facts)
+    folder, arch = checked
+    model = load_draft_in_process(folder, arch, config, facts, beside_workers)
     dtype = DTYPES[facts.dtype]
     return DraftRunner(model, num_blocks, config.cache.block_size, dtype, config.model.device)
 

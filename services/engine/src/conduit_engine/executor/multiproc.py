@@ -7,6 +7,10 @@ commands go through the same ordered pipes, under the same lock, so they never i
 
 `BroadcastStats` measures what the split costs per step: encoding, the pipes (the engine's wait minus
 rank 0's own time), rank 0's decoding, decoding the answer.
+
+Speculative decoding's draft model (method draft_model) runs whole in this process (`draft`, set by
+executor/factory.py): it fills the proposals before the step is built, and they travel in the STEP frame
+as any proposal does; the workers only verify.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from conduit_engine.config import EngineConfig
 from conduit_engine.core.scheduler_output import SchedulerOutput
 from conduit_engine.errors import ModelLoadError, WorkerFailedError
+from conduit_engine.executor.draft_steps import propose_with_draft
 from conduit_engine.executor.step_batch import SeqStepResult, build_step, collect_results, mask_rows
 from conduit_engine.executor.worker_group import WorkerGroup
 from conduit_engine.lora.adapter import LoraAdapter
@@ -30,6 +35,7 @@ from conduit_engine.lora.pool import full_shapes
 from conduit_engine.models.facts import ModelFacts
 from conduit_engine.models.sharding import ShardPlan, check_tensor_parallel
 from conduit_engine.structured.batch_mask import SequenceMasks
+from conduit_engine.worker.draft_runner import DraftRunner
 from conduit_engine.worker.kv_cache import size_kv_cache
 from conduit_engine.worker.step_codec import decode_result, encode_step
 from conduit_engine.worker.wire import Kind, as_array, control, encode
@@ -80,6 +86,7 @@ class MultiprocExecutor:
         self._lock = threading.Lock()  # one command at a time on the ordered pipes
         self.lora: LoraManager | None = None  # with --enable-lora: its pools live in the workers
         self._download_dir: str | None = None
+        self.draft: DraftRunner | None = None  # method draft_model: the draft, in this process
 
     def write_lora(self, slot: int, adapter: LoraAdapter) -> None:
         """Every rank reads `adapter` from its path, keeps its shard and writes it into `slot`."""
@@ -89,6 +96,8 @@ class MultiprocExecutor:
             self.group.expect(Kind.DONE)
 
     def execute(self, out: SchedulerOutput) -> list[SeqStepResult]:
+        if self.draft is not None:
+            propose_with_draft(out, self.block_size, self.draft.greedy)
         batch, sampling_seqs = build_step(out, self.block_size, self.eos_token_ids)
         if self.lora is not None:  # slot writes first: they take the pipes themselves
             batch.lora_slots = self.lora.assign([item.seq.lora_name for item in out.scheduled])

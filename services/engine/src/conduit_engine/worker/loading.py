@@ -89,12 +89,19 @@ def set_cpu_threads(requested: int, model: torch.nn.Module, ranks: int = 1) -> N
 
 
 def load_draft_in_process(
-    folder: Path, arch: ArchConfig, config: EngineConfig, facts: ModelFacts
+    folder: Path, arch: ArchConfig, config: EngineConfig, facts: ModelFacts, beside_workers: bool = False
 ) -> CausalLM:
-    """Speculative decoding's draft model, whole, beside the target (its dtype, device, CPU ops and
-    --quantization)."""
+    """Speculative decoding's draft model, whole, in the engine process (the target's dtype, device, CPU
+    ops and --quantization). `beside_workers`: the target runs in worker processes, and this process's
+    threads (one until now: it only scheduled) follow the draft's size; the workers wait while it
+    proposes, so a draft big enough for threads gets the cores."""
     mc = config.model
     quant = plan_quantization(folder, mc.quantization, mc.quantize_lm_head)
-    return _timed_load(
+    model = _timed_load(
         folder, arch, DTYPES[facts.dtype], mc.device, facts.max_model_len, mc.cpu_kernels, quant
     )
+    if beside_workers and mc.device == "cpu":
+        set_cpu_threads(mc.num_threads, model)
+        if mc.num_threads <= 0 and sum(p.numel() for p in model.parameters()) >= _TINY_MODEL_PARAMS:
+            torch.set_num_threads(os.cpu_count() or 1)
+    return model
