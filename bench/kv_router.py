@@ -4,7 +4,7 @@ round_robin, least_load, prefix_affinity and kv_aware in one run.
     .venv/bin/python bench/kv_router.py [--model stories|20m|PATH] [--sessions 30] [--turns 7]
                                         [--concurrency 12] [--kv-cache-blocks 256] [--max-tokens 24]
                                         [--opening-sentences 4] [--repeats 1]
-                                        [--queued-hold-fraction 0.25] [--router-temperature 0]
+                                        [--queued-hold-fraction 0.5] [--router-temperature 0]
 
 Each session is a conversation: its first prompt is a fresh opening (a unique id and `opening-sentences`
 sentences: an agent's system prompt and task), and
@@ -215,7 +215,7 @@ def main() -> None:
     parser.add_argument("--affinity-load-factor", type=float, default=2.0)
     parser.add_argument("--router-temperature", type=float, default=0.0)
     parser.add_argument(
-        "--queued-hold-fraction", type=float, default=0.25, help="the engines' (0: prefixes only touched)"
+        "--queued-hold-fraction", type=float, default=0.5, help="the engines' (0: prefixes only touched)"
     )
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every strategy, pooled")

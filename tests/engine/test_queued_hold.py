@@ -72,7 +72,7 @@ def test_holds_stay_within_the_budget_and_later_requests_only_touch():
 
 
 def test_aborting_a_waiting_request_releases_its_hold():
-    engine = SimEngine(num_blocks=12, block_size=2, max_num_seqs=1)
+    engine = SimEngine(num_blocks=12, block_size=2, max_num_seqs=1, queued_hold_fraction=0.25)
     warm(engine)
     engine.add("runner", [50, 51, 52], 4)
     engine.add("waiting", [*PREFIX, 99], 1)

@@ -92,7 +92,7 @@ class SimEngine:
         kv_lease_seconds: float = 30.0,
         clock: Callable[[], float] = time.time,
         sliding_window: int | None = None,
-        queued_hold_fraction: float = 0.25,  # SchedulerConfig's default
+        queued_hold_fraction: float = 0.5,  # SchedulerConfig's default
     ) -> None:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching, sliding_window)
         self.sliding_window = sliding_window

@@ -117,7 +117,7 @@ class SchedulerConfig:
     tokenizer_threads: int = 2
     # Share of the KV blocks that waiting sequences may hold on their cached prefixes (0: none is held, a
     # queued prompt's cached prefix is only moved to the back of the eviction order).
-    queued_hold_fraction: float = 0.25
+    queued_hold_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")

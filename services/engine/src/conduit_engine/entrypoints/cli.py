@@ -71,7 +71,7 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     (
         "--queued-hold-fraction",
         float,
-        0.25,
+        0.5,
         "share of the KV blocks waiting requests may hold on their cached prefix (0: only move it to the "
         "back of the eviction order)",
     ),
