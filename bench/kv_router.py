@@ -4,6 +4,7 @@ round_robin, least_load, prefix_affinity and kv_aware in one run.
     .venv/bin/python bench/kv_router.py [--model stories|20m|PATH] [--sessions 30] [--turns 7]
                                         [--concurrency 12] [--kv-cache-blocks 256] [--max-tokens 24]
                                         [--opening-sentences 4] [--repeats 1]
+                                        [--queued-hold-fraction 0.5] [--router-temperature 0]
 
 Each session is a conversation: its first prompt is a fresh opening (a unique id and `opening-sentences`
 sentences: an agent's system prompt and task), and
@@ -175,11 +176,13 @@ def wait_index(url: str, engines: int) -> None:
 def run(strategy: str, args: argparse.Namespace, plan) -> RunResult:
     engine_args = ("--max-num-seqs", str(args.max_num_seqs), "--kv-cache-blocks", str(args.kv_cache_blocks))
     engine_args += ("--served-model-name", MODEL_NAME)
+    engine_args += ("--queued-hold-fraction", str(args.queued_hold_fraction))
     result = RunResult(strategy)
     with EngineFleet(args.model, 3, engine_args) as fleet:
         gateway_args = ("--routing", strategy, "--load-interval", "0.2", "--log-level", "warning")
         gateway_args += ("--kv-overlap-weight", str(args.kv_overlap_weight))
         gateway_args += ("--affinity-load-factor", str(args.affinity_load_factor))
+        gateway_args += ("--router-temperature", str(args.router_temperature))
         with start_gateway(fleet.addresses, *gateway_args) as gateway:
             if strategy == "kv_aware":
                 wait_index(gateway.url, 3)
@@ -210,6 +213,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-overlap-weight", type=float, default=8.0)
     parser.add_argument("--affinity-load-factor", type=float, default=2.0)
+    parser.add_argument("--router-temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--queued-hold-fraction", type=float, default=0.5, help="the engines' (0: prefixes only touched)"
+    )
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every strategy, pooled")
     args = parser.parse_args()
@@ -221,7 +228,7 @@ def main() -> None:
     plan = sessions(args.sessions, args.turns, args.opening_sentences, args.seed)
     print(
         f"{Path(args.model).name}: 3 engines ({args.kv_cache_blocks} KV blocks of 16 tokens each, "
-        f"{args.max_num_seqs} seqs); "
+        f"{args.max_num_seqs} seqs, queued hold fraction {args.queued_hold_fraction}); "
         f"{args.sessions} sessions x {args.turns} turns, {args.concurrency} requests at a time, "
         f"{args.max_tokens} tokens per answer"
     )

@@ -459,6 +459,72 @@ def test_rejects_an_empty_geometry(num_blocks, block_size):
         BlockManager(num_blocks, block_size)
 
 
+# ----- holds of queued sequences -------------------------------------------------------------------
+def test_a_queued_sequence_holds_its_cached_head_within_the_budget(live):
+    bm = BlockManager(num_blocks=8, block_size=2)
+    warm = make_seq([1, 2, 3, 4, 5, 6, 7])
+    admit(bm, warm)
+    cached = list(warm.block_table[:3])
+    bm.free(warm)
+    queued = make_seq([1, 2, 3, 4, 5, 6, 9])
+    assert bm.hold_prefix(queued, budget=2) == 2
+    assert bm.held_blocks(queued) == cached[:2]  # the head; the third block is only touched
+    assert bm.free_block_ids()[-1] == cached[2]
+    assert [bm.blocks[b].ref_count for b in cached] == [1, 1, 0]
+    assert (bm.stats().held, bm.stats().used) == (2, 2)
+    # Allocations can no longer evict them: everything else in the cache is taken.
+    hog = live(make_seq([40] * 12))
+    assert bm.ensure_slots(hog, 12) and bm.num_free_blocks == 0
+    bm.check_integrity([hog])
+    bm.free(hog)
+    assert bm.allocate_prefix(queued) == 4  # the held blocks pass to its table
+    assert queued.block_table == cached[:2] and bm.num_held_blocks == 0
+    assert [bm.blocks[b].ref_count for b in cached[:2]] == [1, 1]
+    bm.free(queued)
+    assert bm.stats().used == 0
+
+
+def test_a_hold_is_released_by_free_and_by_release_hold():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    warm = make_seq([1, 2, 3, 4, 5])
+    admit(bm, warm)
+    bm.free(warm)
+    first, second = make_seq([1, 2, 3, 4, 5]), make_seq([1, 2, 3, 4, 6])
+    assert (bm.hold_prefix(first, 8), bm.hold_prefix(second, 8)) == (2, 2)
+    assert bm.num_held_blocks == 4
+    assert bm.hold_prefix(first, 8) == 2  # a second hold replaces the first
+    assert bm.num_held_blocks == 4
+    bm.free(first)  # an aborted waiting sequence
+    assert bm.release_hold(second) == 2 and bm.release_hold(second) == 0
+    assert (bm.stats().used, bm.stats().held, bm.stats().cached) == (0, 0, 2)
+    bm.check_integrity([])
+
+
+def test_nothing_is_held_when_admission_would_reuse_nothing():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    warm = make_seq([1, 2, 3, 4, 5])
+    admit(bm, warm)
+    bm.free(warm)
+    assert bm.hold_prefix(make_seq([1, 2, 3, 4, 5], prompt_logprobs=1), 8) == 0
+    assert bm.hold_prefix(make_seq([9, 2, 3, 4, 5]), 8) == 0
+    off = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    assert off.hold_prefix(make_seq([1, 2, 3, 4, 5]), 8) == 0
+    assert bm.num_held_blocks == 0
+
+
+def test_check_integrity_counts_the_holds():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    warm = make_seq([1, 2, 3, 4, 5])
+    admit(bm, warm)
+    bm.free(warm)
+    queued = make_seq([1, 2, 3, 4, 5])
+    bm.hold_prefix(queued, 8)
+    bm.check_integrity([])
+    bm.blocks[bm.held_blocks(queued)[0]].ref_count += 1
+    with pytest.raises(AssertionError, match="ref count wrong"):
+        bm.check_integrity([])
+
+
 # ----- property tests ------------------------------------------------------------------------------
 # Tokens come from a tiny alphabet over a few shared stems, so random sequences share prefixes often.
 STEMS = ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9, 9, 9], [4, 4, 4, 4])
@@ -482,6 +548,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.kv: dict[int, tuple[int, ...]] = {}
         # Pins of finished sequences (a produced KV transfer): blocks, and the slots' content when pinned.
         self.pins: list[tuple[list[int], dict[int, tuple[int, ...]]]] = []
+        self.queued: list[Sequence] = []  # waiting sequences holding their cached prefix
+        self.budget = 4
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
@@ -562,6 +630,36 @@ class BlockManagerMachine(RuleBasedStateMachine):
             blocks, _ = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
             self.bm.unpin(blocks)
 
+    @rule(stem=st.sampled_from(STEMS), cut=st.integers(0, 8), tail=st.lists(st.integers(0, 3), max_size=4))
+    def queue(self, stem, cut, tail):
+        seq = make_seq(stem[:cut] + tail or [0])
+        self.bm.hold_prefix(seq, self.budget)
+        self.queued.append(seq)
+
+    @rule(data=st.data(), chunk=st.integers(1, 8))
+    def admit_queued(self, data, chunk):
+        if not self.queued:
+            return
+        seq = self.queued.pop(data.draw(st.integers(0, len(self.queued) - 1)))
+        held = len(self.bm.held_blocks(seq))
+        reused = self.bm.allocate_prefix(seq)
+        assert reused >= held * BLOCK_SIZE, "a held block was evicted"
+        assert not self.bm.held_blocks(seq)
+        if self._compute(seq, chunk):
+            self.seqs.append(seq)
+        else:
+            self.bm.free(seq)
+
+    @rule(data=st.data(), release=st.booleans())
+    def abort_queued(self, data, release):
+        if not self.queued:
+            return
+        seq = self.queued.pop(data.draw(st.integers(0, len(self.queued) - 1)))
+        if release:
+            self.bm.release_hold(seq)
+        else:
+            self.bm.free(seq)
+
     @invariant()
     def invariants_hold(self):
         self.bm.check_integrity(self.seqs)
@@ -572,9 +670,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         # cached ⊆ free: the cached count is exactly the free blocks still holding content
         assert stats.cached == sum(1 for b in free if self.bm.blocks[b].hash is not None)
         owners: dict[int, int] = {}
-        for block_id in [b for seq in self.seqs for b in seq.block_table] + [
-            b for p in self.pins for b in p[0]
-        ]:
+        holds = [b for seq in self.queued for b in self.bm.held_blocks(seq)]
+        assert len(holds) == stats.held <= self.budget
+        assert all(self.bm.blocks[b].hash is not None for b in holds), "a held block lost its content"
+        for block_id in (
+            [b for seq in self.seqs for b in seq.block_table] + [b for p in self.pins for b in p[0]] + holds
+        ):
             owners[block_id] = owners.get(block_id, 0) + 1
         for block in self.bm.blocks:
             assert block.ref_count == owners.get(block.block_id, 0)

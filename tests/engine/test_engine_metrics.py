@@ -27,7 +27,7 @@ from conduit_engine.entrypoints import server as server_module
 from tests.engine.support.server_thread import ServerThread
 from tests.support.polling import wait_for
 from tests.support.prometheus import scrape
-from tests.support.stories import MODEL, PROMPT, PROMPT_IDS
+from tests.support.stories import KNOWN_STORY, MODEL, PROMPT, PROMPT_IDS
 
 pytestmark = pytest.mark.integration
 
@@ -253,3 +253,51 @@ def test_a_taken_metrics_port_stops_the_start_naming_the_flag(stories_path):
         )
         with pytest.raises(OSError, match=f"--metrics-port: cannot listen on 127.0.0.1:{port}"):
             ServerThread(config).start()
+
+
+def test_a_waiting_request_holds_its_cached_prefix_until_it_is_aborted(engine):
+    stub = engine.stub()
+    prompt = KNOWN_STORY + " The end."
+    messages = _generate_text(stub, prompt, 1, "warm")
+    cached_blocks = (messages[-1].usage.prompt_tokens - 1) // 16
+    assert cached_blocks >= 3
+    # Fill the batch (max_num_seqs 8) with other prompts, so the next request waits in the queue.
+    fillers = [
+        stub.Generate(
+            pb.GenerateRequest(
+                text=f"Lily {i}", sampling=pb.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+            ),
+            timeout=60,
+        )
+        for i in range(8)
+    ]
+    for call in fillers:
+        next(call)
+    waiting = stub.Generate(
+        pb.GenerateRequest(
+            request_id="waiting", text=prompt, sampling=pb.SamplingParams(max_tokens=4, temperature=0)
+        ),
+        timeout=60,
+    )
+    try:
+        wait_for(lambda: _load(stub).waiting_requests == 1, "the request to wait")
+        # Its cached blocks are held (a reference each, within the budget of half the cache).
+        assert scrape(engine.metrics_url).value("conduit_engine_kv_blocks_held") == cached_blocks
+        assert stub.Abort(pb.AbortRequest(request_id="waiting"), timeout=10).aborted
+        wait_for(lambda: _load(stub).waiting_requests == 0, "the abort")
+        assert scrape(engine.metrics_url).value("conduit_engine_kv_blocks_held") == 0
+    finally:
+        waiting.cancel()
+        for call in fillers:
+            call.cancel()
+    wait_for(lambda: _load(stub).kv_blocks_used == 0, "every block back")
+    assert scrape(engine.metrics_url).value("conduit_engine_kv_blocks_held") == 0
+
+
+def _generate_text(
+    stub: engine_pb2_grpc.EngineStub, text: str, max_tokens: int, request_id: str
+) -> list[pb.GenerateResponse]:
+    request = pb.GenerateRequest(
+        request_id=request_id, text=text, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0)
+    )
+    return list(stub.Generate(request, timeout=60))

@@ -14,7 +14,7 @@ import pytest
 from conduit.engine.v1 import engine_pb2
 from tests.routing.helpers import complete, deltas, nodes, routed, sdk
 from tests.support.polling import wait_for
-from tests.support.stories import KNOWN_STORY
+from tests.support.stories import KNOWN_STORY, MODEL
 
 pytestmark = pytest.mark.integration
 
@@ -140,3 +140,25 @@ def test_after_a_restart_the_index_forgets_the_engine_and_its_session_is_routed_
         for reader in readers:
             reader.join(timeout=30)
         wait_for(lambda: fleet.load(victim).running_requests == 0, "the restarted engine to go idle")
+
+
+def test_a_text_prompt_routed_by_its_token_ids_gets_the_engines_own_answer(fleet, make_gateway):
+    # kv_aware sends a text prompt as the ids the engine's Tokenize gave (no second tokenization): the
+    # completion and usage are exactly those of the text sent straight to an engine.
+    gateway = make_gateway(fleet.addresses, routing="kv_aware", load_interval_s=0.2)
+    wait_for(lambda: _index_matches_engines(gateway, fleet), "the index to match the engines' caches")
+    prompt = f"{uuid.uuid4().hex} {KNOWN_STORY}"
+    direct = list(
+        fleet.stub(0).Generate(
+            engine_pb2.GenerateRequest(
+                text=prompt, sampling=engine_pb2.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+            ),
+            timeout=60,
+        )
+    )
+    with sdk(gateway.url) as client:
+        routed_answer = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+    assert routed_answer.choices[0].text == "".join(m.text for m in direct)
+    assert routed_answer.usage.prompt_tokens == len(fleet.token_ids(prompt))

@@ -92,6 +92,7 @@ class SimEngine:
         kv_lease_seconds: float = 30.0,
         clock: Callable[[], float] = time.time,
         sliding_window: int | None = None,
+        queued_hold_fraction: float = 0.5,  # SchedulerConfig's default
     ) -> None:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching, sliding_window)
         self.sliding_window = sliding_window
@@ -102,6 +103,7 @@ class SimEngine:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill,
+                queued_hold_fraction=queued_hold_fraction,
             ),
             self.block_manager,
         )

@@ -115,11 +115,18 @@ class SchedulerConfig:
     decode_burst_ms: float = 5.0
     # Threads that tokenize prompts and render chat templates, off the step loop.
     tokenizer_threads: int = 2
+    # Share of the KV blocks that waiting sequences may hold on their cached prefixes (0: none is held, a
+    # queued prompt's cached prefix is only moved to the back of the eviction order).
+    queued_hold_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         _require(
             self.tokenizer_threads >= 1, f"--tokenizer-threads must be >= 1, got {self.tokenizer_threads}"
+        )
+        _require(
+            0.0 <= self.queued_hold_fraction <= 1.0,
+            f"--queued-hold-fraction must be in [0, 1], got {self.queued_hold_fraction}",
         )
         _require(self.max_decode_steps >= 1, f"--max-decode-steps must be >= 1, got {self.max_decode_steps}")
         _require(self.decode_burst_ms > 0, f"--decode-burst-ms must be > 0, got {self.decode_burst_ms}")

@@ -16,8 +16,11 @@ however long it grows. A released block keeps its prefix-cache hash like any fre
 A sequence of a LoRA adapter chains its blocks from the adapter's root (`Sequence.lora_root`) instead of
 from nothing, so equal tokens under another adapter (or the base model) never share a block.
 
-A queued request's cached prefix is moved to the back of the eviction order (`touch_prefix`), so what
-it (and a cache-aware router) found cached when it arrived is still there when it is admitted.
+A queued sequence can hold its prompt's cached prefix (`hold_prefix`): a reference per block, so that what
+it (and a cache-aware router) found cached when it arrived cannot be evicted while it waits. Holds are
+bounded by a budget of blocks the caller gives (beyond it the rest of the prefix is only moved to the back
+of the eviction order, `touch_prefix`); they pass to the sequence's block table when it is admitted
+(`allocate_prefix`) and are dropped by `free` (abort) or `release_hold` (the scheduler needs the blocks).
 
 With an event log attached (`events`), every block entering the prefix cache and every cached block
 leaving it is recorded there (core/kv_events.py), for the engines' SubscribeKvEvents subscribers.
@@ -52,6 +55,7 @@ class BlockStats:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of which served from it
     pinned: int = 0  # blocks held by at least one pin (KV transfers); counted in `used`
+    held: int = 0  # references queued sequences hold on their cached prefix (hold_prefix); in `used`
 
     @property
     def hit_rate(self) -> float:
@@ -82,6 +86,8 @@ class BlockManager:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._pins: Counter[int] = Counter()  # block id → references held by pins
+        self._holds: dict[int, list[int]] = {}  # seq id → the cached prefix blocks it holds while queued
+        self._num_held = 0  # references in _holds
         # Prefix-cache events for subscribers (SubscribeKvEvents); None: nobody records them.
         self.events: KvEventLog | None = None
 
@@ -121,7 +127,17 @@ class BlockManager:
             prefix_queries=self._prefix_queries,
             prefix_hits=self._prefix_hits,
             pinned=len(self._pins),
+            held=self._num_held,
         )
+
+    @property
+    def num_held_blocks(self) -> int:
+        """References queued sequences hold on their cached prefixes (a block held twice counts twice)."""
+        return self._num_held
+
+    def held_blocks(self, seq: Sequence) -> list[int]:
+        """The blocks `seq` holds while queued (a copy)."""
+        return list(self._holds.get(seq.seq_id, ()))
 
     # ----- allocation ----------------------------------------------------------------------------
     def allocate_prefix(self, seq: Sequence) -> int:
@@ -152,6 +168,7 @@ class BlockManager:
             parent = h
         reused = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = reused
+        self.release_hold(seq)  # its block table took every held block over (they could not be evicted)
         self.release_outside_window(seq)
         return reused
 
@@ -159,8 +176,46 @@ class BlockManager:
         """A request was queued: make the free blocks holding its prompt's cached prefix the most recently
         freed, so that while it waits other blocks are evicted first (what a router predicted it would find
         cached stays cached). Tail first, so the head stays the last to go. Returns the prefix's blocks."""
-        if not self.enable_prefix_caching:
+        found = self._cached_prefix(token_ids, root)
+        self._move_to_back(found)
+        return len(found)
+
+    def hold_prefix(self, seq: Sequence, budget: int) -> int:
+        """Queued `seq` takes a reference on the blocks of its cached prefix, from the head, while all
+        holds together stay within `budget` blocks; the rest of the prefix is only touched. The blocks
+        cannot be evicted until `allocate_prefix` takes them over, `release_hold` or `free`. Nothing is
+        held for a sequence whose admission would reuse nothing (see allocate_prefix). Returns the
+        blocks held."""
+        assert not seq.block_table, "hold_prefix on a sequence that already holds blocks"
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
             return 0
+        self.release_hold(seq)
+        found = self._cached_prefix(seq.token_ids, seq.lora_root)
+        count = max(0, min(len(found), budget - self._num_held))
+        self._move_to_back(found[count:])
+        if count:
+            for block_id in found[:count]:
+                self._take(block_id, keep_content=True)
+            self._holds[seq.seq_id] = found[:count]
+            self._num_held += count
+        return count
+
+    def release_hold(self, seq: Sequence) -> int:
+        """Drop the references `hold_prefix` took for `seq` (last block first, like `free`); returns how
+        many. The blocks keep their content: they stay cached at the back of the eviction order."""
+        held = self._holds.pop(seq.seq_id, None)
+        if not held:
+            return 0
+        self._num_held -= len(held)
+        for block_id in reversed(held):
+            self._drop(block_id)
+        return len(held)
+
+    def _cached_prefix(self, token_ids: list[int] | tuple[int, ...], root: BlockHash | None) -> list[int]:
+        """The blocks holding the leading full blocks of `token_ids` (at most (n - 1) // block_size: what
+        admission can reuse), up to the first one not cached."""
+        if not self.enable_prefix_caching:
+            return []
         found: list[int] = []
         parent = root
         for i in range((len(token_ids) - 1) // self.block_size):
@@ -169,10 +224,13 @@ class BlockManager:
             if block_id is None:
                 break
             found.append(block_id)
-        for block_id in reversed(found):
+        return found
+
+    def _move_to_back(self, block_ids: list[int]) -> None:
+        """Free blocks among `block_ids` become the most recently freed, the first of them last."""
+        for block_id in reversed(block_ids):
             if block_id in self._free:
                 self._free.move_to_end(block_id)
-        return len(found)
 
     def record_prefix_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
         """Count one admitted request's prompt in the hit rate (once: not per admission attempt)."""
@@ -227,7 +285,9 @@ class BlockManager:
             seq.num_released_blocks += 1
 
     def free(self, seq: Sequence) -> None:
-        """Release `seq`'s blocks, last block first so a prefix's tail is evicted before its head."""
+        """Release `seq`'s blocks (and what it holds while queued), last block first so a prefix's tail is
+        evicted before its head."""
+        self.release_hold(seq)
         for block_id in reversed(seq.block_table[seq.num_released_blocks :]):
             self._drop(block_id)
         seq.block_table.clear()
@@ -277,7 +337,7 @@ class BlockManager:
     # ----- invariants ----------------------------------------------------------------------------
     def check_integrity(self, live: list[Sequence] | None = None) -> None:
         """Assert free + used == total and the ref counts match the live sequences' block tables plus
-        the pins (a pinned block is never free)."""
+        the pins and the queued sequences' holds (a pinned or held block is never free)."""
         free = set(self._free)
         assert len(free) == len(self._free)
         for block in self.blocks:
@@ -291,8 +351,13 @@ class BlockManager:
             assert self.events.num_cached == len(self._cached), "the event log's cached blocks drifted"
         for block_id, pins in self._pins.items():
             assert 0 < pins <= self.blocks[block_id].ref_count, f"block {block_id} pinned {pins} times"
+        holds = [block_id for held in self._holds.values() for block_id in held]
+        assert len(holds) == self._num_held, "the count of held blocks drifted"
+        assert all(self.blocks[b].ref_count > 0 for b in holds), "a held block is free"
         if live is not None:
             counts = [self._pins.get(block_id, 0) for block_id in range(self.num_blocks)]
+            for block_id in holds:
+                counts[block_id] += 1
             for seq in live:
                 self._check_window(seq)
                 held = seq.block_table[seq.num_released_blocks :]

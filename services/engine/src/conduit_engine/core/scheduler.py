@@ -8,6 +8,12 @@ rest of chunked prefills), then waiting sequences are admitted in (priority, arr
 the budget, the batch size and the cache allow. When the cache runs out of blocks, the running
 sequence with the lowest priority (latest admitted among equals) is preempted: its blocks are freed
 and it is recomputed later, reusing whatever prefix is still cached.
+
+A sequence queued for the first time holds its cached prefix while it waits (`BlockManager.hold_prefix`),
+all waiting sequences together at most `queued_hold_fraction` of the cache; the rest is only moved to the
+back of the eviction order. Holds give way before anything else: when a step lacks blocks, the holds of
+the waiting sequences last in line are released before a running sequence is preempted or the head of
+the queue is left waiting.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class Scheduler:
         self.bursts = DecodeBursts(block_manager, max_passes, config.decode_burst_ms / 1000, max_model_len)
         self.spec = None if speculative is None else SpecDecode(speculative, block_manager, max_model_len)
         self._waiting: list[tuple[int, int, int, Sequence]] = []  # heap of (priority, arrival, id, seq)
+        self.hold_budget = int(config.queued_hold_fraction * block_manager.num_blocks)
         self.running: list[Sequence] = []  # admission order
 
     # ----- queue -----------------------------------------------------------------------------------
@@ -63,8 +70,12 @@ class Scheduler:
         return bool(self._waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
+        """Queue `seq`. On its first queueing it holds its cached prefix (within the budget); a preempted
+        one does not: `free` left its blocks at the back of the eviction order."""
         seq.status = SequenceStatus.WAITING
         heapq.heappush(self._waiting, (seq.priority, seq.arrival, seq.seq_id, seq))
+        if not seq.was_admitted and not seq.block_table:
+            self.block_manager.hold_prefix(seq, self.hold_budget)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues (abort/finish) and free its blocks."""
@@ -95,6 +106,8 @@ class Scheduler:
             if not self._may_split(seq, num_new):
                 continue
             while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
+                if self._release_a_hold():
+                    continue
                 victim = self._pick_victim()
                 self._preempt(victim, out)
                 if victim.seq_id in scheduled_ids:
@@ -134,10 +147,10 @@ class Scheduler:
             if not seq.block_table:
                 self.block_manager.allocate_prefix(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self._may_split(seq, num_new) or not self.block_manager.ensure_slots(
-                seq, seq.num_computed_tokens + num_new
-            ):
+            if not self._may_split(seq, num_new) or not self._reserve(seq, seq.num_computed_tokens + num_new):
                 self.block_manager.free(seq)
+                if not seq.was_admitted:
+                    self.block_manager.hold_prefix(seq, self.hold_budget)  # what it took, held again
                 break
             heapq.heappop(self._waiting)
             if not seq.was_admitted:
@@ -155,6 +168,23 @@ class Scheduler:
             budget -= num_new
         for entry in deferred:
             heapq.heappush(self._waiting, entry)
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Slots for a waiting `seq` to reach `num_tokens`, releasing other waiting sequences' holds
+        (last in line first) while the cache lacks blocks."""
+        while not self.block_manager.ensure_slots(seq, num_tokens):
+            if not self._release_a_hold():
+                return False
+        return True
+
+    def _release_a_hold(self) -> bool:
+        """Release the held prefix of the waiting sequence last in line that holds one; False if none."""
+        if not self.block_manager.num_held_blocks:
+            return False
+        for entry in sorted(self._waiting, reverse=True):
+            if self.block_manager.release_hold(entry[3]):
+                return True
+        return False
 
     def _may_split(self, seq: Sequence, num_new: int) -> bool:
         """Whether `seq` may advance by `num_new` of its uncomputed tokens this step.

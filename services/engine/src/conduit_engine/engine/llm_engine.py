@@ -245,8 +245,7 @@ class LLMEngine:
             extra=request_extra(req.request_id),
         )
         if consume is None:
-            self.block_manager.touch_prefix(prompt, root)  # its cached prefix outlives its wait in the queue
-            for seq in seqs:
+            for seq in seqs:  # each holds its cached prefix while it waits (Scheduler.add)
                 self.scheduler.add(seq)
         return prompt
 

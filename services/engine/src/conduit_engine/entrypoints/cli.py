@@ -68,6 +68,13 @@ FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
         2,
         "threads that tokenize prompts and render chat templates (off the step loop)",
     ),
+    (
+        "--queued-hold-fraction",
+        float,
+        0.5,
+        "share of the KV blocks waiting requests may hold on their cached prefix (0: only move it to the "
+        "back of the eviction order)",
+    ),
     ("--block-size", int, 16, "KV cache block size in tokens (power of two)"),
     ("--kv-cache-blocks", int, None, "number of KV cache blocks (default: from the memory fraction)"),
     ("--kv-cache-memory-fraction", float, 0.1, "share of memory for the KV cache when blocks are not given"),
@@ -252,6 +259,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_decode_steps=args.max_decode_steps,
             decode_burst_ms=args.decode_burst_ms,
             tokenizer_threads=args.tokenizer_threads,
+            queued_hold_fraction=args.queued_hold_fraction,
         ),
         server=ServerConfig(
             host=args.host,

@@ -227,6 +227,11 @@ class EngineStateCollector(Collector):
             "Free KV blocks still holding reusable prefix content.",
             blocks.cached,
         )
+        yield _gauge(
+            "conduit_engine_kv_blocks_held",
+            "References waiting requests hold on their cached prefix blocks (--queued-hold-fraction).",
+            blocks.held,
+        )
         yield _gauge("conduit_engine_kv_cache_usage_ratio", "KV blocks used / total (0 to 1).", usage)
         if self._kv_cache is not None:
             yield from _kv_cache_gauges(self._kv_cache, blocks.total)

@@ -238,6 +238,7 @@ async def open_stream(
     """Send `request` to a node of the `role` pool for `model` (not one of `exclude`) and wait for its
     first message, retrying refusals elsewhere."""
     route = await pool.route_request(model, request, role)
+    request = prompt_as_token_ids(request, route.token_ids)
     metadata = (("x-request-id", request.request_id), *engine_trace_metadata())
     tried: list[EngineNode] = list(exclude)
     refusal: grpc.aio.AioRpcError | None = None
@@ -286,6 +287,21 @@ async def open_stream(
         if predicted is not None and role is not NodeRole.DECODE:  # a decode's cache counts pulled KV
             node.record_kv_prediction(predicted, first.usage.cached_tokens)
         return PromptStream(prompt_index, pool, node, call, first, blocks=blocks)
+
+
+def prompt_as_token_ids(
+    request: engine_pb2.GenerateRequest, token_ids: tuple[int, ...] | None
+) -> engine_pb2.GenerateRequest:
+    """A text prompt that routing had tokenized (kv_aware: an engine's Tokenize, the very tokenization
+    Generate applies to text) is sent as those ids, so the engine does not tokenize it a second time.
+    Only non-empty text: an empty one keeps the engine's own error, and chat keeps its template's
+    defaults (e.g. max_tokens). The caller's request is left as it is."""
+    if token_ids is None or request.WhichOneof("input") != "text" or not request.text:
+        return request
+    sent = engine_pb2.GenerateRequest()
+    sent.CopyFrom(request)
+    sent.token_ids.ids.extend(token_ids)  # replaces the text (one input)
+    return sent
 
 
 def _prompt_blocks(token_ids: tuple[int, ...] | None, block_size: int | None) -> int:
