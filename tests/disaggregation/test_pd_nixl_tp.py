@@ -6,8 +6,9 @@ A TP=2 engine's KV cache lives in its two workers, each rank holding half of the
 NIXL agent: the source describes each rank's shard, and each destination rank reads the heads it holds
 from the source ranks holding them. Per pair: the stream gives exactly the decode engine's colocated
 greedy text, the decode engine's GetLoad counts the pull under nixl (not a fallback to gRPC) and more
-bytes pulled, and both engines end holding no block, no transfer and no request. A source killed before
-the pull, or a client gone mid-pull, is recomputed or freed as with one rank. Skips where NIXL cannot
+bytes pulled, and both engines end holding no block, no transfer and no request. A TP=2 source killed
+before the pull or a lease ended before it is recomputed, and a client gone mid-pull frees both sides'
+blocks, as with one rank. Skips where NIXL cannot
 start (the engines say so in GetModelInfo.kv_transport), except in CI.
 """
 
@@ -27,10 +28,11 @@ from tests.support.stories import MODEL
 pytestmark = pytest.mark.integration
 
 NIXL = ("--kv-transport", "nixl")
+LEASE = "3"  # seconds (the TP=2 source's): room for a pull, short enough to wait out
 # Fleet indices: prefill TP=1, prefill TP=2, decode TP=1, decode TP=2.
 FLAGS = [
     ("--role", "prefill", *NIXL),
-    ("--role", "prefill", *NIXL, "--tensor-parallel-size", "2"),
+    ("--role", "prefill", *NIXL, "--tensor-parallel-size", "2", "--kv-transfer-lease-seconds", LEASE),
     ("--role", "both", *NIXL),
     ("--role", "both", *NIXL, "--tensor-parallel-size", "2"),
 ]
@@ -39,7 +41,7 @@ PAIRS = {"1to2": (0, 3), "2to1": (1, 2), "2to2": (1, 3)}
 
 def prompt_of(pair: str, n: int = 0) -> list[int]:
     """60 tokens (4 blocks) whose first block no other case shares: every case pulls its whole prompt."""
-    first = 10 + 50 * (3 * list(PAIRS).index(pair) + n)
+    first = 10 + 40 * (4 * list(PAIRS).index(pair) + n)  # at most 10 + 40 * 11 + 59 < 512
     return [1, *range(first, first + 59)]
 
 
@@ -103,10 +105,11 @@ def test_kv_moves_over_nixl_between_tensor_parallel_sizes(fleet, make_gateway, h
     wait_idle(fleet, [prefill, decode])
 
 
-def test_a_tensor_parallel_source_killed_before_the_pull_is_recomputed(fleet, make_gateway, healthy):
+@pytest.mark.parametrize("gone", ["source killed", "lease expired"])
+def test_a_tensor_parallel_transfer_gone_before_the_pull_is_recomputed(fleet, make_gateway, healthy, gone):
     prefill, decode = PAIRS["2to2"]
     gateway = make_gateway(prefill=[prefill], decode=[decode])
-    prompt = prompt_of("2to2", 1)
+    prompt = prompt_of("2to2", 1 if gone == "source killed" else 2)
     before, pulled = pulls(fleet, decode), load(fleet.addresses[decode]).kv_bytes_pulled
     fleet.pause(decode)
     with sdk(gateway.url) as client:
@@ -121,7 +124,12 @@ def test_a_tensor_parallel_source_killed_before_the_pull_is_recomputed(fleet, ma
         chunks = iter(stream)
         first = next(chunks)  # the first token, from the prefill engine
         wait_for(lambda: load(fleet.addresses[prefill]).kv_transfers_pending == 1, "the produced transfer")
-        fleet.kill(prefill)
+        if gone == "source killed":
+            fleet.kill(prefill)
+        else:
+            wait_for(
+                lambda: load(fleet.addresses[prefill]).kv_transfers_pending == 0, "the lease to end", 800
+            )
         fleet.resume(decode)
         text = first.choices[0].text + "".join(c.choices[0].text for c in chunks if c.choices)
     assert load(fleet.addresses[decode]).kv_bytes_pulled == pulled  # nothing came over: it recomputed
@@ -139,7 +147,7 @@ def test_a_client_gone_mid_pull_frees_the_tensor_parallel_engines_blocks(fleet, 
     with sdk(gateway.url) as client:
         stream = client.completions.create(
             model=MODEL,
-            prompt=prompt_of("2to2", 2),
+            prompt=prompt_of("2to2", 3),
             max_tokens=30,
             temperature=0,
             stream=True,
