@@ -184,6 +184,9 @@ class NixlRankAgent:
         self._agent.deregister_memory(self._registered)
 
     def _remove(self, agent_name: str) -> None:
+        """Unload a remote agent no source address holds any more."""
+        if any(agent_name in names for names in self._remote.values()):
+            return  # another address of the same engine still reads from it
         try:
             self._agent.remove_remote_agent(agent_name)
         except Exception as exc:  # nothing else to do: it is not used again
