@@ -148,3 +148,20 @@ async def test_a_rank_whose_read_fails_makes_the_pull_fall_back_and_its_agents_r
     finally:
         source.close()
         dest.close()
+
+
+def test_workers_that_cannot_start_nixl_make_the_engine_say_why_and_run_grpc(monkeypatch, caplog):
+    from conduit_engine.kv_transfer import nixl_agent
+    from conduit_engine.kv_transfer.setup import start_transports
+
+    def missing():
+        raise ImportError("NIXL is not importable (pip install --no-deps nixl-cu12): no module")
+
+    monkeypatch.setattr(nixl_agent, "load_nixl", missing)
+    caplog.set_level("WARNING", logger="conduit_engine.kv_transfer.setup")
+    transports = start_transports("nixl", LocalRanks(full_cache(4, seed=None), 2, 4), 30)
+    assert (transports.kind, transports.nixl) == ("grpc", None)
+    assert [r.getMessage() for r in caplog.records if r.name.endswith(".setup")] == [
+        "--kv-transport nixl: NIXL cannot start here: worker rank 0: ImportError: NIXL is not importable "
+        "(pip install --no-deps nixl-cu12): no module; KV transfers use gRPC"
+    ]
