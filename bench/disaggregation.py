@@ -20,9 +20,11 @@ prompts, and for 1P+1D the KV bytes moved per request; then the ratios against 1
 rate per transport (--transports grpc,shm,nixl; --transfer-only for just these): for each, a fresh prefill
 engine with `--kv-transport` that transport produces transfers of --transfer-prompt-len tokens, pulled with
 the engine's own puller and transport into a cache in this process (the best of --transfer-repeats; the
-"moved by" column shows a fallback to gRPC, e.g. where NIXL cannot start). DistServe's claim is that
-decode latency stops suffering from prefill interference once the two run apart; two cores shared with
-a gateway and the clients may not be able to show it.
+"moved by" column shows a fallback to gRPC, e.g. where NIXL cannot start). A transport named with a
+`-tpN` suffix (nixl-tp2) has the source engine run with --tensor-parallel-size N: its N workers' agents
+are read by this process's TP=1 cache, each token's heads from the rank holding them. DistServe's claim
+is that decode latency stops suffering from prefill interference once the two run apart; two cores
+shared with a gateway and the clients may not be able to show it.
 """
 
 from __future__ import annotations
@@ -210,9 +212,12 @@ def transfer_rate(kind: str, model: Path, args: argparse.Namespace) -> TransferR
 
     torch.set_num_threads(1)  # as the engines here (--num-threads 1): the copies are memory-bound anyway
     blocks_needed = -(-args.transfer_prompt_len // 16) + 4
+    kind, _, tp = kind.partition("-tp")  # nixl-tp2: the source engine runs tensor parallel over 2 workers
     flags = [
         ("--role", "prefill", "--kv-transport", kind, "--max-model-len", str(args.transfer_prompt_len + 8))
     ]
+    if tp:
+        flags[0] += ("--tensor-parallel-size", tp)
     (engine,) = launch(
         model,
         flags,
@@ -264,7 +269,8 @@ def transfer_rate(kind: str, model: Path, args: argparse.Namespace) -> TransferR
         seconds, moved_by = asyncio.run(pulls())
         if local.nixl is not None:
             local.nixl.close()
-        return TransferRate(kind, moved_by, blocks, layout.block_bytes, seconds)
+        name = f"{kind} (TP={tp}→1)" if tp else kind
+        return TransferRate(name, moved_by, blocks, layout.block_bytes, seconds)
     finally:
         engine.stop()
 
@@ -272,13 +278,13 @@ def transfer_rate(kind: str, model: Path, args: argparse.Namespace) -> TransferR
 def report_transfers(rates: list[TransferRate]) -> None:
     grpc_rate = next((r.bytes_per_second for r in rates if r.moved_by == "grpc"), None)
     print(
-        f"{'KV transport':<13} {'moved by':<9} {'blocks x bytes':>18} {'ms/pull':>9} {'GB/s':>7}"
+        f"{'KV transport':<16} {'moved by':<9} {'blocks x bytes':>18} {'ms/pull':>9} {'GB/s':>7}"
         f" {'vs gRPC':>8}"
     )
     for r in rates:
         ratio = f"{r.bytes_per_second / grpc_rate:7.1f}x" if grpc_rate else "      -"
         print(
-            f"{r.transport:<13} {r.moved_by:<9} {f'{r.blocks} x {r.block_bytes:,}':>18} "
+            f"{r.transport:<16} {r.moved_by:<9} {f'{r.blocks} x {r.block_bytes:,}':>18} "
             f"{r.seconds_per_pull * 1000:9.2f} {r.bytes_per_second / 1e9:7.2f} {ratio:>8}"
         )
 

@@ -348,11 +348,13 @@ async def test_nixl_metadata_goes_only_to_a_puller_holding_a_live_transfer_id():
         transfer = source.produce(list(range(8)))
         request.transfer_id = transfer.transfer_id
         (chunk,) = [c async for c in stub.PullKv(request)]
-        assert chunk.nixl.agent_name == source.nixl.name and chunk.nixl.agent_metadata
+        (rank,) = chunk.nixl.ranks  # one agent over every KV head
+        assert rank.agent_name == source.nixl.name and rank.agent_metadata
+        assert (rank.kv_head_start, rank.kv_head_count) == (0, source.layout.num_kv_heads)
         assert list(chunk.nixl.block_ids) == list(transfer.block_ids) and not chunk.data
-        request.nixl_known_agent = source.nixl.name  # the puller holds the metadata already
+        request.nixl_known_agents[:] = [source.nixl.name]  # the puller holds the metadata already
         (chunk,) = [c async for c in stub.PullKv(request)]
-        assert chunk.nixl.agent_metadata == b""
+        assert chunk.nixl.ranks[0].agent_metadata == b""
         # A described pull is not a completed one: the blocks stay pinned until the puller releases.
         assert source.registry.num_pending == 1 and source.registry.release(transfer.transfer_id)
     finally:
@@ -390,7 +392,7 @@ def test_a_transport_that_cannot_start_is_logged_with_its_reason_and_the_engine_
     caplog.set_level("INFO", logger="conduit_engine.kv_transfer.setup")
     kv = caches(torch.float32, seed=None)
     assert start_transports("grpc", SimpleNamespace(kv_caches=kv), 30).kind == "grpc"
-    workers = start_transports("nixl", object(), 30)  # tensor parallelism: no cache in this process
+    workers = start_transports("nixl", object(), 30)  # an executor with neither a cache nor workers
     assert (workers.kind, workers.offered, workers.nixl) == ("grpc", SourceTransports(), None)
 
     def missing():
@@ -402,8 +404,7 @@ def test_a_transport_that_cannot_start_is_logged_with_its_reason_and_the_engine_
     assert start_transports("shm", SimpleNamespace(kv_caches=kv), 30).kind == "grpc"
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == [
-        "--kv-transport nixl: the KV cache lives in worker processes (tensor parallelism); "
-        "KV transfers use gRPC",
+        "--kv-transport nixl: this executor exposes no KV cache to register; KV transfers use gRPC",
         "--kv-transport nixl: NIXL cannot start here: NIXL is not importable (pip install --no-deps "
         "nixl-cu12): no module; KV transfers use gRPC",
         "--kv-transport shm: no /dev/shm or no boot id on this host; KV transfers use gRPC",
@@ -447,9 +448,10 @@ async def test_a_nixl_read_that_fails_is_pulled_again_over_grpc(monkeypatch):
     )
     describe = p.source.nixl.describe
 
-    def off_the_registered_memory(block_ids, known_agent):
-        blocks = describe(block_ids, known_agent)
-        blocks.region_addresses[:] = [address + (1 << 40) for address in blocks.region_addresses]
+    def off_the_registered_memory(block_ids, known_agents):
+        blocks = describe(block_ids, known_agents)
+        regions = blocks.ranks[0].region_addresses
+        regions[:] = [address + (1 << 40) for address in regions]
         return blocks
 
     monkeypatch.setattr(p.source.nixl, "describe", off_the_registered_memory)

@@ -38,7 +38,7 @@ from conduit_engine.structured.batch_mask import SequenceMasks
 from conduit_engine.worker.draft_runner import DraftRunner
 from conduit_engine.worker.kv_cache import size_kv_cache
 from conduit_engine.worker.step_codec import decode_result, encode_step
-from conduit_engine.worker.wire import Kind, as_array, control, encode
+from conduit_engine.worker.wire import Frame, Kind, as_array, control, encode
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,14 @@ class MultiprocExecutor:
         with self._lock:
             self.group.send(encode(Kind.SCATTER_KV, (), [as_array("q", block_ids), ("B", data)]))
             self.group.expect(Kind.DONE)
+
+    def ask_every_rank(self, frame: bytes, answer: Kind) -> list[Frame]:
+        """Send `frame` to every worker and wait for each rank's `answer` frame (rank order): the NIXL
+        commands, which each rank answers for its own agent (worker/nixl_rank.py)."""
+        with self._lock:
+            self.group.send(frame)
+            replies = self.group.expect(answer, range(self.group.world_size))
+        return [replies[rank] for rank in range(self.group.world_size)]
 
     def failure(self) -> str | None:
         return self.group.failure

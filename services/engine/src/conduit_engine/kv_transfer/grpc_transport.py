@@ -125,15 +125,15 @@ class GrpcKvTransport(KvTransport):
 
 
 def pull_request(
-    spec: KvPullSpec, transport: pb.KvTransportKind.ValueType = pb.KV_TRANSPORT_GRPC, **fields: str
+    spec: KvPullSpec, transport: pb.KvTransportKind.ValueType = pb.KV_TRANSPORT_GRPC, **fields: object
 ) -> pb.PullKvRequest:
-    """The PullKv request of `spec` over `transport` (with its fields: shm_segment, nixl_known_agent)."""
+    """The PullKv request of `spec` over `transport` (with its fields: shm_segment, nixl_known_agents)."""
     return pb.PullKvRequest(
         transfer_id=spec.transfer_id,
         start_block=spec.start_block,
         layout_fingerprint=spec.layout.fingerprint,
         transport=transport,
-        **fields,
+        **fields,  # type: ignore[arg-type]
     )
 
 

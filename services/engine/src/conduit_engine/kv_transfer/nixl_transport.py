@@ -3,11 +3,12 @@
 The control path is a PullKv call with transport KV_TRANSPORT_NIXL: the source pins the pull as usual
 and answers one chunk whose `nixl` describes where the blocks lie in its registered cache (with its
 agent metadata the first time). The puller reads them straight into its destination cache blocks
-(`NixlKvEndpoint.read`; the sink names them: a DirectKvBlockSink), then calls ReleaseKv: released means
-the blocks stayed pinned through the read, so what was read is the transfer; anything else (the lease ran
-out meanwhile) is a failed pull and the prompt is recomputed. A source without NIXL answers
-UNIMPLEMENTED, and a source agent this one cannot load is KvTransportUnavailableError: the puller pulls
-over gRPC instead.
+(`NixlEndpoint.read`: this process's agent, or every worker's for tensor parallelism, each reading the
+KV heads of its shard from the source ranks holding them; the sink names the blocks: a DirectKvBlockSink),
+then calls ReleaseKv: released means the blocks stayed pinned through the read, so what was read is the
+transfer; anything else (the lease ran out meanwhile) is a failed pull and the prompt is recomputed. A
+source without NIXL answers UNIMPLEMENTED, and a source agent this one cannot load is
+KvTransportUnavailableError: the puller pulls over gRPC instead.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from collections.abc import Sequence
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.kv_transfer.errors import KvTransferError, KvTransportUnavailableError
 from conduit_engine.kv_transfer.grpc_transport import GrpcKvTransport, check_chunk, pull_request
-from conduit_engine.kv_transfer.nixl_agent import NixlKvEndpoint
+from conduit_engine.kv_transfer.nixl_agent import NixlEndpoint
 from conduit_engine.kv_transfer.transport import KvBlockSink, KvPullResult, KvPullSpec
 
 
 class NixlKvTransport(GrpcKvTransport):
     """Pulls by NIXL reads into `endpoint`'s registered cache (other options as GrpcKvTransport)."""
 
-    def __init__(self, endpoint: NixlKvEndpoint, **options: object) -> None:
+    def __init__(self, endpoint: NixlEndpoint, **options: object) -> None:
         super().__init__(**options)  # type: ignore[arg-type]
         self._endpoint = endpoint
 
@@ -37,8 +38,8 @@ class NixlKvTransport(GrpcKvTransport):
         destination = getattr(sink, "destination_blocks", None)
         if destination is None:
             raise KvTransportUnavailableError("NIXL reads need a sink that names its cache blocks")
-        known = self._endpoint.known_agent(spec.source_address)
-        request = pull_request(spec, pb.KV_TRANSPORT_NIXL, nixl_known_agent=known)
+        known = self._endpoint.known_agents(spec.source_address)
+        request = pull_request(spec, pb.KV_TRANSPORT_NIXL, nixl_known_agents=known)
         blocks: pb.KvNixlBlocks | None = None
         async with contextlib.aclosing(self.stream(spec, request, metadata)) as chunks:
             async for chunk in chunks:

@@ -14,9 +14,10 @@ gather with its steps itself).
 The request's `transport` picks how the blocks travel: KvChunk bytes (gRPC); the puller's shared-memory
 segment, each chunk gathered straight into it and sent without data (shm, same host); or, for NIXL and
 for direct shared-memory pulls (shm_direct), one chunk describing where the blocks lie in this engine's
-registered or shared cache: the puller reads them itself and releases the transfer (ReleaseKv), so that
-pull leaves the transfer pending, its blocks pinned, until then or until the lease ends. A transport
-this engine does not serve answers UNIMPLEMENTED.
+registered or shared cache (for NIXL per tensor-parallel rank holding distinct KV heads, each rank's own
+agent and memory): the puller reads them itself and releases the transfer (ReleaseKv), so that pull
+leaves the transfer pending, its blocks pinned, until then or until the lease ends. A transport this
+engine does not serve answers UNIMPLEMENTED.
 Errors abort the call with their status code here (the same codes server.status_for gives them).
 """
 
@@ -49,9 +50,9 @@ RunOnEngine = Callable[[Callable[[], Any]], Awaitable[Any]]
 class NixlBlocksSource(Protocol):
     """This engine's NIXL-registered KV cache, as a source (nixl_agent.NixlKvEndpoint)."""
 
-    def describe(self, block_ids: Sequence[int], known_agent: str) -> pb.KvNixlBlocks:
-        """Where cache blocks `block_ids` lie; the agent metadata too unless the puller knows
-        `known_agent` already and it is this agent."""
+    def describe(self, block_ids: Sequence[int], known_agents: Sequence[str]) -> pb.KvNixlBlocks:
+        """Where cache blocks `block_ids` lie, per rank holding distinct KV heads; each rank's agent
+        metadata too unless the puller holds it already (its agent is one of `known_agents`)."""
         ...
 
 
@@ -210,7 +211,8 @@ class KvTransferService:
                 "transport: this engine does not serve NIXL pulls (no agent: --kv-transport nixl)"
             )
         start, total = request.start_block, transfer.num_blocks
-        blocks = self._nixl.describe(transfer.block_ids[start:], request.nixl_known_agent)
+        known = [*request.nixl_known_agents, request.nixl_known_agent]
+        blocks = self._nixl.describe(transfer.block_ids[start:], known)
         return pb.KvChunk(first_block=start, num_blocks=total - start, total_blocks=total, nixl=blocks)
 
     async def _start_pull(self, transfer_id: str) -> KvTransfer:

@@ -4,8 +4,9 @@
 - shm: also shared memory with engines on this host (the same boot id and /dev/shm mount); pulls from
   other hosts stay gRPC. An engine whose cache lives in its process on the CPU allocated it in a memfd
   (shm_cache): pullers copy straight out of it; otherwise blocks go through a segment per pull.
-- nixl: also NIXL one-sided reads, when the NIXL wheel imports and its UCX backend starts, and the KV
-  cache lives in the engine process (not with tensor parallelism's worker processes yet).
+- nixl: also NIXL one-sided reads, when the NIXL wheel imports and its UCX backend starts: one agent
+  over the KV cache in the engine process, or with worker processes (tensor parallelism) one agent in
+  each worker over its shard (every rank must start it).
 
 Whatever cannot be set up is logged once as a warning naming the reason, and the engine runs with gRPC.
 gRPC is every pull's fallback: a source that does not serve the transport asked for, or a segment or
@@ -32,7 +33,7 @@ class KvTransports:
 
     kind: str  # the transport in use: grpc, shm or nixl (after any fallback)
     offered: SourceTransports
-    nixl: Any = None  # NixlKvEndpoint
+    nixl: Any = None  # nixl_agent.NixlEndpoint
     # shm: the memfd this engine's cache lives in (sources serve direct pulls out of it), and this
     # engine's cache tensors when they live in its process (direct pulls copy into them); else None.
     shm_cache: SharedKvCacheFile | None = None
@@ -43,7 +44,7 @@ class KvTransports:
             how = "its KV cache shared" if self.shm_cache is not None else "through segments"
             return f"shared memory with engines on this host ({self.offered.shm_host}; {how}), gRPC otherwise"
         if self.kind == "nixl":
-            return f"NIXL agent {self.nixl.name} over UCX ({self.nixl.memory}), gRPC otherwise"
+            return f"NIXL agent(s) {self.nixl.name} over UCX ({self.nixl.memory}), gRPC otherwise"
         return "gRPC"
 
 
@@ -61,12 +62,17 @@ def start_transports(kind: str, executor: object, timeout_s: float) -> KvTranspo
         return _fallback(kind, "no /dev/shm or no boot id on this host")
     if kind == "nixl":
         caches = getattr(executor, "kv_caches", None)
-        if caches is None:
-            return _fallback(kind, "the KV cache lives in worker processes (tensor parallelism)")
+        if caches is None and not hasattr(executor, "ask_every_rank"):
+            return _fallback(kind, "this executor exposes no KV cache to register")
         try:
-            from conduit_engine.kv_transfer.nixl_agent import NixlKvEndpoint
+            if caches is not None:
+                from conduit_engine.kv_transfer.nixl_agent import NixlKvEndpoint
 
-            endpoint = NixlKvEndpoint(caches, timeout_s)
+                endpoint: Any = NixlKvEndpoint(caches, timeout_s)
+            else:  # the cache lives in worker processes: an agent in each
+                from conduit_engine.kv_transfer.nixl_workers import WorkerNixlEndpoint
+
+                endpoint = WorkerNixlEndpoint(executor, timeout_s)  # type: ignore[arg-type]
         except Exception as exc:  # ImportError, a backend that does not start, a registration refused
             return _fallback(kind, f"NIXL cannot start here: {exc}")
         return _started(KvTransports("nixl", SourceTransports(nixl=True), endpoint))

@@ -44,6 +44,11 @@ class Kind(enum.IntEnum):
     ERROR = 11  # worker → engine: the exception that stops it (JSON)
     SHUTDOWN = 12  # engine → worker: exit
     LORA_WRITE = 13  # engine → workers: write a LoRA adapter into a pool slot (JSON); rank 0 answers DONE
+    # NIXL KV transfers (--kv-transport nixl): every rank answers these, each for its own agent.
+    NIXL_START = 20  # engine → workers: start a NIXL agent over the rank's KV cache (JSON)
+    NIXL_INFO = 21  # every rank → engine: its agent, regions and KV heads (JSON), and its metadata
+    NIXL_READ = 22  # engine → workers: read a source's blocks into the rank's shard (nixl_rank.py)
+    NIXL_DONE = 23  # every rank → engine: how its read ended (JSON)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,9 @@
 Life of a worker (the engine spawns it, parallel/worker_group.py): INIT (what to load) → join the
 torch.distributed group, load this rank's shard (only its slices are read) → LOADED (memory left) →
 ALLOCATE → this rank's KV cache, CUDA graphs on CUDA → READY → then every STEP, GATHER_KV and
-SCATTER_KV frame in order until SHUTDOWN. Only rank 0 answers (RESULT, KV_DATA, DONE); any rank that
-fails sends ERROR with the exception and exits non-zero.
+SCATTER_KV frame in order until SHUTDOWN. Only rank 0 answers (RESULT, KV_DATA, DONE), except for the
+NIXL commands, which every rank answers for its own agent (nixl_rank.py); any rank that fails sends ERROR
+with the exception and exits non-zero.
 
 A worker never outlives the engine: a watchdog thread waits on the parent's sentinel (a pipe the
 engine holds open) and ends the process the moment the engine is gone, even while the main thread is
@@ -39,6 +40,7 @@ from conduit_engine.ops import get_ops
 from conduit_engine.worker.comm import TorchDistributed, backend_for
 from conduit_engine.worker.loading import free_device_bytes, set_cpu_threads
 from conduit_engine.worker.model_runner import ModelRunner
+from conduit_engine.worker.nixl_rank import EVERY_RANK_ANSWERS, RankNixl
 from conduit_engine.worker.step_codec import RankTimings, decode_step, encode_result
 from conduit_engine.worker.wire import Frame, Kind, control, decode, encode, receive
 
@@ -143,6 +145,7 @@ class Worker:
         )
         self.runner: ModelRunner | None = None
         self.lora_pool: LoraPool | None = None
+        self.nixl: RankNixl | None = None  # --kv-transport nixl: this rank's agent
 
     def memory_report(self) -> dict[str, Any]:
         """Device memory left after loading (CUDA; None on the CPU), for sizing the KV cache, and how
@@ -176,7 +179,7 @@ class Worker:
             if frame.kind is Kind.SHUTDOWN:
                 return
             answer = self._handle(frame, received)
-            if answer is not None and self.rank == 0:
+            if answer is not None and (self.rank == 0 or frame.kind in EVERY_RANK_ANSWERS):
                 replies.send_bytes(answer)
 
     def _handle(self, frame: Frame, received: int) -> bytes | None:
@@ -196,6 +199,11 @@ class Worker:
         if frame.kind is Kind.LORA_WRITE:
             self._write_lora(frame.json())
             return encode(Kind.DONE)
+        if frame.kind is Kind.NIXL_START:
+            self.nixl = RankNixl.start(self.runner.kv_caches, self.plan, self.rank, frame.json())
+            return self.nixl.info()
+        if frame.kind is Kind.NIXL_READ:
+            return RankNixl.read_answer(self.nixl, frame)
         raise ValueError(f"unexpected command {frame.kind.name}")
 
     def _write_lora(self, spec: dict[str, Any]) -> None:
