@@ -126,7 +126,7 @@ def _llama_cpp(job: ServeJob) -> tuple[list[str], dict[str, str], int]:
     elif job.speculative == "draft":
         assert job.draft_dir is not None
         draft = to_gguf(job.draft_dir, job.draft_dir.name, job.dtype, job.quantization)
-        args += ["-md", str(draft), "--spec-draft-n-max", str(job.spec_k), "-td", str(job.threads)]
+        args += ["--spec-type", "draft-simple", "-md", str(draft), "--spec-draft-n-max", str(job.spec_k)]
     return args, {}, port
 
 

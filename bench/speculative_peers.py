@@ -127,7 +127,8 @@ def main() -> None:
             except Exception as exc:  # one server failing keeps the others' figures
                 print(f"-- {peer}, speculation {spec} failed: {exc}", flush=True)
     print(
-        f"\nstories260K, k = {args.k}, output tok/s (best of {args.rounds}); x off: the same server without"
+        f"\nstories260K, k = {args.k}, output tok/s (best of {args.rounds}); "
+        "(x): against the same server without speculation"
     )
     print(
         f"{'workload':9} {'c':>3} {'speculation':11} "
