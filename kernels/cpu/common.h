@@ -225,21 +225,33 @@ using LinearFn = void (*)(const LinearArgs&, int64_t n_begin, int64_t n_end);
 using PackedLinearFn = void (*)(const PackedLinearArgs&, int64_t panel_begin, int64_t panel_end);
 using Int8LinearFn = void (*)(const Int8LinearArgs&, int64_t panel_begin, int64_t panel_end);
 using RowFn = void (*)(const RowArgs&, int64_t row_begin, int64_t row_end);
-// LoRA per row (BGMV): y[t] += (a[slot] x[t]) b[slot] for the rows t whose slot is >= 0. a [slots, SR, K],
-// b [slots, SR, N] block-diagonal (columns [0, split1) read shrink rows [0, R), [split1, split2) the next R,
-// the rest the last R).
-struct LoraRowArgs {
+// LoRA deltas, the punica / S-LoRA grouping: the step's adapter rows grouped by slot, in segments of at
+// most kLoraSegmentRows rows (lora.cpp: made once per step). Segment s runs slot seg_slot[s] over the
+// rows rows[seg_begin[s] .. seg_begin[s + 1]). a [slots, S*R, K] is the shrink, b [slots, S*R, N] the
+// expand, block-diagonal: columns [0, split1) read shrink rows [0, R), [split1, split2) the next R, the
+// rest the last R. h [rows.size(), S*R] float is the shrink's output, row i for the row rows[i].
+//   shrink, items (segment, kLoraShrinkRows rows of a): h[i] = a[slot] x[rows[i]], in float
+//   expand, items kLoraExpandCols output columns: y[rows[i]] += h[i] b[slot] over those columns
+constexpr int64_t kLoraSegmentRows = 64;
+constexpr int64_t kLoraShrinkRows = 4;
+constexpr int64_t kLoraExpandCols = 32;
+
+struct LoraArgs {
   const void* x;
   int64_t ldx;
   const void* a;
   const void* b;
   void* y;
   int64_t ldy;
-  const int32_t* row_slots;
+  const int64_t* rows;
+  const int64_t* seg_begin;  // [segments + 1]
+  const int32_t* seg_slot;  // [segments]
+  int64_t segments;
+  float* h;
   int64_t K, N, S, R, split1, split2;
 };
 
-using LoraRowsFn = void (*)(const LoraRowArgs&, int64_t row_begin, int64_t row_end);
+using LoraFn = void (*)(const LoraArgs&, int64_t item_begin, int64_t item_end);
 using RotaryFn = void (*)(const RotaryArgs&, int64_t token_begin, int64_t token_end);
 using WriteKvFn = void (*)(const WriteKvArgs&, int64_t token_begin, int64_t token_end);
 using AttentionFn = void (*)(const AttentionArgs&, int64_t item_begin, int64_t item_end);
@@ -259,7 +271,8 @@ struct TypedKernels {
   WriteKvFn write_kv_quant;  // into an int8 or fp8 cache (WriteKvArgs.format)
   AttentionFn attention_int8;  // over an int8 cache (q and out in this dtype)
   AttentionFn attention_fp8;  // over an fp8 e4m3 cache
-  LoraRowsFn lora_rows;
+  LoraFn lora_shrink;  // items: (segment, kLoraShrinkRows rows of a)
+  LoraFn lora_expand;  // items: blocks of kLoraExpandCols output columns
 };
 
 // Everything one instruction set offers; `linear_rows` is the output-column granularity of `linear`

@@ -17,15 +17,15 @@ struct LoraLayer {
   std::vector<int64_t> splits;
 };
 
-// One step's rows grouped by slot, made once per step: a contiguous run [begin, begin + count) when
-// the slot's rows are one, else their indices.
+// One step's adapter rows grouped by slot, made once per step and read by every projection of every
+// layer: segment s runs slot seg_slot[s] over rows[seg_begin[s] .. seg_begin[s + 1]), at most
+// kLoraSegmentRows rows (common.h: LoraArgs).
 struct LoraGroups {
-  struct Group {
-    int64_t slot = 0, begin = 0, count = 0;
-    at::Tensor rows;  // int64 row indices; undefined for a contiguous run
-  };
-  std::vector<Group> groups;
-  at::Tensor row_slots;  // [T] int32, the slots they were made from
+  std::vector<int64_t> rows;
+  std::vector<int64_t> seg_begin{0};
+  std::vector<int32_t> seg_slot;
+  int32_t max_slot = -1;
+  int64_t max_row = -1;
 };
 
 LoraGroups lora_groups(const at::Tensor& row_slots);

@@ -5,13 +5,11 @@
 
 #include <ATen/Parallel.h>
 
-#include <atomic>
+#include "parallel.h"
 
 namespace conduit_cpu {
 namespace {
 
-// Below this many multiply-adds (or element visits) a call runs on the calling thread alone.
-constexpr int64_t kMinParallelWork = 1 << 15;
 // Rows of float32 input from which PackedLinear hands the product to torch's GEMM.
 constexpr int64_t kTorchGemmRows = 32;
 
@@ -38,29 +36,6 @@ void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* what
 void check_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.stride(-1) == 1, what, ": the last dimension must be contiguous");
 }
-
-// Runs fn over [0, n) in chunks that the threads of ATen's pool take in turn (an atomic counter), so a
-// thread the OS preempts on a busy machine holds back only the chunk it is on, not a fixed half of the
-// range. Small calls (n <= grain) run on the calling thread.
-template <class F>
-void parallel_chunks(int64_t n, int64_t grain_items, const F& fn) {
-  const int64_t threads = at::get_num_threads();
-  if (n <= grain_items || threads <= 1 || at::in_parallel_region()) {
-    if (n > 0) fn(0, n);
-    return;
-  }
-  const int64_t chunk = std::max<int64_t>(grain_items, n / (4 * threads));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t b = next.fetch_add(chunk); b < n; b = next.fetch_add(chunk)) fn(b, std::min(b + chunk, n));
-  });
-}
-
-// grain (in units of `items`) so that each thread gets at least kMinParallelWork
-int64_t grain(int64_t items, int64_t work_per_item) {
-  return std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, work_per_item));
-}
-
 
 RowArgs row_args(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, float eps) {
   RowArgs a{};

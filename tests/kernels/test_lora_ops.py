@@ -20,13 +20,21 @@ CASES = [
     ([0, 0, 0, -1, 1, 1], (24, 8, 8), 40, 8),  # prefill-like runs, a base row between
     ([1, -1, 0, 1, 2, 0, -1, 2], (33,), 17, 4),  # decode rows of three adapters, interleaved
     ([-1, -1], (16, 16), 8, 16),  # no adapter rows
-    ([2] * 70, (96, 96), 64, 16),  # many rows of one adapter (the GEMM path)
+    ([2] * 70, (96, 96), 64, 16),  # many rows of one adapter: two segments
+]
+# and for the CPU kernels' tiles (kernels_impl.h: LoRA)
+CPU_CASES = [
+    *CASES,
+    ([t % 8 for t in range(16)], (64, 32, 32), 48, 16),  # a decode batch: 8 adapters x 2 rows
+    # a prefill of scattered rows of four adapters and the base model: segments, a first slice wider than
+    # an expand panel, column and K tails, a rank that is no multiple of the shrink tile
+    ([t % 5 - 1 for t in range(150)], (300, 41, 39), 75, 6),
 ]
 
 
 def make_case(slots, splits, k, rank, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    num_slots, n = 3, sum(splits)
+    num_slots, n = max(3, max(slots) + 1), sum(splits)
     a = torch.randn(num_slots, len(splits), rank, k, generator=gen).to(dtype)
     b = torch.randn(num_slots, len(splits) * rank, n, generator=gen)
     start = 0
@@ -42,15 +50,16 @@ def make_case(slots, splits, k, rank, dtype, seed=0):
 
 
 def batch_of(slots: list[int]) -> LoraBatch:
-    rows: dict[int, list[int]] = {}
+    runs: dict[int, list[tuple[int, int]]] = {}
     for t, s in enumerate(slots):
-        if s >= 0:
-            rows.setdefault(s, []).append(t)
-    groups = []
-    for s, r in rows.items():
-        contiguous = r[-1] - r[0] + 1 == len(r)
-        groups.append((s, slice(r[0], r[-1] + 1) if contiguous else torch.tensor(r)))
-    return LoraBatch(torch.tensor(slots, dtype=torch.int32), tuple(groups))
+        if s < 0:
+            continue
+        spans = runs.setdefault(s, [])
+        if spans and spans[-1][1] == t:
+            spans[-1] = (spans[-1][0], t + 1)
+        else:
+            spans.append((t, t + 1))
+    return LoraBatch(torch.tensor(slots, dtype=torch.int32), tuple((s, tuple(r)) for s, r in runs.items()))
 
 
 def per_row(w: LoraWeights, x, y, slots):
@@ -68,7 +77,7 @@ def per_row(w: LoraWeights, x, y, slots):
     return out
 
 
-@pytest.mark.parametrize(("slots", "splits", "k", "rank"), CASES)
+@pytest.mark.parametrize(("slots", "splits", "k", "rank"), CPU_CASES)
 def test_the_reference_is_the_per_row_formula(slots, splits, k, rank):
     w, x, y, batch = make_case(slots, splits, k, rank, torch.float32)
     expected = per_row(w, x, y, slots)
@@ -86,7 +95,7 @@ def kernels():
 
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize(("slots", "splits", "k", "rank"), CASES)
+@pytest.mark.parametrize(("slots", "splits", "k", "rank"), CPU_CASES)
 def test_cpu_kernels_match_the_reference(kernels, isa, dtype, slots, splits, k, rank):
     if isa not in kernels.supported_isas():
         pytest.skip(f"this CPU cannot run the {isa} kernels")
@@ -97,6 +106,23 @@ def test_cpu_kernels_match_the_reference(kernels, isa, dtype, slots, splits, k, 
     ops.lora_delta(y, x, w, batch)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(y.float(), expected.float(), rtol=tol, atol=tol * 4)
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_cpu_kernels_split_over_threads_match_the_reference(kernels, isa):
+    """Enough rows that the shrink and the expand both split over the thread pool."""
+    if isa not in kernels.supported_isas():
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    w, x, y, batch = make_case([t % 5 - 1 for t in range(150)], (300, 41, 39), 75, 6, torch.float32)
+    expected = y.clone()
+    REF.lora_delta(expected, x, w, batch)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        CpuOps(isa, kernels).lora_delta(y, x, w, batch)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_cpu_kernels_refuse_a_mismatched_pool(kernels):
@@ -141,6 +167,6 @@ def test_cuda_wrapper_names_the_bad_argument(launcher):
     from conduit_engine.ops.cuda_ops import CudaOps
 
     w, x, y, batch = make_case([0, 1], (8,), 16, 4, torch.float32)
-    bad = LoraBatch(batch.row_slots.long(), batch.groups)
+    bad = LoraBatch(batch.row_slots.long(), batch.spans)
     with pytest.raises(ValueError, match="row_slots: expected a contiguous int32"):
         CudaOps(launcher).lora_delta(y, x, w, bad)

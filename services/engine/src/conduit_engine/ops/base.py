@@ -12,6 +12,7 @@ in every backend.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -70,16 +71,29 @@ class LoraWeights:
     splits: tuple[int, ...]  # widths of the S output slices (sum N)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class LoraBatch:
     """Which adapter slot each packed row of a step uses (-1: the base model, no delta).
 
-    `groups` lists each slot present with its rows (a slice when they are contiguous, else an int64 index
-    tensor), for backends that run one shrink and one expand per adapter (the punica / S-LoRA grouping);
-    `row_slots` is the same per row, for kernels that walk rows."""
+    `row_slots` says it per row, for kernels that walk rows (the CPU kernels and CUDA); `spans` lists each
+    slot present with its runs of rows [start, end). `groups`, each slot with its rows (a slice when they
+    are one run, else an int64 index tensor), is for backends that run one shrink and one expand per
+    adapter (the punica / S-LoRA grouping); it is made on first use, once per step, since the kernels
+    never read it."""
 
     row_slots: torch.Tensor  # [T] int32 on the model's device
-    groups: tuple[tuple[int, slice | torch.Tensor], ...]
+    spans: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
+
+    @functools.cached_property
+    def groups(self) -> tuple[tuple[int, slice | torch.Tensor], ...]:
+        groups: list[tuple[int, slice | torch.Tensor]] = []
+        for slot, runs in self.spans:
+            if len(runs) == 1:
+                groups.append((slot, slice(*runs[0])))
+            else:
+                rows = [t for start, end in runs for t in range(start, end)]
+                groups.append((slot, torch.tensor(rows, device=self.row_slots.device)))
+        return tuple(groups)
 
 
 @dataclass(slots=True)
