@@ -14,10 +14,10 @@ import threading
 import pytest
 import torch
 
+from conduit_engine.executor.nixl_workers import WorkerNixlEndpoint
 from conduit_engine.kv_transfer.errors import KvTransportUnavailableError
 from conduit_engine.kv_transfer.layout import KvLayoutSpec
 from conduit_engine.kv_transfer.nixl_agent import NixlKvEndpoint
-from conduit_engine.kv_transfer.nixl_workers import WorkerNixlEndpoint
 from conduit_engine.models.sharding import ShardPlan
 from conduit_engine.worker.nixl_rank import RankNixl
 from conduit_engine.worker.wire import Kind, decode
@@ -51,6 +51,9 @@ class LocalRanks:
         self.nixl: list[RankNixl | None] = [None] * size
         self.gate = threading.Event()
         self.gate.set()
+
+    def start_nixl(self, timeout_s: float) -> WorkerNixlEndpoint:  # as MultiprocExecutor's
+        return WorkerNixlEndpoint(self, timeout_s)
 
     def ask_every_rank(self, frame: bytes, answer: Kind):
         command = decode(bytearray(frame))

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +40,9 @@ from conduit_engine.worker.draft_runner import DraftRunner
 from conduit_engine.worker.kv_cache import size_kv_cache
 from conduit_engine.worker.step_codec import decode_result, encode_step
 from conduit_engine.worker.wire import Frame, Kind, as_array, control, encode
+
+if TYPE_CHECKING:
+    from conduit_engine.executor.nixl_workers import WorkerNixlEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +138,12 @@ class MultiprocExecutor:
         with self._lock:
             self.group.send(encode(Kind.SCATTER_KV, (), [as_array("q", block_ids), ("B", data)]))
             self.group.expect(Kind.DONE)
+
+    def start_nixl(self, timeout_s: float) -> WorkerNixlEndpoint:
+        """A NIXL agent in each worker over its KV shard (--kv-transport nixl); raises when one cannot."""
+        from conduit_engine.executor.nixl_workers import WorkerNixlEndpoint
+
+        return WorkerNixlEndpoint(self, timeout_s)
 
     def ask_every_rank(self, frame: bytes, answer: Kind) -> list[Frame]:
         """Send `frame` to every worker and wait for each rank's `answer` frame (rank order): the NIXL

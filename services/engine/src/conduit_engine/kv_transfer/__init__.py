@@ -10,10 +10,11 @@ Data movement (torch, grpc):
 - `cache_io`: KV cache blocks ↔ KvChunk payload bytes through the ops' gather/scatter;
 - `transport`: the `KvTransport` interface a decode engine pulls through;
 - `grpc_transport`: its first implementation, bytes over the PullKv RPC (every pull's fallback);
-- `shm_segment`, `shm_transport`: same-host pulls through a shared-memory segment per pull;
+- `shm_segment`, `shm_transport`, `shm_cache`: same-host pulls, straight out of a source's cache in a
+  memfd or through a shared-memory segment per pull;
 - `nixl_agent`, `nixl_transport`: NIXL (UCX) one-sided reads between registered KV caches;
-- `nixl_regions`: a rank's registered cache shard and the read descriptors between two shards;
-- `nixl_workers`: the NIXL endpoint of an engine whose cache lives in worker processes (an agent each);
+- `nixl_regions`: a rank's registered cache shard and the read descriptors between two shards (the
+  endpoint of an engine whose cache lives in worker processes is the executor's: executor/nixl_workers);
 - `setup`: which of them an engine serves and pulls with (--kv-transport), decided at start;
 - `puller`: the decode side's pull of one request, through the transport the handle allows;
 - `service`: the PullKv and ReleaseKv handlers of the source engine;

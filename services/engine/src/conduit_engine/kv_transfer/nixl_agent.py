@@ -1,7 +1,7 @@
 """This engine's NIXL agent for KV transfers (--kv-transport nixl): its KV cache registered once, the
 descriptors a source hands out, and the one-sided reads a puller makes. `NixlRankAgent` is one agent
 over one rank's cache shard (the whole cache without tensor parallelism; each worker process has its
-own, nixl_workers.py); `NixlKvEndpoint` is the engine's endpoint when the cache lives in its process.
+own, executor/nixl_workers.py); `NixlKvEndpoint` is the engine's endpoint when the cache lives in its process.
 
 NIXL (the `nixl-cu12` wheel; UCX underneath: RDMA, NVLink/CUDA IPC, shared memory or TCP, whichever UCX
 finds usable between the two agents) moves memory between registered regions. At start the engine
@@ -208,7 +208,7 @@ def check_blocks(blocks: pb.KvNixlBlocks, num_blocks: int, num_regions: int, lay
 
 class NixlEndpoint(Protocol):
     """An engine's NIXL side, source and puller: `NixlKvEndpoint` (the cache in this process) or
-    nixl_workers.WorkerNixlEndpoint (the cache in tensor-parallel worker processes)."""
+    executor.nixl_workers.WorkerNixlEndpoint (the cache in tensor-parallel worker processes)."""
 
     name: str  # for the log: the agent(s)
     memory: str  # DRAM or VRAM

@@ -62,17 +62,16 @@ def start_transports(kind: str, executor: object, timeout_s: float) -> KvTranspo
         return _fallback(kind, "no /dev/shm or no boot id on this host")
     if kind == "nixl":
         caches = getattr(executor, "kv_caches", None)
-        if caches is None and not hasattr(executor, "ask_every_rank"):
+        start_nixl = getattr(executor, "start_nixl", None)  # the cache lives in worker processes
+        if caches is None and start_nixl is None:
             return _fallback(kind, "this executor exposes no KV cache to register")
         try:
             if caches is not None:
                 from conduit_engine.kv_transfer.nixl_agent import NixlKvEndpoint
 
                 endpoint: Any = NixlKvEndpoint(caches, timeout_s)
-            else:  # the cache lives in worker processes: an agent in each
-                from conduit_engine.kv_transfer.nixl_workers import WorkerNixlEndpoint
-
-                endpoint = WorkerNixlEndpoint(executor, timeout_s)  # type: ignore[arg-type]
+            else:  # an agent in each worker (executor.nixl_workers.WorkerNixlEndpoint)
+                endpoint = start_nixl(timeout_s)
         except Exception as exc:  # ImportError, a backend that does not start, a registration refused
             return _fallback(kind, f"NIXL cannot start here: {exc}")
         return _started(KvTransports("nixl", SourceTransports(nixl=True), endpoint))

@@ -34,7 +34,7 @@ import numpy as np
 
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit_engine.kv_transfer.errors import KvTransferError, KvTransportUnavailableError
-from conduit_engine.worker.page_populate import MADV_POPULATE_READ, populate_in_background
+from conduit_engine.page_populate import MADV_POPULATE_READ, populate_in_background
 
 _PAGE = mmap.PAGESIZE
 _MAX_MAPPED_SOURCES = 16  # mapped source caches kept by a puller (least recently used unmapped)

@@ -20,13 +20,13 @@ import threading
 
 import torch
 
+from conduit_engine import page_populate
 from conduit_engine.config import EngineConfig
 from conduit_engine.kv_format import kv_element_dtype, kv_head_bytes
 from conduit_engine.kv_transfer.shm_cache import SharedKvCacheFile
 from conduit_engine.layers.decoder import KVCache
 from conduit_engine.models.config import ArchConfig
 from conduit_engine.models.facts import ModelFacts
-from conduit_engine.worker import page_populate
 
 log = logging.getLogger(__name__)
 
