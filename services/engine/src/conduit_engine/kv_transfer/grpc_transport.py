@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -98,6 +99,30 @@ class GrpcKvTransport(KvTransport):
         if next_block != spec.total_blocks:
             raise KvTransferError(
                 f"{_where(spec)}: the stream ended at block {next_block} of {spec.total_blocks}"
+            )
+
+    async def described(
+        self, spec: KvPullSpec, request: pb.PullKvRequest, metadata: Sequence[tuple[str, str]], field: str
+    ) -> Any:
+        """The descriptors of a pull answered in one chunk (NIXL reads, direct shared-memory copies): that
+        chunk's `field` message, which covers blocks [start_block, total_blocks)."""
+        found = None
+        async with contextlib.aclosing(self.stream(spec, request, metadata)) as chunks:
+            async for chunk in chunks:
+                check_chunk(chunk, spec, chunk.num_blocks * spec.layout.block_bytes)
+                if chunk.data or not chunk.HasField(field) or chunk.num_blocks != spec.num_blocks:
+                    raise KvTransferError(f"PullKv {spec.transfer_id}: expected one chunk of {field} blocks")
+                found = getattr(chunk, field)
+        assert found is not None  # the stream reached total_blocks
+        return found
+
+    async def release_after(self, spec: KvPullSpec, what: str) -> None:
+        """Release a pull whose blocks this side read itself (`what`: the NIXL read, the copy): released
+        means they stayed pinned throughout; otherwise KvTransferError."""
+        if not await self.release(spec.source_address, spec.transfer_id):
+            raise KvTransferError(
+                f"PullKv {spec.transfer_id}: the transfer ended during {what} (its lease ran out); "
+                "the blocks read may have been reused"
             )
 
     async def release(self, source_address: str, transfer_id: str) -> bool:

@@ -13,12 +13,11 @@ KvTransportUnavailableError: the puller pulls over gRPC instead.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 from conduit.engine.v1 import engine_pb2 as pb
-from conduit_engine.kv_transfer.errors import KvTransferError, KvTransportUnavailableError
-from conduit_engine.kv_transfer.grpc_transport import GrpcKvTransport, check_chunk, pull_request
+from conduit_engine.kv_transfer.errors import KvTransportUnavailableError
+from conduit_engine.kv_transfer.grpc_transport import GrpcKvTransport, pull_request
 from conduit_engine.kv_transfer.nixl_agent import NixlEndpoint
 from conduit_engine.kv_transfer.transport import KvBlockSink, KvPullResult, KvPullSpec
 
@@ -40,21 +39,8 @@ class NixlKvTransport(GrpcKvTransport):
             raise KvTransportUnavailableError("NIXL reads need a sink that names its cache blocks")
         known = self._endpoint.known_agents(spec.source_address)
         request = pull_request(spec, pb.KV_TRANSPORT_NIXL, nixl_known_agents=known)
-        blocks: pb.KvNixlBlocks | None = None
-        async with contextlib.aclosing(self.stream(spec, request, metadata)) as chunks:
-            async for chunk in chunks:
-                check_chunk(chunk, spec, chunk.num_blocks * spec.layout.block_bytes)
-                if chunk.data or not chunk.HasField("nixl") or chunk.num_blocks != spec.num_blocks:
-                    raise KvTransferError(
-                        f"PullKv {spec.transfer_id}: expected one chunk of NIXL descriptors"
-                    )
-                blocks = chunk.nixl
-        assert blocks is not None  # the stream reached total_blocks
+        blocks: pb.KvNixlBlocks = await self.described(spec, request, metadata, "nixl")
         num_bytes = await self._endpoint.read(spec.source_address, blocks, destination(), spec.layout)
         sink.written_directly(spec.num_blocks)  # type: ignore[attr-defined]
-        if not await self.release(spec.source_address, spec.transfer_id):
-            raise KvTransferError(
-                f"PullKv {spec.transfer_id}: the transfer ended during the NIXL read (its lease ran out); "
-                "the blocks read may have been reused"
-            )
+        await self.release_after(spec, "the NIXL read")
         return KvPullResult(num_blocks=spec.num_blocks, num_bytes=num_bytes)

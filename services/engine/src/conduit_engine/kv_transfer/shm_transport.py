@@ -80,14 +80,7 @@ class ShmKvTransport(GrpcKvTransport):
         metadata: Sequence[tuple[str, str]],
     ) -> KvPullResult:
         request = pull_request(spec, pb.KV_TRANSPORT_SHM, shm_direct=True)
-        blocks: pb.KvShmBlocks | None = None
-        async with contextlib.aclosing(self.stream(spec, request, metadata)) as chunks:
-            async for chunk in chunks:
-                check_chunk(chunk, spec, chunk.num_blocks * spec.layout.block_bytes)
-                if chunk.data or not chunk.HasField("shm") or chunk.num_blocks != spec.num_blocks:
-                    raise KvTransferError(f"PullKv {spec.transfer_id}: expected one chunk of shm blocks")
-                blocks = chunk.shm
-        assert blocks is not None  # the stream reached total_blocks
+        blocks: pb.KvShmBlocks = await self.described(spec, request, metadata, "shm")
         if len(blocks.block_ids) != spec.num_blocks:
             raise KvTransferError(
                 f"PullKv {spec.transfer_id}: {len(blocks.block_ids)} block ids for {spec.num_blocks} blocks"
@@ -109,11 +102,7 @@ class ShmKvTransport(GrpcKvTransport):
             raise
         sink.written_directly(spec.num_blocks)  # type: ignore[attr-defined]
         self._sweep_later()
-        if not await self.release(spec.source_address, spec.transfer_id):
-            raise KvTransferError(
-                f"PullKv {spec.transfer_id}: the transfer ended during the copy (its lease ran out); "
-                "the blocks copied may have been reused"
-            )
+        await self.release_after(spec, "the copy")
         return KvPullResult(num_blocks=spec.num_blocks, num_bytes=num_bytes)
 
     async def _pull_segment(
