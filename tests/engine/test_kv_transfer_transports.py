@@ -534,7 +534,8 @@ async def test_a_direct_pull_of_blocks_outside_the_sources_cache_writes_nothing(
         with pytest.raises(KvTransferError, match=r"source blocks \[1000000, 1000001\) lie past the end"):
             await p.transport.pull(p.spec(transfer), writer)
         assert writer.blocks_written == 0 and all(not k.any() and not v.any() for k, v in p.dst_kv)
-        assert p.source.registry.release(transfer.transfer_id)  # the puller's failure path releases it
+        # The failed pull left the transfer pending (KvPuller's failure path then releases it).
+        assert p.source.registry.release(transfer.transfer_id)
     finally:
         await p.close()
     p.source.bm.check_integrity([])

@@ -10,6 +10,7 @@ import pytest
 
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.handlers.migration import MigratingStream, Migrations
+from conduit_gateway.handlers.streams import StreamLost
 
 pytestmark = pytest.mark.unit
 
@@ -48,6 +49,13 @@ class Scripted:
 
     def close(self) -> None:
         pass
+
+
+def broken_call(failure: str) -> BaseException:
+    """How a stream breaks: its node lost (the health watch broke), or its call UNAVAILABLE."""
+    if failure == "lost":
+        return StreamLost("127.0.0.1:1", "watch broke")
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
 
 
 def migrating(inner: Scripted, reopened: list[int]) -> MigratingStream:
@@ -96,15 +104,7 @@ def test_a_stream_that_breaks_after_its_last_choice_finished_ends_without_moving
     """The engine died between a choice's final message and the stream's end: the client has the whole
     output, so the stream ends; moving it would start the request again from nothing (a continuation
     without choices is a new request) and send the client its output twice."""
-    from conduit_gateway.handlers.streams import StreamLost
-
-    broken = (
-        StreamLost("127.0.0.1:1", "watch broke")
-        if failure == "lost"
-        else grpc.aio.AioRpcError(
-            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"
-        )
-    )
+    broken = broken_call(failure)
     inner = Scripted([message(2, engine_pb2.FINISH_REASON_LENGTH), broken])
     reopened: list[int] = []
     stream = migrating(inner, reopened)
@@ -121,15 +121,7 @@ def test_a_stream_that_breaks_after_its_last_choice_finished_ends_without_moving
 def test_a_stream_handed_back_whose_call_then_breaks_moves_as_a_drain(failure):
     """A draining engine hands the stream back, then stops its server: the call (or the node's health
     watch, which cancels it) breaks before the stream's end is read. The move is the drain's."""
-    from conduit_gateway.handlers.streams import StreamLost
-
-    broken = (
-        StreamLost("127.0.0.1:1", "watch broke")
-        if failure == "lost"
-        else grpc.aio.AioRpcError(
-            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"
-        )
-    )
+    broken = broken_call(failure)
     inner = Scripted([message(3, engine_pb2.FINISH_REASON_MIGRATE), broken])
     continued = Scripted([None])
     moves = []

@@ -129,9 +129,7 @@ class MappedKvSource:
         """Whether the source process still runs (its pid may be reused: the idle limit covers that)."""
         try:
             os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # someone else's process now holds the pid
+        except (ProcessLookupError, PermissionError):  # gone, or someone else's process holds the pid
             return False
         return True
 
