@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 import time
 from types import SimpleNamespace
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -39,7 +41,14 @@ from conduit_engine.kv_transfer.nixl_transport import NixlKvTransport
 from conduit_engine.kv_transfer.params import SourceTransports
 from conduit_engine.kv_transfer.puller import KvPuller
 from conduit_engine.kv_transfer.setup import KvTransports, start_transports
-from conduit_engine.kv_transfer.shm_cache import MappedKvSources, block_runs, copy_blocks
+from conduit_engine.kv_transfer.shm_cache import (
+    MappedKvSource,
+    MappedKvSources,
+    SharedKvCacheFile,
+    block_runs,
+    copy_blocks,
+    split_moves,
+)
 from conduit_engine.kv_transfer.shm_segment import shm_host_id
 from conduit_engine.kv_transfer.shm_transport import ShmKvTransport
 from conduit_engine.kv_transfer.transport import KvPullSpec
@@ -60,7 +69,8 @@ from tests.support.kv_blocks import (
     shm_segments,
 )
 
-pytestmark = pytest.mark.integration
+# Makes KV segments in /dev/shm: one such module at a time (tests/conftest.py).
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("kv_shm_exclusive")]
 
 TRANSPORTS = ["grpc", "shm", "shm-direct", "nixl"]
 
@@ -473,6 +483,46 @@ def test_block_runs_coalesce_blocks_consecutive_on_both_sides():
     runs = block_runs([4, 5, 6, 9, 10, 11, 2], [0, 1, 2, 3, 7, 8, 9])
     assert runs == [(4, 0, 3), (9, 3, 1), (10, 7, 2), (2, 9, 1)]
     assert block_runs([], []) == []
+
+
+def test_split_moves_cuts_the_bytes_into_equal_shares_in_order():
+    mib = 1 << 20
+    moves = [(0, 100, 3 * mib), (10 * mib, 200, mib)]
+    shares = split_moves(moves, 2)
+    assert shares == [[(0, 100, 2 * mib)], [(2 * mib, 100 + 2 * mib, mib), (10 * mib, 200, mib)]]
+    assert split_moves(moves, 1) == [moves]
+    assert split_moves([(0, 0, mib // 2)], 4) == [[(0, 0, mib // 2)]]  # under 1 MiB: one thread
+    assert split_moves([], 4) == []
+
+
+def test_a_copy_split_across_threads_moves_every_block_exactly():
+    """Copying with three threads lands the same bytes as one copy would, runs cut mid-block included."""
+    blocks_per_region, block_bytes, regions = 96, 64 * 1024, 4
+    cache = SharedKvCacheFile(regions, blocks_per_region * block_bytes)
+    views = [
+        np.frombuffer(buffer, dtype=np.uint8).reshape(blocks_per_region, block_bytes)
+        for buffer in cache.buffers
+    ]
+    rng = np.random.default_rng(0)
+    for view in views:
+        view[:] = rng.integers(0, 255, view.shape, dtype=np.uint8)
+    source_ids, dest_ids = [*range(10, 60), 3, 90], [*range(40, 90), 0, 7]
+    described = cache.describe(source_ids, block_bytes)
+    mapped = MappedKvSource(described)
+    dest = [torch.zeros(blocks_per_region, block_bytes, dtype=torch.uint8) for _ in range(regions)]
+    try:
+        copied = copy_blocks(mapped, described, dest, dest_ids, threads=3)
+        assert copied == regions * len(source_ids) * block_bytes
+        untouched = sorted(set(range(blocks_per_region)) - set(dest_ids))
+        for view, tensor in zip(views, dest, strict=True):
+            assert np.array_equal(tensor.numpy()[dest_ids], view[source_ids])
+            assert not tensor.numpy()[untouched].any()
+    finally:
+        mapped.close()
+        del views, view
+        for buffer in cache.buffers:
+            buffer.close()
+        os.close(cache.fd)
 
 
 async def test_a_source_whose_cache_is_not_shared_is_pulled_from_through_segments(caplog):

@@ -205,11 +205,17 @@ class MappedKvSources:
 
 
 def copy_blocks(
-    source: MappedKvSource, blocks: pb.KvShmBlocks, destination: Sequence[Any], dest_block_ids: Sequence[int]
+    source: MappedKvSource,
+    blocks: pb.KvShmBlocks,
+    destination: Sequence[Any],
+    dest_block_ids: Sequence[int],
+    threads: int = 1,
 ) -> int:
     """Copy `blocks` from the mapped `source` into `destination` (this engine's cache tensors, in the
     regions' order: layer 0's K, V, layer 1's K, ...) at `dest_block_ids`; returns the bytes copied. Runs
-    in a worker thread: each memmove releases the GIL."""
+    in a worker thread: each memmove releases the GIL, and with `threads` > 1 that many threads (this one
+    and threads - 1 more) each copy an equal share of the bytes, which 4 KiB shared pages need to reach
+    memory speed (one thread copies them at about 60% of a plain memmove's rate)."""
     stride = blocks.block_stride
     if len(blocks.region_offsets) != len(destination):
         raise KvTransferError(
@@ -229,10 +235,48 @@ def copy_blocks(
     outside = [d + n - 1 for _, d, n in runs if d + n > capacity]
     if outside:
         raise KvTransferError(f"destination block {outside[0]} is outside this cache")
-    copied = 0
-    for offset, tensor in zip(blocks.region_offsets, destination, strict=True):
-        base = tensor.data_ptr()
-        for s, d, n in runs:
-            ctypes.memmove(base + d * stride, source.address + offset + s * stride, n * stride)
-            copied += n * stride
-    return copied
+    moves = [
+        (tensor.data_ptr() + d * stride, source.address + offset + s * stride, n * stride)
+        for offset, tensor in zip(blocks.region_offsets, destination, strict=True)
+        for s, d, n in runs
+    ]
+    shares = split_moves(moves, threads)
+    helpers = [threading.Thread(target=_move, args=(share,), name="kv-copy") for share in shares[1:]]
+    for helper in helpers:
+        helper.start()
+    try:
+        _move(shares[0] if shares else [])
+    finally:
+        for helper in helpers:
+            helper.join()  # the copy writes destination blocks: it ends before the pull does
+    return sum(size for _, _, size in moves)
+
+
+Move = tuple[int, int, int]  # (destination address, source address, bytes)
+
+
+def split_moves(moves: Sequence[Move], parts: int) -> list[list[Move]]:
+    """`moves` cut into at most `parts` lists of (nearly) equal bytes, in order; a move may be cut in
+    two where a share ends. Shares under 1 MiB are not worth a thread: fewer parts then."""
+    total = sum(size for _, _, size in moves)
+    parts = max(1, min(parts, total // _MIN_SHARE_BYTES))
+    share = -(-total // parts)
+    shares: list[list[Move]] = [[]]
+    room = share
+    for dst, src, size in moves:
+        while size > 0:
+            if room == 0:
+                shares.append([])
+                room = share
+            take = min(size, room)
+            shares[-1].append((dst, src, take))
+            dst, src, size, room = dst + take, src + take, size - take, room - take
+    return [part for part in shares if part]
+
+
+_MIN_SHARE_BYTES = 1 << 20
+
+
+def _move(moves: Sequence[Move]) -> None:
+    for dst, src, size in moves:
+        ctypes.memmove(dst, src, size)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,9 @@ from conduit_engine.kv_transfer.shm_segment import ShmSegment
 from conduit_engine.kv_transfer.transport import KvBlockSink, KvPullResult, KvPullSpec
 
 log = logging.getLogger(__name__)
+
+# Threads that copy one direct pull (shm_cache.copy_blocks): one per core, up to four.
+COPY_THREADS = min(4, os.cpu_count() or 1)
 
 
 class ShmKvTransport(GrpcKvTransport):
@@ -91,7 +95,7 @@ class ShmKvTransport(GrpcKvTransport):
         assert self._caches is not None
         # The copy writes destination blocks: it runs to its end even when the pull is cancelled.
         copy = asyncio.get_running_loop().run_in_executor(
-            None, copy_blocks, source, blocks, self._caches, dest_block_ids
+            None, copy_blocks, source, blocks, self._caches, dest_block_ids, COPY_THREADS
         )
         copy.add_done_callback(lambda _: self._mapped.release(source))
         try:
