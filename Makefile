@@ -12,6 +12,8 @@ MODEL ?=
 ENGINE_PORT ?= 50051
 GATEWAY_PORT ?= 8000
 PYTEST_ARGS ?=
+# Parallel pytest workers for make test (pytest-xdist, a file per worker at a time): one per core here.
+TEST_WORKERS ?= 2
 
 .PHONY: venv proto redis-server test test-fast lint format run run-engine demo-model bench bench-setup bench-peers compose-up clean
 
@@ -45,7 +47,7 @@ redis-server:
 test: venv redis-server
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The unit layer only: in-process tests, no servers or long-lived child processes (under a minute).
 test-fast: venv

@@ -25,7 +25,8 @@ from tests.support.polling import wait_for
 from tests.support.processes import require_shared
 from tests.support.stories import MODEL
 
-pytestmark = pytest.mark.integration
+# Makes KV segments in /dev/shm: one such module at a time (tests/conftest.py).
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("kv_shm_exclusive")]
 
 TRANSPORTS = ["shm", "nixl"]
 LEASE = "3"  # seconds: room for a pull, short enough to wait out

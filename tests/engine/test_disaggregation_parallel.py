@@ -12,7 +12,8 @@ from conduit_engine.sampling_params import SamplingParams
 from tests.engine.support.harness import greedy, make_engine
 from tests.engine.support.pd_harness import assert_same, colocated_run, disaggregated
 
-pytestmark = pytest.mark.integration
+# Makes KV segments in /dev/shm: one such module at a time (tests/conftest.py).
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("kv_shm_exclusive")]
 
 PROMPT = [1, *range(300, 341)]  # 42 tokens: three blocks of 16
 

@@ -39,7 +39,8 @@ from conduit_engine.worker.kv_cache import allocate_kv_caches, shared_kv_cache_f
 from tests.support.clock import ManualClock
 from tests.support.kv_blocks import LocalKvBlocks, layout_of, nixl_endpoint_or_skip, pull_spec_for
 
-pytestmark = pytest.mark.integration
+# Makes KV segments in /dev/shm: one such module at a time (tests/conftest.py).
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("kv_shm_exclusive")]
 
 LAYERS, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM = 3, 16, 4, 2, 8
 LEASE = 30.0

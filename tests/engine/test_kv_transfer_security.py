@@ -19,7 +19,8 @@ from tests.engine.test_kv_transfer_grpc import Source, assert_blocks_equal, cach
 from tests.support.certs import make_pki
 from tests.support.kv_blocks import LocalKvBlocks, layout_of, nixl_endpoint_or_skip, pull_spec_for
 
-pytestmark = pytest.mark.integration
+# Makes KV segments in /dev/shm: one such module at a time (tests/conftest.py).
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("kv_shm_exclusive")]
 
 TOKEN = "engine-to-engine"
 

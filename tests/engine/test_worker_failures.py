@@ -16,6 +16,7 @@ import signal
 import sys
 import textwrap
 import threading
+import uuid
 from pathlib import Path
 
 import grpc
@@ -30,7 +31,6 @@ from tests.support.health import NOT_SERVING, SERVING
 from tests.support.polling import wait_for
 from tests.support.proc_tree import command_line, descendants, is_running
 from tests.support.processes import ManagedProcess, free_port, start_engine, start_gateway
-from tests.support.shared import REPO_ROOT
 from tests.support.stories import MODEL
 
 pytestmark = pytest.mark.integration
@@ -209,13 +209,16 @@ def test_a_killed_engine_takes_its_workers_with_it(stories_path):
     engine.stop()
 
 
-def spawned_workers_here() -> set[int]:
-    """Running worker processes started from this checkout (their working directory), any parent."""
+def spawned_workers_tagged(tag: str) -> set[int]:
+    """Running worker processes whose environment carries CONDUIT_TEST_TAG=`tag` (workers inherit their
+    engine's environment, so this finds one engine's workers and no other test's, whoever their parent
+    is now)."""
+    marker = f"CONDUIT_TEST_TAG={tag}".encode()
     found = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and "spawn_main" in command_line(int(entry.name)):
             try:
-                if (entry / "cwd").resolve() == REPO_ROOT and is_running(int(entry.name)):
+                if marker in (entry / "environ").read_bytes().split(b"\0") and is_running(int(entry.name)):
                     found.add(int(entry.name))
             except OSError:
                 continue
@@ -223,7 +226,7 @@ def spawned_workers_here() -> set[int]:
 
 
 def test_a_size_that_does_not_divide_the_heads_fails_at_start(stories_path):
-    before = spawned_workers_here()
+    tag = uuid.uuid4().hex
     args = [
         sys.executable,
         "-m",
@@ -234,7 +237,12 @@ def test_a_size_that_does_not_divide_the_heads_fails_at_start(stories_path):
         "127.0.0.1",
     ]
     port = free_port()
-    engine = ManagedProcess("engine", [*args, "--port", str(port), "--tensor-parallel-size", "3"], port)
+    engine = ManagedProcess(
+        "engine",
+        [*args, "--port", str(port), "--tensor-parallel-size", "3"],
+        port,
+        env={"CONDUIT_TEST_TAG": tag},
+    )
     try:
         assert engine.process.wait(timeout=120) == 2
         output = engine.output_tail()
@@ -245,6 +253,6 @@ def test_a_size_that_does_not_divide_the_heads_fails_at_start(stories_path):
         # The workers were spawned before the model was read: they were stopped (or, still starting,
         # killed) and reaped.
         assert "started 3 worker process(es)" in output and "worker processes stopped: exit codes" in output
-        assert spawned_workers_here() <= before
+        assert spawned_workers_tagged(tag) == set()
     finally:
         engine.stop()
