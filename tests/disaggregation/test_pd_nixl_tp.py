@@ -60,13 +60,17 @@ def fleet():
 
 @pytest.fixture
 def healthy(fleet):
-    yield
+    """Every engine up and running (one a test killed is restarted first); after the test, stopped
+    engines resume. A killed engine waits for the next test to restart it: the module's last test kills
+    one, and nothing then pays for a TP=2 start nobody uses."""
     for index, engine in enumerate(fleet.engines):
         if engine.process.poll() is not None:
             fleet.restart(index)
-        else:
-            fleet.resume(index)
-    wait_idle(fleet)
+    yield
+    alive = [index for index, engine in enumerate(fleet.engines) if engine.process.poll() is None]
+    for index in alive:
+        fleet.resume(index)
+    wait_idle(fleet, alive)
 
 
 def colocated_text(fleet, decode: int, prompt: list[int], max_tokens: int) -> str:
@@ -105,7 +109,36 @@ def test_kv_moves_over_nixl_between_tensor_parallel_sizes(fleet, make_gateway, h
     wait_idle(fleet, [prefill, decode])
 
 
-@pytest.mark.parametrize("gone", ["source killed", "lease expired"])
+def test_a_client_gone_mid_pull_frees_the_tensor_parallel_engines_blocks(fleet, make_gateway, healthy):
+    """The pull is held open by stopping the source engine (SIGSTOP) once the decode engine planned its
+    blocks; the client leaving cancels it, and both engines end holding nothing."""
+    prefill, decode = PAIRS["2to2"]
+    gateway = make_gateway(prefill=[prefill], decode=[decode])
+    fleet.pause(decode)
+    with sdk(gateway.url) as client:
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=prompt_of("2to2", 3),
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))
+        wait_for(lambda: load(fleet.addresses[prefill]).kv_transfers_pending == 1, "the produced transfer")
+        fleet.pause(prefill)
+        fleet.resume(decode)
+        wait_for(
+            lambda: load(fleet.addresses[decode]).kv_blocks_used > 0, "the decode engine to plan its pull"
+        )
+        stream.close()
+    wait_idle(fleet, [decode])
+    fleet.resume(prefill)
+    wait_idle(fleet, [prefill])
+
+
+# The kill last: nothing restarts the killed TP=2 source after it (see healthy).
+@pytest.mark.parametrize("gone", ["lease expired", "source killed"])
 def test_a_tensor_parallel_transfer_gone_before_the_pull_is_recomputed(fleet, make_gateway, healthy, gone):
     prefill, decode = PAIRS["2to2"]
     gateway = make_gateway(prefill=[prefill], decode=[decode])
@@ -136,31 +169,3 @@ def test_a_tensor_parallel_transfer_gone_before_the_pull_is_recomputed(fleet, ma
     assert pulls(fleet, decode) == before
     wait_idle(fleet, [decode])
     assert text == colocated_text(fleet, decode, prompt, 30)
-
-
-def test_a_client_gone_mid_pull_frees_the_tensor_parallel_engines_blocks(fleet, make_gateway, healthy):
-    """The pull is held open by stopping the source engine (SIGSTOP) once the decode engine planned its
-    blocks; the client leaving cancels it, and both engines end holding nothing."""
-    prefill, decode = PAIRS["2to2"]
-    gateway = make_gateway(prefill=[prefill], decode=[decode])
-    fleet.pause(decode)
-    with sdk(gateway.url) as client:
-        stream = client.completions.create(
-            model=MODEL,
-            prompt=prompt_of("2to2", 3),
-            max_tokens=30,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        next(iter(stream))
-        wait_for(lambda: load(fleet.addresses[prefill]).kv_transfers_pending == 1, "the produced transfer")
-        fleet.pause(prefill)
-        fleet.resume(decode)
-        wait_for(
-            lambda: load(fleet.addresses[decode]).kv_blocks_used > 0, "the decode engine to plan its pull"
-        )
-        stream.close()
-    wait_idle(fleet, [decode])
-    fleet.resume(prefill)
-    wait_idle(fleet, [prefill])

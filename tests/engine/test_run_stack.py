@@ -88,7 +88,10 @@ def _serve_and_stop(model, completion_tokens: int = 5, *extra: str) -> str:
         assert f"http://127.0.0.1:{gateway_port}/v1" in text and "curl" in text, text
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway_port}/v1", api_key="none")
         reply = client.completions.create(
-            model="demo-llama", prompt="Once upon a time", max_tokens=completion_tokens
+            model="demo-llama",
+            prompt="Once upon a time",
+            max_tokens=completion_tokens,
+            extra_body={"ignore_eos": True},  # a sampled </s> (random weights) would end it early
         )
         assert reply.usage.completion_tokens == completion_tokens
         assert len(live_pids(pattern)) == 2
@@ -156,11 +159,12 @@ def test_the_launcher_serves_the_cached_default_model(offline_hub, tmp_path, sto
             proc.kill()
 
 
-def test_the_stack_starts_and_stops_twenty_times_in_a_row(tmp_path):
+def test_the_stack_starts_and_stops_five_times_in_a_row(tmp_path):
     # A first run once died with SIGABRT: the launcher had started gRPC (a health check) and then
-    # forked the gateway, whose child side of gRPC's fork handling aborted on a closed epoll fd.
+    # forked the gateway, whose child side of gRPC's fork handling aborted on a closed epoll fd. The
+    # cause is ruled out by test_the_launcher_never_starts_grpc; these starts catch what else may race.
     model = write_demo_model(tmp_path / "demo-llama")
-    for _ in range(20):
+    for _ in range(5):
         _serve_and_stop(model, completion_tokens=1)
 
 
