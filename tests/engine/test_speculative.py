@@ -341,15 +341,40 @@ def test_the_gate_speculates_while_it_is_cheaper_per_token_and_explores_the_othe
     gate = SpecGate(explore_every=4)
     assert gate.allow(16)  # nothing measured: measure speculation
     gate.observe(16, True, seconds=3.0, tokens=30)  # 0.1 s a token
-    choices = [gate.allow(16) for _ in range(12)]
-    assert [i for i, c in enumerate(choices) if not c] == [4]  # tried 4 steps on, then 8 later
+    assert not gate.allow(16)  # then the other choice at once: the gate picks from both
     gate.observe(16, False, seconds=1.0, tokens=16)  # 0.0625 s a token: cheaper
     choices = [gate.allow(16) for _ in range(30)]
-    # The choice changed: tries after 4 steps, then 8, then 16 (as long as the choice holds).
+    # Not speculating is cheaper: tries after 4 steps, then 8, then 16 (as long as the choice holds).
     assert [i for i, c in enumerate(choices) if c] == [4, 12, 28]
     assert gate.costs(16) == (pytest.approx(0.1), pytest.approx(0.0625))
     assert gate.costs(15) == gate.costs(16) and gate.costs(1) == (None, None)  # buckets: powers of two
     assert not gate.allow(1)  # another size follows the nearest measured one at first
+
+
+def test_a_dear_try_puts_the_next_one_off_until_trying_costs_at_most_two_percent():
+    gate = SpecGate(explore_every=4)
+    assert gate.allow(16)
+    gate.observe(16, True, seconds=1.2, tokens=16)  # 0.075 s a token
+    assert not gate.allow(16)
+    gate.observe(16, False, seconds=1.0, tokens=16)  # 0.0625 s a token, 1 s a step: preferred
+    assert [gate.allow(16) for _ in range(5)] == [False] * 4 + [True]
+    # The try (a draft that sat idle catching up on every sequence) took 3 s for 32 tokens: 1 s more
+    # than 32 tokens take without speculating, one preferred step lost: the next try is 50 steps on.
+    gate.observe(16, True, seconds=3.0, tokens=32)
+    choices = [gate.allow(16) for _ in range(60)]
+    assert [i for i, c in enumerate(choices) if c] == [49]
+
+
+def test_a_step_with_prefill_work_follows_the_preference_without_measuring_or_trying():
+    gate = SpecGate(explore_every=4)
+    assert gate.allow(16, measured=False)  # nothing measured: speculate, as a measured step would
+    assert gate.allow(16)  # the first measured step still measures speculation
+    gate.observe(16, True, seconds=2.0, tokens=16)
+    assert gate.allow(16, measured=False)  # plain is unmeasured: unmeasured steps keep the default
+    assert not gate.allow(16)
+    gate.observe(16, False, seconds=1.0, tokens=16)
+    assert not any(gate.allow(16, measured=False) for _ in range(100))  # no tries in unmeasured steps
+    assert [gate.allow(16) for _ in range(5)] == [False] * 4 + [True]  # measured steps count to a try
 
 
 # ----- draft model ----------------------------------------------------------------------------------

@@ -91,11 +91,17 @@ class Scheduler:
             self.spec.forget(seq)
 
     # ----- one step --------------------------------------------------------------------------------
+    def _pure_decode(self) -> bool:
+        """Whether this step will likely decode only: every running sequence has one token to compute
+        and nobody waiting can be admitted (the engine measures such steps for the speculation gate)."""
+        admitting = self._waiting and len(self.running) < self.config.max_num_seqs
+        return not admitting and all(seq.num_uncomputed_tokens == 1 for seq in self.running)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
-        speculate = self.spec is not None and self.spec.allow(len(self.running))
+        speculate = self.spec is not None and self.spec.allow(len(self.running), self._pure_decode())
 
         for seq in list(self.running):
             if budget == 0:

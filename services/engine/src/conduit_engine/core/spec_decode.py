@@ -61,9 +61,11 @@ class SpecDecode:
         self.gate = SpecGate()
         self.counters = SpecDecodeCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
 
-    def allow(self, num_running: int) -> bool:
-        """Whether this step may speculate at all (the cost gate; min_acceptance_rate 0: always)."""
-        return self.config.min_acceptance_rate == 0 or self.gate.allow(num_running)
+    def allow(self, num_running: int, pure_decode: bool = True) -> bool:
+        """Whether this step may speculate at all (the cost gate; min_acceptance_rate 0: always).
+        `pure_decode`: the step looks like one the gate measures (every running sequence decodes one
+        token and nobody waits to be admitted)."""
+        return self.config.min_acceptance_rate == 0 or self.gate.allow(num_running, pure_decode)
 
     def propose(self, seq: Sequence, budget: int, keep_free: int = 0) -> tuple[tuple[int, ...], int]:
         """A proposal for `seq`, which decodes one token this step with its slot reserved; at most

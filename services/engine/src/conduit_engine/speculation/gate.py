@@ -7,28 +7,40 @@ rejected token is pure loss. So the gate keeps, per batch-size bucket (1, 2, 4, 
 per emitted token (moving averages of a step's seconds and of its emitted tokens) of the pure decode
 steps that verified proposals and of those that did not (decode bursts included), and lets a step
 speculate while speculating is the cheaper of the two (the engine measures with its process's CPU time
-when the model runs in it: load from other processes does not count). Now and then a step tries the
-other choice, so both estimates follow the workload: `explore_every` steps after the choice last
-changed, then after twice as many steps each time the choice holds, up to 1024 (trying costs: a draft
-model that sat idle first catches up on every sequence's tokens). Plain Python.
+when the model runs in it: load from other processes does not count). The first measurement of a size
+is followed at once by one of the other choice, so the gate picks from both. Now and then a step tries
+the other choice, so both estimates follow the workload: `explore_every` steps after the choice last
+changed, then after twice as many steps each time the choice holds, up to 1024; and never sooner than
+the latest try's cost allows, so that trying loses at most 2% of the time between tries (a try costs
+what it took beyond what the preferred choice takes for the tokens it emitted, counted in the
+preferred choice's steps: a draft model that sat idle first catches up on every sequence's tokens,
+which can make one try cost several steps). Steps with prefill work are not measured, so they
+neither measure nor try: they follow the preference. Plain Python.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _SMOOTHING = 0.1
 _MAX_GAP = 1024
+_TRY_LOSS = 0.02  # at most this share of the steps between tries is lost to trying the dearer choice
 
 
 @dataclass(slots=True)
 class _Cost:
     seconds: float
     tokens: float
+    samples: int = 1
 
     def add(self, seconds: float, tokens: int) -> None:
-        self.seconds += _SMOOTHING * (seconds - self.seconds)
-        self.tokens += _SMOOTHING * (tokens - self.tokens)
+        # The plain mean of the first samples, then a moving average: a first step that was slow for
+        # its own reasons (a shape run for the first time) does not stand for ten more.
+        self.samples += 1
+        weight = max(_SMOOTHING, 1 / self.samples)
+        self.seconds += weight * (seconds - self.seconds)
+        self.tokens += weight * (tokens - self.tokens)
 
     @property
     def per_token(self) -> float:
@@ -43,6 +55,7 @@ class _Bucket:
     choice: bool | None = None  # the latest preference (True: speculate)
     gap: int = 0  # steps between tries of the other choice
     next_try: int = 0
+    try_loss: float = 0.0  # what the latest try cost beyond the preferred choice, in its steps
 
 
 @dataclass(slots=True)
@@ -50,9 +63,15 @@ class SpecGate:
     explore_every: int = 16
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
 
-    def allow(self, num_seqs: int) -> bool:
-        """Whether a step of `num_seqs` running sequences may speculate."""
+    def allow(self, num_seqs: int, measured: bool = True) -> bool:
+        """Whether a step of `num_seqs` running sequences may speculate. A step that will not be
+        `measured` (it has prefill work: observe() never sees it) follows the preference: it neither
+        measures nor tries, which would cost without telling anything."""
         b = self._bucket(num_seqs)
+        if not measured:
+            if b.spec is not None and b.plain is not None:
+                return b.spec.per_token <= b.plain.per_token
+            return not self._nearest_prefers_plain(num_seqs)
         b.steps += 1
         if b.spec is None:
             # Measure it first, unless the nearest measured size found it dearer: then in a while.
@@ -61,12 +80,14 @@ class SpecGate:
                     b.next_try = b.steps + self.explore_every
                 return b.steps >= b.next_try
             return True
-        cheaper = b.plain is None or b.spec.per_token <= b.plain.per_token
+        if b.plain is None:
+            return False  # measure the other choice at once: the gate picks from both
+        cheaper = b.spec.per_token <= b.plain.per_token
         if cheaper != b.choice:
-            b.choice, b.gap = cheaper, self.explore_every
+            b.choice, b.gap = cheaper, _gap(b, self.explore_every)
             b.next_try = b.steps + b.gap
         if b.steps >= b.next_try:
-            b.gap = min(2 * b.gap, _MAX_GAP)
+            b.gap = _gap(b, 2 * b.gap)
             b.next_try = b.steps + b.gap
             return not cheaper
         return cheaper
@@ -76,6 +97,13 @@ class SpecGate:
         if tokens <= 0:
             return
         bucket = self._bucket(num_seqs)
+        if bucket.choice is not None and speculated != bucket.choice:
+            preferred = bucket.spec if bucket.choice else bucket.plain
+            if preferred is not None:
+                # A dear try moves the next one out at once (allow() set it before the cost was known).
+                bucket.try_loss = _loss(seconds, tokens, preferred)
+                bucket.gap = _gap(bucket, bucket.gap)
+                bucket.next_try = bucket.steps + bucket.gap
         cost = bucket.spec if speculated else bucket.plain
         if cost is None:
             cost = _Cost(seconds, tokens)
@@ -111,6 +139,17 @@ class SpecGate:
 
     def _bucket(self, num_seqs: int) -> _Bucket:
         return self._buckets.setdefault(_size(num_seqs), _Bucket())
+
+
+def _gap(bucket: _Bucket, steps: int) -> int:
+    """`steps`, or more where the latest try lost more than _TRY_LOSS of that many steps."""
+    return min(_MAX_GAP, max(steps, math.ceil(bucket.try_loss / _TRY_LOSS)))
+
+
+def _loss(seconds: float, tokens: float, preferred: _Cost) -> float:
+    """What a step of `seconds` emitting `tokens` took beyond the `preferred` choice's time for as many
+    tokens, in steps of the preferred choice (0 when it was no dearer)."""
+    return max(0.0, (seconds - tokens * preferred.per_token) / preferred.seconds)
 
 
 def _size(num_seqs: int) -> int:
