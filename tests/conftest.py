@@ -5,12 +5,12 @@ Also loads the layer check (tests/support/layers.py): every test is unit, integr
 
 from __future__ import annotations
 
-import fcntl
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from conduit_common.file_lock import exclusive_file_lock
 from tests.support.shared import require_shared
 from tests.support.stories import MODEL
 
@@ -36,9 +36,5 @@ def kv_shm_exclusive(tmp_path_factory) -> Iterator[None]:
     root = tmp_path_factory.getbasetemp()
     if root.name.startswith("popen-gw"):  # an xdist worker: its basetemp is a folder of the shared root
         root = root.parent
-    with open(root / "kv-shm.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with exclusive_file_lock(root / "kv-shm.lock"):
+        yield

@@ -13,7 +13,6 @@ loaded, `CpuKernelsUnavailable` says why and the engine runs the torch ops inste
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -23,12 +22,12 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from conduit_common.file_lock import exclusive_file_lock
 from conduit_engine.ops.kernel_loader import kernels_dir
 
 log = logging.getLogger(__name__)
@@ -86,16 +85,10 @@ def _writable(root: Path) -> bool:
     return os.access(root, os.W_OK)
 
 
-@contextlib.contextmanager
-def _build_lock(root: Path) -> Iterator[None]:
+def _build_lock(root: Path) -> contextlib.AbstractContextManager[None]:
     """One builder at a time per build folder, across processes (engines, tensor-parallel workers and
     test servers may all start on a fresh checkout at once); the others wait, then import its build."""
-    with open(root / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    return exclusive_file_lock(root / ".build.lock")
 
 
 def _build(name: str, root: Path) -> ModuleType:
