@@ -82,6 +82,19 @@ def test_an_8_mb_completions_prompt_is_refused_as_prompt(http):
     assert_refused(response, "prompt", ATTACK)
 
 
+def test_a_huge_prompt_string_refused_before_parsing_is_only_one_a_parser_would_see(http):
+    # The gateway refuses an oversized plain prompt string before parsing the body (body_scan.py); a
+    # body whose last "prompt" is short is what a JSON parser sees, and it is served.
+    body = b'{"model": "%s", "max_tokens": 2, "prompt": "' % MODEL.encode()
+    body += b"a" * 2_000_000 + b'", "prompt": "Once upon a time"}'
+    served = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert served.status_code == 200, served.text
+    assert served.json()["usage"]["completion_tokens"] == 2
+    # With an escape the raw bytes are not the text's: the prompt is parsed, then refused by its size.
+    escaped = http.post("/v1/completions", json={"model": MODEL, "prompt": "a" * ATTACK + "\n"})
+    assert_refused(escaped, "prompt", ATTACK + 1)
+
+
 def test_completions_prompt_lists_and_token_arrays_are_refused(http):
     listed = http.post("/v1/completions", json={"model": MODEL, "prompt": ["Once", "b" * OVER]})
     assert_refused(listed, "prompt[1]", OVER)

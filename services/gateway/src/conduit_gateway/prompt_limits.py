@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from conduit.engine.v1 import engine_pb2
 from conduit_common.prompt_size import context_message, over_bound, too_long_message
 from conduit_gateway.errors import invalid_param
+from conduit_gateway.http.body_scan import top_level_strings
 
 if TYPE_CHECKING:
     from conduit_gateway.routing.pool import EnginePool
@@ -99,3 +100,30 @@ def body_limit(path: str, configured: int, pool: EnginePool) -> int:
     tokens = max(info.max_model_len for info in infos)
     prompt = max(_JSON_BYTES_PER_BYTE * text, _JSON_BYTES_PER_TOKEN * tokens)
     return min(configured, prompts * prompt + BODY_HEADROOM_BYTES)
+
+
+# Bodies up to this size are parsed before their prompt is checked: parsing them costs little.
+_SCAN_FROM_BYTES = 64 * 1024
+
+
+def refuse_unfit_completion(pool: EnginePool, body: bytes) -> None:
+    """Before a /v1/completions body is parsed: when its `prompt` is one plain string (no escapes, so
+    its raw bytes are its text) over the bound of the `model` it names, the 400 the handler would give
+    after parsing, now (body_scan.py finds both fields without parsing the body). Anything the scan is
+    not sure of goes on to be parsed and checked as before."""
+    if len(body) <= _SCAN_FROM_BYTES:
+        return
+    fields = top_level_strings(body, (b"model", b"prompt"))
+    if fields is None:
+        return
+    model_span, prompt_span = fields.get(b"model"), fields.get(b"prompt")
+    if model_span is None or prompt_span is None:
+        return
+    try:
+        model = body[model_span[0] : model_span[1]].decode()
+    except UnicodeDecodeError:
+        return
+    limit = prompt_limit(pool, model)
+    size = prompt_span[1] - prompt_span[0]
+    if limit is not None and limit.max_bytes and size > limit.max_bytes:
+        raise invalid_param("prompt", too_long_message(size, limit.max_bytes, limit.max_model_len))

@@ -9,7 +9,9 @@ does not (lone surrogates in strings, integers beyond 64 bits, NaN), so every su
 error that names its field, and a body neither accepts gets the same 400 as before.
 
 Routes opt in through `router = APIRouter(route_class=GatewayRoute)`, FastAPI's documented way to
-give routes their own Request class.
+give routes their own Request class. A route may also have its raw body checked before it is parsed
+(`check_body_before_parsing`): /v1/completions refuses a prompt string too large for the context
+without building it (prompt_limits.refuse_unfit_completion).
 """
 
 from __future__ import annotations
@@ -49,11 +51,25 @@ def parse_json(body: bytes) -> Any:
         return json.loads(body)
 
 
+BodyCheck = Callable[[Request, bytes], None]
+_BODY_CHECKS: dict[str, BodyCheck] = {}
+
+
+def check_body_before_parsing(path: str, check: BodyCheck) -> None:
+    """Have `check` see the raw body of every request to the route at `path` before the route parses
+    it; it raises (an OpenAIError) to refuse the request."""
+    _BODY_CHECKS[path] = check
+
+
 class GatewayRoute(APIRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def route_handler(request: Request) -> Response:
-            return await handler(GatewayRequest(request.scope, request.receive, request._send))
+            gateway_request = GatewayRequest(request.scope, request.receive, request._send)
+            check = _BODY_CHECKS.get(self.path)
+            if check is not None:
+                check(gateway_request, await gateway_request.body())
+            return await handler(gateway_request)
 
         return route_handler

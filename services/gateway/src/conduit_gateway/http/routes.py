@@ -17,9 +17,10 @@ from conduit_gateway.handlers.chat import ChatHandler
 from conduit_gateway.handlers.completions import CompletionsHandler
 from conduit_gateway.handlers.messages import MessagesHandler, count_tokens
 from conduit_gateway.http import anthropic
-from conduit_gateway.http.request_body import GatewayRoute
+from conduit_gateway.http.request_body import GatewayRoute, check_body_before_parsing
 from conduit_gateway.http.sse import wait_for_disconnect
 from conduit_gateway.keys.keys_file import ApiKey
+from conduit_gateway.prompt_limits import refuse_unfit_completion
 from conduit_gateway.race import finished_first
 from conduit_gateway.routing.lora import AdapterView, adapters
 from conduit_gateway.routing.node import EngineNode
@@ -73,6 +74,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 async def completions(body: CompletionRequest, request: Request) -> Response:
     handler = CompletionsHandler(_ctx(request), body, request.state.request_id, _api_key(request))
     return await _until_disconnect(request, handler.handle())
+
+
+# An 8 MB prompt string is refused before FastAPI parses and validates it (prompt_limits.py).
+check_body_before_parsing(
+    "/v1/completions", lambda request, body: refuse_unfit_completion(_ctx(request).pool, body)
+)
 
 
 # Anthropic's Messages API; http/anthropic.py gives its errors Anthropic's shape (529 for 503).
