@@ -6,6 +6,8 @@ x-ratelimit headers, and what the engine generated from its own Prometheus count
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import grpc
 import httpx
@@ -61,36 +63,46 @@ def settled(gateway) -> bool:
     )
 
 
-def leave_after(gateway, path: str, body: dict, chunks: int) -> tuple[int, float]:
-    """Stream `body`, close the connection after `chunks` data events; (tokens charged, generated)."""
+def leave_after(gateway, engine, path: str, body: dict, chunks: int) -> tuple[int, float]:
+    """Stream `body`, close the connection after `chunks` data events; (tokens charged, generated).
+
+    The engine process is stopped (SIGSTOP) from the last read event until the gateway has seen the
+    client leave and begun draining: however loaded the machine, the engine cannot finish the request
+    while the gateway has yet to notice."""
     spent, before = charged(gateway), generated()
     seen = 0
-    with httpx.Client(base_url=gateway.url, timeout=60) as client:
-        with client.stream(
-            "POST", path, json={**body, "stream": True}, headers={"Authorization": "Bearer sk-team"}
-        ) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    seen += 1
-                    if seen == chunks:
-                        break
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=60) as client:
+            with client.stream(
+                "POST", path, json={**body, "stream": True}, headers={"Authorization": "Bearer sk-team"}
+            ) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        seen += 1
+                        if seen == chunks:
+                            os.kill(engine.process.pid, signal.SIGSTOP)
+                            break
+        if seen == chunks:
+            wait_for(lambda: bool(gateway.ctx.drains), "the gateway to see the client leave")
+    finally:
+        os.kill(engine.process.pid, signal.SIGCONT)
     assert seen == chunks
     wait_for(lambda: settled(gateway), "the gateway to drain and settle the request")
     wait_for(lambda: engine_metric("conduit_engine_requests_running") == 0, "the engine to end the request")
     return charged(gateway) - spent, generated() - before
 
 
-def test_a_completion_left_after_a_few_chunks_is_charged_what_the_engine_generated(gateway):
+def test_a_completion_left_after_a_few_chunks_is_charged_what_the_engine_generated(gateway, stories_engine):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-    used, made = leave_after(gateway, "/v1/completions", body, chunks=2)
+    used, made = leave_after(gateway, stories_engine, "/v1/completions", body, chunks=2)
     assert made >= 2
     assert used == PROMPT_TOKENS + made
     assert used < PROMPT_TOKENS + MAX_TOKENS  # the worst case it was charged before
     assert engine_metric("conduit_engine_kv_blocks_used") == 0
 
 
-def test_a_chat_completion_left_mid_stream_is_charged_what_the_engine_generated(gateway):
+def test_a_chat_completion_left_mid_stream_is_charged_what_the_engine_generated(gateway, stories_engine):
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": PROMPT}],
@@ -107,14 +119,16 @@ def test_a_chat_completion_left_mid_stream_is_charged_what_the_engine_generated(
         ).json()
     prompt_tokens = done["usage"]["prompt_tokens"]
     assert charged(gateway) - spent == prompt_tokens + 1
-    used, made = leave_after(gateway, "/v1/chat/completions", body, chunks=2)
+    used, made = leave_after(gateway, stories_engine, "/v1/chat/completions", body, chunks=2)
     assert made >= 1
     assert used == prompt_tokens + made
     assert used < prompt_tokens + CHAT_MAX_TOKENS
     assert engine_metric("conduit_engine_kv_blocks_used") == 0
 
 
-def test_an_anthropic_message_stream_left_mid_way_is_charged_what_the_engine_generated(gateway):
+def test_an_anthropic_message_stream_left_mid_way_is_charged_what_the_engine_generated(
+    gateway, stories_engine
+):
     body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": CHAT_MAX_TOKENS}
     spent = charged(gateway)
     with httpx.Client(base_url=gateway.url, timeout=60) as client:
@@ -126,25 +140,25 @@ def test_an_anthropic_message_stream_left_mid_way_is_charged_what_the_engine_gen
     assert charged(gateway) - spent == prompt_tokens + 1
     # message_start and content_block_start come first: leave at the second text delta. (The Messages
     # API has no ignore_eos: the story may end first, and is then charged its usage all the same.)
-    used, made = leave_after(gateway, "/v1/messages", body, chunks=4)
+    used, made = leave_after(gateway, stories_engine, "/v1/messages", body, chunks=4)
     assert made >= 1
     assert used == prompt_tokens + made
     assert used < prompt_tokens + CHAT_MAX_TOKENS
     assert engine_metric("conduit_engine_kv_blocks_used") == 0
 
 
-def test_n_2_left_mid_stream_is_charged_both_choices_tokens(gateway):
+def test_n_2_left_mid_stream_is_charged_both_choices_tokens(gateway, stories_engine):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "n": 2, "ignore_eos": True}
-    used, made = leave_after(gateway, "/v1/completions", body, chunks=2)
+    used, made = leave_after(gateway, stories_engine, "/v1/completions", body, chunks=2)
     assert made >= 2
     assert used == PROMPT_TOKENS + made
     assert used < PROMPT_TOKENS + 2 * MAX_TOKENS
     assert engine_metric("conduit_engine_kv_blocks_used") == 0
 
 
-def test_two_prompts_left_mid_stream_are_charged_every_token_of_both(gateway):
+def test_two_prompts_left_mid_stream_are_charged_every_token_of_both(gateway, stories_engine):
     body = {"model": MODEL, "prompt": [PROMPT, PROMPT], "max_tokens": MAX_TOKENS, "ignore_eos": True}
-    used, made = leave_after(gateway, "/v1/completions", body, chunks=2)
+    used, made = leave_after(gateway, stories_engine, "/v1/completions", body, chunks=2)
     assert used == 2 * PROMPT_TOKENS + made
     assert used < 2 * (PROMPT_TOKENS + MAX_TOKENS)
     assert engine_metric("conduit_engine_kv_blocks_used") == 0

@@ -90,9 +90,14 @@ def test_a_huge_prompt_string_refused_before_parsing_is_only_one_a_parser_would_
     served = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
     assert served.status_code == 200, served.text
     assert served.json()["usage"]["completion_tokens"] == 2
-    # With an escape the raw bytes are not the text's: the prompt is parsed, then refused by its size.
+    # The same attack in a list, or with an escape (whose text is at least a sixth of its raw bytes).
+    listed = http.post("/v1/completions", json={"model": MODEL, "prompt": ["a" * ATTACK]})
+    assert_refused(listed, "prompt", ATTACK)
     escaped = http.post("/v1/completions", json={"model": MODEL, "prompt": "a" * ATTACK + "\n"})
-    assert_refused(escaped, "prompt", ATTACK + 1)
+    assert escaped.status_code == 400 and escaped.json()["error"]["param"] == "prompt"
+    assert escaped.json()["error"]["message"] == too_long("prompt", ATTACK + 2).replace(
+        f"is {ATTACK + 2} bytes", f"is at least {-(-(ATTACK + 2) // 6)} bytes"
+    )
 
 
 def test_completions_prompt_lists_and_token_arrays_are_refused(http):

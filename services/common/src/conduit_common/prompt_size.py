@@ -19,11 +19,12 @@ def over_bound(texts: Iterable[str], max_bytes: int) -> int | None:
     return total if total > max_bytes else None
 
 
-def too_long_message(size: int, max_bytes: int, max_model_len: int) -> str:
-    """The reason both sides give (after the field name) for a prompt over the bound."""
+def too_long_message(size: int, max_bytes: int, max_model_len: int, at_least: bool = False) -> str:
+    """The reason both sides give (after the field name) for a prompt over the bound (`at_least`: the
+    size is a lower bound, measured without decoding the text)."""
     return (
-        f"prompt is {size} bytes of text, more than the {max_bytes} bytes the model's context of "
-        f"{max_model_len} tokens can hold"
+        f"prompt is {'at least ' if at_least else ''}{size} bytes of text, more than the {max_bytes} "
+        f"bytes the model's context of {max_model_len} tokens can hold"
     )
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from conduit.engine.v1 import engine_pb2
 from conduit_common.prompt_size import context_message, over_bound, too_long_message
 from conduit_gateway.errors import invalid_param
-from conduit_gateway.http.body_scan import top_level_strings
+from conduit_gateway.http.body_scan import RawString, top_level_strings
 
 if TYPE_CHECKING:
     from conduit_gateway.routing.pool import EnginePool
@@ -107,23 +107,36 @@ _SCAN_FROM_BYTES = 64 * 1024
 
 
 def refuse_unfit_completion(pool: EnginePool, body: bytes) -> None:
-    """Before a /v1/completions body is parsed: when its `prompt` is one plain string (no escapes, so
-    its raw bytes are its text) over the bound of the `model` it names, the 400 the handler would give
-    after parsing, now (body_scan.py finds both fields without parsing the body). Anything the scan is
-    not sure of goes on to be parsed and checked as before."""
+    """Before a /v1/completions body is parsed: when its `prompt` (one string, or a list of strings)
+    holds a string whose text is certainly over the bound of the `model` it names, the 400 the handler
+    would give after parsing, now (body_scan.py finds both fields without parsing the body). A string
+    without escapes is measured exactly; one with escapes by the least its text can be (a sixth of its
+    raw bytes: the message then says "at least"). Prompts before it must certainly fit, as the handler
+    checks them in order; anything the walk is not sure of goes on to be parsed and checked as before."""
     if len(body) <= _SCAN_FROM_BYTES:
         return
     fields = top_level_strings(body, (b"model", b"prompt"))
     if fields is None:
         return
-    model_span, prompt_span = fields.get(b"model"), fields.get(b"prompt")
-    if model_span is None or prompt_span is None:
+    model, prompt = fields.get(b"model"), fields.get(b"prompt")
+    if not isinstance(model, RawString) or model.escaped or prompt is None:
         return
     try:
-        model = body[model_span[0] : model_span[1]].decode()
+        name = body[model.start : model.end].decode()
     except UnicodeDecodeError:
         return
-    limit = prompt_limit(pool, model)
-    size = prompt_span[1] - prompt_span[0]
-    if limit is not None and limit.max_bytes and size > limit.max_bytes:
-        raise invalid_param("prompt", too_long_message(size, limit.max_bytes, limit.max_model_len))
+    limit = prompt_limit(pool, name)
+    if limit is None or not limit.max_bytes:
+        return
+    prompts = (prompt,) if isinstance(prompt, RawString) else prompt
+    if not prompts or len(prompts) > MAX_PROMPTS:
+        return  # the handler's own errors
+    for index, text in enumerate(prompts):
+        if text.max_text_bytes <= limit.max_bytes:
+            continue  # fits: the handler passes it too
+        if text.min_text_bytes <= limit.max_bytes:
+            return  # it may fit: only its decoded text can tell
+        param = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
+        size = text.min_text_bytes
+        message = too_long_message(size, limit.max_bytes, limit.max_model_len, at_least=text.escaped)
+        raise invalid_param(param, message)

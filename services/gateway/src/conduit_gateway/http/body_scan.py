@@ -3,34 +3,55 @@
 A body carrying one huge string (a prompt many times the context) costs more to parse than to refuse:
 orjson builds the whole string. `top_level_strings` walks only the object's top level, skipping
 string contents with bytes.find and nested values by their brackets (regular-expression search, C
-speed), so an 8 MB prompt costs a few finds. It answers only where it is sure of what a full parser
-would see, and gives up (None) otherwise: a key with an escape (it may decode to a wanted key), a
-wanted value with an escape (its decoded length is not its raw length), more than `max_steps`
-structural characters (a large array of strings), or anything malformed. Repeated keys: the last
-one counts, as with json and orjson.
+speed), so an 8 MB prompt costs a few finds. A wanted value is reported as its raw string, or as the
+raw strings of an array of strings; anything else as None. The walk answers only where it is sure of
+what a full parser would see, and gives up (None for the whole answer) otherwise: a key with an escape
+(it may decode to a wanted key), more than `max_steps` structural characters, or anything malformed.
+Repeated keys: the last one counts, as with json and orjson.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Collection
+from dataclasses import dataclass
 
 _STRUCTURE = re.compile(rb'["{}\[\]]')
 _LITERAL_END = re.compile(rb"[,}\]]")
 _WHITESPACE = b" \t\r\n"
 _MAX_BACKSLASH_RUN = 64  # a longer run of backslashes before a quote: give up rather than count
+# The most raw bytes one byte of text takes in a JSON string: \u0041 is six bytes for one.
+_MAX_RAW_PER_TEXT_BYTE = 6
 
 
-class _GiveUp(Exception):
-    pass
+@dataclass(frozen=True, slots=True)
+class RawString:
+    """A JSON string's raw bytes body[start:end] (between its quotes)."""
+
+    start: int
+    end: int
+    escaped: bool  # it holds a backslash escape: its text is shorter than its raw bytes
+
+    @property
+    def max_text_bytes(self) -> int:
+        """Its text's UTF-8 bytes are at most its raw bytes (an escape only ever shrinks)."""
+        return self.end - self.start
+
+    @property
+    def min_text_bytes(self) -> int:
+        """...and at least this many (exactly its raw bytes when it holds no escape)."""
+        raw = self.end - self.start
+        return -(-raw // _MAX_RAW_PER_TEXT_BYTE) if self.escaped else raw
+
+
+Value = RawString | tuple[RawString, ...] | None
 
 
 def top_level_strings(
-    body: bytes, keys: Collection[bytes], max_steps: int = 512
-) -> dict[bytes, tuple[int, int] | None] | None:
-    """For each of `keys` present at the top level of the JSON object `body`: the (start, end) byte
-    span of its string value, which has no escapes (so its raw bytes are its text); None for a value
-    that is not such a string. None for the whole answer when the scan cannot be sure."""
+    body: bytes, keys: Collection[bytes], max_steps: int = 5000
+) -> dict[bytes, Value] | None:
+    """For each of `keys` present at the top level of the JSON object `body`: its value as a RawString,
+    a tuple of them (an array of strings), or None (any other value). None when the walk cannot be sure."""
     scan = _Scan(body, max_steps)
     try:
         return scan.object_fields(keys)
@@ -38,17 +59,21 @@ def top_level_strings(
         return None
 
 
+class _GiveUp(Exception):
+    pass
+
+
 class _Scan:
     def __init__(self, body: bytes, max_steps: int) -> None:
         self.body = body
         self.steps_left = max_steps
 
-    def object_fields(self, keys: Collection[bytes]) -> dict[bytes, tuple[int, int] | None]:
+    def object_fields(self, keys: Collection[bytes]) -> dict[bytes, Value]:
         body = self.body
         i = self._skip_ws(0)
         if body[i : i + 1] != b"{":
             raise _GiveUp
-        found: dict[bytes, tuple[int, int] | None] = {}
+        found: dict[bytes, Value] = {}
         i += 1
         while True:
             self._step()
@@ -68,23 +93,48 @@ class _Scan:
             i = self._skip_ws(end + 1)
             if body[i : i + 1] != b":":
                 raise _GiveUp
-            i = self._skip_ws(i + 1)
-            head = body[i : i + 1]
-            if head == b'"':
-                end = self._string_end(i)
-                span = (i + 1, end) if body.find(b"\\", i + 1, end) < 0 else None
-                i = end + 1
-            elif head in (b"{", b"["):
-                span, i = None, self._container_end(i)
-            elif head:
-                match = _LITERAL_END.search(body, i)
-                if match is None:
-                    raise _GiveUp
-                span, i = None, match.start()
-            else:
-                raise _GiveUp
+            value, i = self._value(self._skip_ws(i + 1), wanted=key in keys)
             if key in keys:
-                found[key] = span
+                found[key] = value
+
+    def _value(self, i: int, wanted: bool) -> tuple[Value, int]:
+        """The value at `i` (a RawString or an array of them when `wanted`, else None) and the index
+        after it."""
+        body = self.body
+        head = body[i : i + 1]
+        if head == b'"':
+            end = self._string_end(i)
+            return RawString(i + 1, end, body.find(b"\\", i + 1, end) >= 0), end + 1
+        if head == b"[" and wanted:
+            return self._string_array(i)
+        if head in (b"{", b"["):
+            return None, self._container_end(i)
+        if not head:
+            raise _GiveUp
+        match = _LITERAL_END.search(body, i)
+        if match is None:
+            raise _GiveUp
+        return None, match.start()
+
+    def _string_array(self, start: int) -> tuple[Value, int]:
+        """The array at `start`: its strings when it holds only strings, else None (and its end)."""
+        body = self.body
+        strings: list[RawString] = []
+        i = start + 1
+        while True:
+            self._step()
+            i = self._skip_ws(i)
+            head = body[i : i + 1]
+            if head == b"]":
+                return tuple(strings), i + 1
+            if head == b",":
+                i += 1
+                continue
+            if head != b'"':
+                return None, self._container_end(start)
+            end = self._string_end(i)
+            strings.append(RawString(i + 1, end, body.find(b"\\", i + 1, end) >= 0))
+            i = end + 1
 
     def _step(self) -> None:
         self.steps_left -= 1
