@@ -125,14 +125,17 @@ def test_a_request_within_the_limit_is_charged_what_it_used_and_gets_the_rest_ba
     assert charged(gateway, "roomy") - spent == reply.usage.total_tokens < 5 + 2 * 300
 
 
-async def _leave_while_generating(url: str, body: dict) -> None:
-    """Send `body` and leave (close the connection) once the engine has sampled a token of it."""
-    start = generated()
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+async def _leave_while_generating(gateway, body: dict) -> None:
+    """Send `body` and leave (close the connection) once the gateway has its first prompt's stream open
+    (the key's charge then holds that prompt's exact tokens) and the engine has sampled a token of it."""
+    start, spent = generated(), charged(gateway, "roomy")
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
         request = asyncio.create_task(
             client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-roomy"})
         )
-        while generated() == start:
+        # Admission reserves 3 x max_tokens (a text prompt's tokens are not known before its stream
+        # opens); the first prompt's opening adds its 5 prompt tokens.
+        while generated() == start or charged(gateway, "roomy") - spent <= 3 * body["max_tokens"]:
             assert not request.done(), "the request ended before the client could leave"
             await asyncio.sleep(0.005)
         request.cancel()
@@ -145,7 +148,7 @@ def test_a_multi_prompt_request_left_while_its_last_prompt_queues_is_charged_eve
     before = generated()
     # One sequence at a time: the first prompt runs while the other two wait in the engine's queue.
     body = {"model": MODEL, "prompt": [PROMPT] * 3, "max_tokens": 500, "ignore_eos": True}
-    asyncio.run(_leave_while_generating(gateway.url, body))
+    asyncio.run(_leave_while_generating(gateway, body))
     wait_for(lambda: gateway.ctx.limiter.active == 0, "the gateway to let the request go")
     wait_for(engine_idle, "the engine to abort the request's prompts")
     wait_for(lambda: not gateway.ctx.drains, "the gateway to drain the prompt that had opened")
