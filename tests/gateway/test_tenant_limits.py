@@ -6,6 +6,7 @@ so what a key was charged is read exactly from its x-ratelimit headers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +36,7 @@ KEYS = [
     {"name": "roomy", "key": "sk-roomy", "limits": {"tokens_per_minute": 5000}},
     {"name": "counted", "key": "sk-counted", "limits": {"requests_per_minute": 3}},
     {"name": "single", "key": "sk-single", "limits": {"max_concurrent_requests": 1}},
+    {"name": "leaver", "key": "sk-leaver", "limits": {"tokens_per_minute": 100_000}},
 ]
 
 
@@ -141,6 +143,40 @@ async def _leave_while_generating(gateway, body: dict) -> None:
         request.cancel()
         with pytest.raises(asyncio.CancelledError):
             await request
+
+
+async def _send_and_leave_after(url: str, body: dict, seconds: float) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        request = asyncio.create_task(
+            client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-leaver"})
+        )
+        await asyncio.sleep(seconds)
+        request.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+
+
+def prompt_tokens() -> float:
+    """Prompt tokens of the engine's requests that got a first token (its Prometheus counter)."""
+    return scrape(f"http://127.0.0.1:{METRICS_PORT}/metrics").value("conduit_engine_prompt_tokens_total")
+
+
+@pytest.mark.parametrize("seconds", [0.0, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03])
+def test_a_client_leaving_at_any_moment_of_the_opening_is_charged_what_the_engine_generated(gateway, seconds):
+    # Whether the client leaves before the engine has the request, while the engine generates its first
+    # tokens but before the first message reaches the gateway (once charged nothing), or later, the key
+    # pays the prompt and every token of each request the engine generated for, and nothing for one it
+    # did not. (A request left so early that it reaches the gateway late counts where it runs: the engine's
+    # counters and the charge both see it.)
+    wait_for(engine_idle, "the engine to finish earlier requests")
+    spent, before, prompts_before = charged(gateway, "leaver"), generated(), prompt_tokens()
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True}
+    asyncio.run(_send_and_leave_after(gateway.url, body, seconds))
+    wait_for(lambda: gateway.ctx.limiter.active == 0, "the gateway to let the request go")
+    wait_for(engine_idle, "the engine to end the request")
+    wait_for(lambda: not gateway.ctx.drains, "the gateway to drain what it left")
+    made, prompted = generated() - before, prompt_tokens() - prompts_before
+    assert charged(gateway, "leaver") - spent == prompted + made
 
 
 def test_a_multi_prompt_request_left_while_its_last_prompt_queues_is_charged_every_token(gateway):

@@ -36,6 +36,7 @@ from conduit_gateway.handlers.migration import Migration, Migrations, migrating
 from conduit_gateway.handlers.streams import (
     EngineStream,
     OpenOne,
+    PromptStream,
     Unread,
     close_all,
     open_streams,
@@ -92,6 +93,8 @@ class GenerationHandler(ABC):
         self._streams_read = False
         # The prompts' streams that had opened when the client left while the others were opening.
         self._left_open: list[EngineStream] = []
+        # The prompts whose opening the client left, finishing in the background (streams.open_stream).
+        self._left_opening: list[asyncio.Task[PromptStream | None]] = []
         self.holds_key_slot = False  # a background run holds a concurrent slot of its key
         self.body = body
         self.request_id = request_id
@@ -262,11 +265,22 @@ class GenerationHandler(ABC):
         # Also here, not only where the events end: a response closed before its first event never runs
         # the event generator's cleanup, and the streams must still give back their nodes' slots.
         streams = streams or self._left_open
-        if streams and not self._streams_read:
-            # The client left while they ran: charge what the engine generated once they are drained.
+        opening = self._left_opening
+        if (streams or opening) and not self._streams_read:
+            # The client left while they ran: charge what the engine generated once they are drained
+            # (the prompts it left while they opened too, once they have).
             self._streams_read = True
             usage = self.usage or self._new_usage(self.bound.prompts)
-            drain_later(self.ctx.drains, streams, self.unread, usage, self.bound, self._settle)
+            drain_later(
+                self.ctx.drains,
+                streams,
+                self.unread,
+                usage,
+                self.bound,
+                self._settle,
+                opening=opening,
+                on_opened=self._stream_opened,
+            )
         else:
             close_all(streams)
             self._settle()
@@ -291,7 +305,7 @@ class GenerationHandler(ABC):
             def on_retry(code: grpc.StatusCode) -> None:
                 retried.labels(code.name).inc()
 
-            opener = stream_opener(pool, model, config.request_timeout_s, on_retry)
+            opener = stream_opener(pool, model, config.request_timeout_s, on_retry, self._left_opening.append)
             if config.migration_limit > 0:
                 reopen = continuation_opener(pool, model, config.request_timeout_s, on_retry)
                 opener = migrating(opener, Migrations(config.migration_limit, reopen, self._migrated))

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.errors import OpenAIError
-from conduit_gateway.handlers.streams import OnRetry, OpenOne, PromptStream, open_stream
+from conduit_gateway.handlers.streams import OnLeftOpening, OnRetry, OpenOne, PromptStream, open_stream
 from conduit_gateway.routing.client import EngineClient
 from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.pool import EnginePool
@@ -51,16 +51,27 @@ def uses_disaggregation(pool: EnginePool, model: str) -> bool:
     )
 
 
-def stream_opener(pool: EnginePool, model: str, timeout_s: float | None, on_retry: OnRetry) -> OpenOne:
-    """How each prompt's stream opens for `model`: on one engine, or across a prefill/decode pair."""
+def stream_opener(
+    pool: EnginePool,
+    model: str,
+    timeout_s: float | None,
+    on_retry: OnRetry,
+    on_left: OnLeftOpening | None = None,
+) -> OpenOne:
+    """How each prompt's stream opens for `model`: on one engine, or across a prefill/decode pair.
+    `on_left`: told of each prompt whose opening the client left (handlers/streams.py open_stream)."""
     if not uses_disaggregation(pool, model):
-        return lambda index, request: open_stream(pool, model, index, request, timeout_s, on_retry)
+        return lambda index, request: open_stream(
+            pool, model, index, request, timeout_s, on_retry, on_left=on_left
+        )
 
     async def open_pair(index: int, request: engine_pb2.GenerateRequest) -> DisaggregatedStream:
         produce = engine_pb2.GenerateRequest()
         produce.CopyFrom(request)
         produce.kv_transfer.produce.SetInParent()
-        prefill = await open_stream(pool, model, index, produce, timeout_s, on_retry, NodeRole.PREFILL)
+        prefill = await open_stream(
+            pool, model, index, produce, timeout_s, on_retry, NodeRole.PREFILL, on_left=on_left
+        )
         try:
             return DisaggregatedStream(request, prefill, DecodeTarget(pool, model, timeout_s, on_retry))
         except BaseException:

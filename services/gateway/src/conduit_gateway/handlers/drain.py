@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from conduit_gateway.handlers.choices import UsageTotals
-from conduit_gateway.handlers.streams import EngineStream, Unread
+from conduit_gateway.handlers.streams import EngineStream, PromptStream, Unread
 from conduit_gateway.handlers.usage_bound import TokenBound
 
 log = logging.getLogger(__name__)
@@ -35,14 +35,28 @@ def drain_later(
     usage: UsageTotals,
     bound: TokenBound,
     on_end: Callable[[], None],
+    opening: Sequence[asyncio.Task[PromptStream | None]] = (),
+    on_opened: Callable[[EngineStream], None] | None = None,
 ) -> None:
     """Drain `streams` in a background task kept in `drains`; when it ends (or is cancelled, even before
-    it started) the streams close and `on_end` runs (the handler settles the key's charge there)."""
-    task = asyncio.get_running_loop().create_task(drain(streams, unread, usage, bound))
+    it started) the streams close and `on_end` runs (the handler settles the key's charge there).
+    `opening`: prompts the client left while they opened (streams.open_stream), each finishing into a
+    stream to drain as well (`on_opened` is told of it first: the prompt is then charged), or None."""
+    streams = list(streams)
+    task = asyncio.get_running_loop().create_task(
+        _drain_all(streams, opening, on_opened, unread, usage, bound)
+    )
     drains.add(task)
 
     def ended(task: asyncio.Task[None]) -> None:
         drains.discard(task)
+        for late in opening:
+            if not late.done():
+                late.cancel()  # it gives up its call itself
+            elif not late.cancelled() and late.exception() is None and late.result() not in streams:
+                result = late.result()
+                if result is not None:
+                    result.close()
         for stream in streams:
             stream.close()
         if not task.cancelled() and task.exception() is not None:
@@ -58,6 +72,23 @@ async def cancel_drains(drains: Drains) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _drain_all(
+    streams: list[EngineStream],
+    opening: Sequence[asyncio.Task[PromptStream | None]],
+    on_opened: Callable[[EngineStream], None] | None,
+    unread: Unread,
+    usage: UsageTotals,
+    bound: TokenBound,
+) -> None:
+    if opening:
+        for late in await asyncio.gather(*opening, return_exceptions=True):
+            if isinstance(late, PromptStream):
+                if on_opened is not None:
+                    on_opened(late)
+                streams.append(late)
+    await drain(streams, unread, usage, bound)
 
 
 async def drain(

@@ -95,6 +95,13 @@ class EngineStream(Protocol):
 # Opens one prompt's stream: (prompt index, request) → an open stream.
 OpenOne = Callable[[int, engine_pb2.GenerateRequest], Awaitable[EngineStream]]
 
+# Told of a prompt whose opening the client left (open_stream's caller was cancelled after the engine
+# had the request): the task that finishes the opening, giving the stream to drain, or None.
+OnLeftOpening = Callable[["asyncio.Task[PromptStream | None]"], None]
+
+# How long a prompt left while opening may take to answer its Abort with a first message.
+LATE_OPEN_TIMEOUT_S = 2.0
+
 
 @dataclass(slots=True, eq=False)  # eq=False: hashable, for the node's lost watchers
 class PromptStream:
@@ -234,9 +241,15 @@ async def open_stream(
     on_retry: OnRetry,
     role: NodeRole = NodeRole.COLOCATED,
     exclude: Sequence[EngineNode] = (),
+    on_left: OnLeftOpening | None = None,
 ) -> PromptStream:
     """Send `request` to a node of the `role` pool for `model` (not one of `exclude`) and wait for its
-    first message, retrying refusals elsewhere."""
+    first message, retrying refusals elsewhere.
+
+    When the caller is cancelled (the client left) while the engine has the request, the engine may
+    already be generating for it: with `on_left`, the call is not cancelled but handed over (a task that
+    aborts the request and waits for its first message, `_open_late`), so that what it generated is
+    drained and charged like any stream the client left."""
     route = await pool.route_request(model, request, role)
     request = prompt_as_token_ids(request, route.token_ids)
     metadata = (("x-request-id", request.request_id), *engine_trace_metadata())
@@ -252,8 +265,10 @@ async def open_stream(
         blocks = _prompt_blocks(route.token_ids, node.block_size)
         node.request_started(blocks)
         call = node.client.generate(request, metadata, timeout_s)
+        # The first read is shielded: a cancelled read would cancel the call, which `on_left` keeps.
+        first_read = asyncio.ensure_future(call.read())
         try:
-            first = await call.read()
+            first = await asyncio.shield(first_read)
         except grpc.aio.AioRpcError as exc:
             node.request_ended(blocks)
             node.request_failed(exc.code())
@@ -271,9 +286,18 @@ async def open_stream(
             tried.append(node)
             refusal = exc
             continue
+        except asyncio.CancelledError:
+            if on_left is None:
+                _give_up_opening(call, first_read, node, blocks)
+            else:
+                on_left(
+                    asyncio.ensure_future(
+                        _open_late(prompt_index, pool, node, call, first_read, request, blocks)
+                    )
+                )
+            raise
         except BaseException:
-            call.cancel()
-            node.request_ended(blocks)
+            _give_up_opening(call, first_read, node, blocks)
             raise
         if first is grpc.aio.EOF:
             node.request_ended(blocks)
@@ -287,6 +311,43 @@ async def open_stream(
         if predicted is not None and role is not NodeRole.DECODE:  # a decode's cache counts pulled KV
             node.record_kv_prediction(predicted, first.usage.cached_tokens)
         return PromptStream(prompt_index, pool, node, call, first, blocks=blocks)
+
+
+def _give_up_opening(
+    call: grpc.aio.UnaryStreamCall, first_read: asyncio.Future[object], node: EngineNode, blocks: int
+) -> None:
+    first_read.cancel()
+    call.cancel()
+    node.request_ended(blocks)
+
+
+async def _open_late(
+    prompt_index: int,
+    pool: EnginePool,
+    node: EngineNode,
+    call: grpc.aio.UnaryStreamCall,
+    first_read: asyncio.Future[object],
+    request: engine_pb2.GenerateRequest,
+    blocks: int,
+) -> PromptStream | None:
+    """The client left while this prompt's stream was opening: stop the request on the engine (Abort)
+    and wait for its first message. A stream the engine had generated for comes back open, for the
+    drain to read to its end (its Abort again is answered `aborted: false`); None for one that ended
+    before any token (it was still waiting in the engine's queue: nothing to charge) or that failed."""
+    try:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await node.client.abort(request.request_id, ABORT_TIMEOUT_S)
+        first = await asyncio.wait_for(first_read, LATE_OPEN_TIMEOUT_S)
+    except (grpc.aio.AioRpcError, TimeoutError):
+        _give_up_opening(call, first_read, node, blocks)
+        return None
+    except BaseException:
+        _give_up_opening(call, first_read, node, blocks)
+        raise
+    if first is grpc.aio.EOF or (first.finished and not first.usage.completion_tokens):
+        _give_up_opening(call, first_read, node, blocks)
+        return None
+    return PromptStream(prompt_index, pool, node, call, first, blocks=blocks)
 
 
 def prompt_as_token_ids(
