@@ -429,6 +429,10 @@ def test_with_every_engine_dead_streams_end_with_error_events(whole_fleet, gatew
     specs = [spec for spec in load(16) if spec.stream]
     running = Load(gateway.url, specs).start()
     wait_for(lambda: running.streamed_chunks() >= len(specs), "the streams under way", attempts=4000)
+    # Stopped at once (SIGSTOP), then killed: on a loaded machine the streams could otherwise finish
+    # between this poll and the kills.
+    for index in range(3):
+        whole_fleet.pause(index)
     for index in range(3):
         whole_fleet.kill(index)
     outcomes = running.join()  # nothing hangs: each stream ends
