@@ -44,6 +44,11 @@ _ONE_CONTEXT_ROUTES = (
 )
 
 
+def prompt_param(index: int, count: int) -> str:
+    """How errors name a completions prompt: `prompt` when it is the only one, else `prompt[i]`."""
+    return "prompt" if count == 1 else f"prompt[{index}]"
+
+
 @dataclass(frozen=True, slots=True)
 class PromptLimit:
     """The loosest bound among the engines of a model."""
@@ -136,7 +141,7 @@ def refuse_unfit_completion(pool: EnginePool, body: bytes) -> None:
             continue  # fits: the handler passes it too
         if text.min_text_bytes <= limit.max_bytes:
             return  # it may fit: only its decoded text can tell
-        param = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
+        param = prompt_param(index, len(prompts))
         size = text.min_text_bytes
         message = too_long_message(size, limit.max_bytes, limit.max_model_len, at_least=text.escaped)
         raise invalid_param(param, message)

@@ -18,7 +18,7 @@ from conduit_gateway.handlers.choices import (
 )
 from conduit_gateway.handlers.sampling import sampling_params
 from conduit_gateway.http.sse import RawJson, json_string, json_value
-from conduit_gateway.prompt_limits import MAX_PROMPTS, PromptLimit, prompt_limit
+from conduit_gateway.prompt_limits import MAX_PROMPTS, PromptLimit, prompt_limit, prompt_param
 from conduit_gateway.schemas.completions import (
     Completion,
     CompletionChoice,
@@ -65,7 +65,7 @@ class CompletionsHandler(ChunkedHandler):
         if limit is None:
             return
         for index, prompt in enumerate(self.prompts):
-            param = "prompt" if len(self.prompts) == 1 else f"prompt[{index}]"
+            param = prompt_param(index, len(self.prompts))
             if isinstance(prompt, str):
                 limit.check_texts(param, (prompt,))
             else:
