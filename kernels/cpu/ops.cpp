@@ -215,10 +215,7 @@ void quantize_rows(const at::Tensor& x, int64_t ldq, bool biased, int8_t* q, flo
       scales[m] = amax / 127.0f;
     }
   };
-  if (M * K >= kMinParallelWork && !at::in_parallel_region())
-    at::parallel_for(0, M, std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, K)), rows);
-  else
-    rows(0, M);
+  parallel_chunks(M, grain(M, K), rows);
 }
 
 }  // namespace

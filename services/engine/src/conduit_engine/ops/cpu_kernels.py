@@ -37,13 +37,18 @@ SOURCES = (
     "ops.cpp",
     "decoder.cpp",
     "lora.cpp",
+    "parallel.cpp",
     "isa_avx512bf16.cpp",
     "isa_avx512.cpp",
     "isa_avx2.cpp",
     "isa_scalar.cpp",
 )
-# Instruction sets are chosen per file by `#pragma GCC target`, so the flags name none.
-CFLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-Wall", "-Wno-unknown-pragmas")
+# Instruction sets are chosen per file by `#pragma GCC target`, so the flags name none. The step's
+# kernels split their calls on the library's own pool (parallel.cpp); the load-time packing uses
+# at::parallel_for, ATen's header compiled here, which without -fopenmp runs its whole range on the
+# calling thread. The library then needs libgomp.so.1, the one torch has loaded.
+CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wall", "-Wno-unknown-pragmas")
+LDFLAGS = ("-fopenmp",)
 ISAS = ("avx512bf16", "avx512", "avx2", "scalar")  # best first
 
 
@@ -57,7 +62,7 @@ def source_dir() -> Path:
 
 def fingerprint() -> str:
     """Digest of everything the library depends on: its sources and headers, torch, the flags."""
-    digest = hashlib.sha256(f"{torch.__version__} {' '.join(CFLAGS)}".encode())
+    digest = hashlib.sha256(f"{torch.__version__} {' '.join(CFLAGS + LDFLAGS)}".encode())
     for path in sorted(source_dir().iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
@@ -130,6 +135,7 @@ def _compile(name: str, folder: Path) -> ModuleType:
             name=name,
             sources=[str(source_dir() / s) for s in SOURCES],
             extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
             build_directory=str(folder),
             verbose=False,
         )
