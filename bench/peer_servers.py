@@ -51,6 +51,9 @@ class ServeJob:
     speculative: str = "none"
     spec_k: int = 4
     draft_dir: Path | None = None
+    # llama-server repacks weights for the CPU's fastest kernels (AMX on Sapphire Rapids); False passes
+    # --no-repack, for CPUs where that path crashes at start (peers.py falls back to it then)
+    llama_repack: bool = True
 
 
 def run_script(script: str, *args: str) -> str:
@@ -120,6 +123,8 @@ def _llama_cpp(job: ServeJob) -> tuple[list[str], dict[str, str], int]:
     # -np slots share -c: each sequence gets context_per_seq tokens, as in the other servers.
     args += ["-np", str(job.max_num_seqs), "-c", str(job.max_num_seqs * job.context_per_seq)]
     args += ["-t", str(job.threads), "--alias", job.name]
+    if not job.llama_repack:
+        args.append("--no-repack")
     if job.speculative == "ngram":  # look up the last 2 tokens in the context, propose the k after them
         args += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2"]
         args += ["--spec-ngram-simple-size-m", str(job.spec_k)]

@@ -15,6 +15,7 @@ Needs the bench tools (`make bench-setup`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import shlex
@@ -100,6 +101,11 @@ def run_peer(
             return bench_server(peer, job, plans, args)
         except ProcessStartError as exc:
             print(f"-- {peer} on {job.name} did not start (attempt {attempt + 1}): {exc}", flush=True)
+            if peer == "llama.cpp" and job.llama_repack:
+                # llama-server's AMX repacked q8_0 kernels segfault in its warm-up on some Sapphire Rapids
+                # VMs (seen 2026-12-04); its plain CPU kernels are what it can serve with there
+                print("-- llama.cpp: starting again with --no-repack", flush=True)
+                job = dataclasses.replace(job, llama_repack=False)
         except Exception as exc:
             print(f"-- {peer} on {job.name} failed: {exc}", flush=True)
             return None
