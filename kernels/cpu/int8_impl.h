@@ -83,8 +83,8 @@ static void int8_tile(const int8_t* panel, const int8_t* x, int64_t ldx, int64_t
     for (int v = 0; v < D::kVecs; ++v) acc[j][v] = D::zero();
   for (int64_t q = 0; q < k4; ++q) {
     if constexpr (RX == 1) {  // one row does too little per load to keep enough loads in flight
-      _mm_prefetch(reinterpret_cast<const char*>(panel + q * kPanel * 4 + kInt8Prefetch), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(panel + q * kPanel * 4 + kInt8Prefetch + 64), _MM_HINT_T0);
+      __builtin_prefetch(panel + q * kPanel * 4 + kInt8Prefetch, 0, 3);
+      __builtin_prefetch(panel + q * kPanel * 4 + kInt8Prefetch + 64, 0, 3);
     }
     typename D::I w[D::kVecs];
     for (int v = 0; v < D::kVecs; ++v) w[v] = D::load(panel + q * kPanel * 4 + v * (kPanel * 4 / D::kVecs));

@@ -159,6 +159,9 @@ static inline R round_as(R v) {
 
 constexpr int kPanelVecs = static_cast<int>(kPanel) / W;
 
+// How far ahead of its loads a one-row tile prefetches its panel (int8_impl.h measured the distance).
+constexpr int64_t kPanelPrefetch = 4096;
+
 // RX input rows (a slice of one transposed block) times `k_rows` rows of one panel: RX x kPanelVecs
 // accumulators, each k one load per panel vector and one broadcast per row. float or widened-bf16
 // panels. Starts from the sums in acc_out when `accumulate` (a later slice of k), else from zero.
@@ -168,6 +171,11 @@ static void packed_tile(const T* panel, const float* xt, int64_t k_rows, float* 
   for (int j = 0; j < RX; ++j)
     for (int v = 0; v < kPanelVecs; ++v) acc[j][v] = accumulate ? Vec::load(acc_out + j * kPanel + v * W) : Vec::zero();
   for (int64_t k = 0; k < k_rows; ++k) {
+    if constexpr (RX == 1) {  // as int8_tile: one row keeps too few loads in flight to stream the panel
+      const char* ahead = reinterpret_cast<const char*>(panel + k * kPanel) + kPanelPrefetch;
+      __builtin_prefetch(ahead, 0, 3);
+      if constexpr (sizeof(T) * kPanel > 64) __builtin_prefetch(ahead + 64, 0, 3);
+    }
     R w[kPanelVecs];
     for (int v = 0; v < kPanelVecs; ++v) w[v] = Vec::load(panel + k * kPanel + v * W);
     for (int j = 0; j < RX; ++j) {

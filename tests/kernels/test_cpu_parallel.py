@@ -21,8 +21,9 @@ pytestmark = pytest.mark.kernels
 SHAPES = [(1, 4096, 768), (3, 2304, 768), (40, 1000, 256)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ops() -> CpuOps:
+    """A fresh CpuOps per test: it finds prepacked weights by address, and a test's weights die with it."""
     try:
         kernels = cpu_kernels.load()
     except cpu_kernels.CpuKernelsUnavailable as exc:
