@@ -439,6 +439,25 @@ static inline float dot_row(const float* q, const T* k, int64_t d) {
   return Vec::reduce_add(acc);
 }
 
+// Four keys' dot products with one query at once: four independent FMA chains, each summed in the
+// order dot_row sums, so the scores are dot_row's bit for bit.
+template <class T>
+static inline void dot_rows4(const float* q, const T* k0, const T* k1, const T* k2, const T* k3, int64_t d,
+                             float* out) {
+  R a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
+  for_chunks(d, [&](int64_t c, int n) {
+    const R qv = load_any(q + c, n);
+    a0 = Vec::fma(qv, load_any(k0 + c, n), a0);
+    a1 = Vec::fma(qv, load_any(k1 + c, n), a1);
+    a2 = Vec::fma(qv, load_any(k2 + c, n), a2);
+    a3 = Vec::fma(qv, load_any(k3 + c, n), a3);
+  });
+  out[0] = Vec::reduce_add(a0);
+  out[1] = Vec::reduce_add(a1);
+  out[2] = Vec::reduce_add(a2);
+  out[3] = Vec::reduce_add(a3);
+}
+
 // Softmax of row[0..n) in place, unnormalised (exp(x - max)); returns the sum of the exponentials.
 static float softmax_row(float* row, int64_t n) {
   const int64_t full = n - n % W;
@@ -493,20 +512,58 @@ static void attention_item(const AttentionArgs& a, const Cache& k_cache, const C
     for (int64_t e = 0; e < rows * D; ++e) q32[qi * rows * D + e] = to_float(src[e]);
   }
   auto slot_of = [&](int64_t p) { return static_cast<int64_t>(table[p / bs]) * bs + p % bs; };
-  for (int64_t p = key_lo; p < key_lo + num_keys; ++p) {
-    if (p % bs == 0 && p + bs < key_lo + num_keys) __builtin_prefetch(k_cache.address(slot_of(p + bs), it.head_begin));
+  const int64_t key_end = key_lo + num_keys;
+  auto prefetch_ahead = [&](const Cache& cache, int64_t p) {
+    if (p % bs == 0 && p + bs < key_end) __builtin_prefetch(cache.address(slot_of(p + bs), it.head_begin));
+  };
+  auto set_score = [&](int64_t qi, int64_t r, int64_t p, float dot) {
+    float score = dot * a.scale;
+    if (a.softcap > 0.0f) score = a.softcap * std::tanh(score / a.softcap);
+    scores[(qi * rows + r) * num_keys + (p - key_lo)] = score;
+  };
+  auto score_key = [&](int64_t p) {
+    prefetch_ahead(k_cache, p);
     const auto* k = k_cache.heads(slot_of(p), it.head_begin, heads, rows_buf);
     for (int64_t qi = 0; qi < nq; ++qi) {
       int64_t lo, hi;
       visible(qi, lo, hi);
       if (p < lo || p > hi) continue;
-      for (int64_t r = 0; r < rows; ++r) {
-        float score = dot_row(q32 + (qi * rows + r) * D, k + (r / group) * D, D) * a.scale;
-        if (a.softcap > 0.0f) score = a.softcap * std::tanh(score / a.softcap);
-        scores[(qi * rows + r) * num_keys + (p - key_lo)] = score;
+      for (int64_t r = 0; r < rows; ++r) set_score(qi, r, p, dot_row(q32 + (qi * rows + r) * D, k + (r / group) * D, D));
+    }
+  };
+  // A plain cache is read in place, so four keys' rows can be held at once: four scores a pass (and
+  // below, four values into each output), the same sums in the same order as one key at a time.
+  constexpr bool in_place = std::is_same_v<Cache, PlainCache<T>>;
+  int64_t p4 = key_lo;
+  if constexpr (in_place) {
+    for (; p4 + 4 <= key_end; p4 += 4) {
+      const typename Cache::E* k[4];
+      for (int u = 0; u < 4; ++u) {
+        prefetch_ahead(k_cache, p4 + u);
+        k[u] = k_cache.heads(slot_of(p4 + u), it.head_begin, heads, rows_buf);
+      }
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        int64_t lo, hi;
+        visible(qi, lo, hi);
+        if (p4 < lo || p4 + 3 > hi) {  // a key this query does not see: one at a time
+          for (int u = 0; u < 4; ++u) {
+            const int64_t p = p4 + u;
+            if (p < lo || p > hi) continue;
+            for (int64_t r = 0; r < rows; ++r)
+              set_score(qi, r, p, dot_row(q32 + (qi * rows + r) * D, k[u] + (r / group) * D, D));
+          }
+          continue;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t off = (r / group) * D;
+          float dots[4];
+          dot_rows4(q32 + (qi * rows + r) * D, k[0] + off, k[1] + off, k[2] + off, k[3] + off, D, dots);
+          for (int u = 0; u < 4; ++u) set_score(qi, r, p4 + u, dots[u]);
+        }
       }
     }
   }
+  for (int64_t p = p4; p < key_end; ++p) score_key(p);
   float sums[64];
   std::vector<float> many;
   float* sum = nq * rows <= 64 ? sums : (many.resize(nq * rows), many.data());
@@ -517,21 +574,64 @@ static void attention_item(const AttentionArgs& a, const Cache& k_cache, const C
       sum[qi * rows + r] = softmax_row(scores + (qi * rows + r) * num_keys + (lo - key_lo), hi - lo + 1);
   }
   std::fill(acc, acc + nq * rows * D, 0.0f);
-  for (int64_t p = key_lo; p < key_lo + num_keys; ++p) {
-    if (p % bs == 0 && p + bs < key_lo + num_keys) __builtin_prefetch(v_cache.address(slot_of(p + bs), it.head_begin));
+  auto weight_of = [&](int64_t qi, int64_t r, int64_t p) {
+    return Vec::set1(scores[(qi * rows + r) * num_keys + (p - key_lo)]);
+  };
+  auto add_value = [&](int64_t p) {
+    prefetch_ahead(v_cache, p);
     const auto* v = v_cache.heads(slot_of(p), it.head_begin, heads, rows_buf);
     for (int64_t qi = 0; qi < nq; ++qi) {
       int64_t lo, hi;
       visible(qi, lo, hi);
       if (p < lo || p > hi) continue;
       for (int64_t r = 0; r < rows; ++r) {
-        const R weight = Vec::set1(scores[(qi * rows + r) * num_keys + (p - key_lo)]);
+        const R weight = weight_of(qi, r, p);
         float* o = acc + (qi * rows + r) * D;
         const auto* vr = v + (r / group) * D;
         for_chunks(D, [&](int64_t c, int n) { store_any(o + c, Vec::fma(weight, load_any(vr + c, n), load_any(o + c, n)), n); });
       }
     }
+  };
+  p4 = key_lo;
+  if constexpr (in_place) {
+    for (; p4 + 4 <= key_end; p4 += 4) {
+      const typename Cache::E* v[4];
+      for (int u = 0; u < 4; ++u) {
+        prefetch_ahead(v_cache, p4 + u);
+        v[u] = v_cache.heads(slot_of(p4 + u), it.head_begin, heads, rows_buf);
+      }
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        int64_t lo, hi;
+        visible(qi, lo, hi);
+        for (int u = 0; u < 4 && (p4 < lo || p4 + 3 > hi); ++u) {  // a key this query does not see
+          const int64_t p = p4 + u;
+          if (p < lo || p > hi) continue;
+          for (int64_t r = 0; r < rows; ++r) {
+            const R weight = weight_of(qi, r, p);
+            float* o = acc + (qi * rows + r) * D;
+            const auto* vr = v[u] + (r / group) * D;
+            for_chunks(D, [&](int64_t c, int n) { store_any(o + c, Vec::fma(weight, load_any(vr + c, n), load_any(o + c, n)), n); });
+          }
+        }
+        if (p4 < lo || p4 + 3 > hi) continue;
+        for (int64_t r = 0; r < rows; ++r) {
+          const R w0 = weight_of(qi, r, p4), w1 = weight_of(qi, r, p4 + 1);
+          const R w2 = weight_of(qi, r, p4 + 2), w3 = weight_of(qi, r, p4 + 3);
+          float* o = acc + (qi * rows + r) * D;
+          const int64_t off = (r / group) * D;
+          for_chunks(D, [&](int64_t c, int n) {
+            R x = load_any(o + c, n);
+            x = Vec::fma(w0, load_any(v[0] + off + c, n), x);
+            x = Vec::fma(w1, load_any(v[1] + off + c, n), x);
+            x = Vec::fma(w2, load_any(v[2] + off + c, n), x);
+            x = Vec::fma(w3, load_any(v[3] + off + c, n), x);
+            store_any(o + c, x, n);
+          });
+        }
+      }
+    }
   }
+  for (int64_t p = p4; p < key_end; ++p) add_value(p);
   for (int64_t qi = 0; qi < nq; ++qi) {
     T* dst = static_cast<T*>(a.out) +
              ((a.query_start[it.seq] + it.query_begin + qi) * a.num_q_heads + it.head_begin * group) * D;

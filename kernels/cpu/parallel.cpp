@@ -78,7 +78,10 @@ class Pool {
     uint32_t seen = wake_.load(std::memory_order_acquire);
     for (;;) {
       const auto until = std::chrono::steady_clock::now() + kSpin;
-      while (wake_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) cpu_relax();
+      for (int i = 1; wake_.load(std::memory_order_acquire) == seen; ++i) {
+        cpu_relax();
+        if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) break;  // the clock costs a call
+      }
       if (wake_.load(std::memory_order_acquire) == seen) {
         // counted before waiting, so a caller that bumps wake_ after this either sees a sleeper and
         // notifies, or bumped it before the wait reads it (both sides seq_cst)
