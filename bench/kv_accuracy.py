@@ -1,4 +1,5 @@
-"""Accuracy of the quantized KV caches (--kv-cache-dtype int8 | fp8) against the float32 cache.
+"""Accuracy of the quantized KV caches (--kv-cache-dtype int8 | fp8), and of int8 weights with an int8
+cache (--quantization int8 --kv-cache-dtype int8), against float32 weights and cache.
 
 For stories260K (trained) and a random configuration of every architecture the tests build, on the
 engine's default CPU ops: the perplexity of a held-out text (teacher-forced prompt logprobs, prefilled
@@ -100,6 +101,7 @@ OPENINGS = [
 class Row:
     model: str
     kv_cache_dtype: str
+    weights: str  # --quantization: none or int8
     perplexity: float
     perplexity_ratio: float  # against the float32 cache
     agreement: float  # mean share of each greedy run matching float32's before the first difference
@@ -115,11 +117,19 @@ class Measured:
     logprobs: list[float]
 
 
-def _engine(folder: Path, kv: str, cpu_kernels: str, max_len: int | None) -> LLMEngine:
+# (weights, KV cache) measured against (none, auto): each quantized cache, then int8 weights with int8 KV
+CONFIGS = (("none", "int8"), ("none", "fp8"), ("int8", "int8"))
+
+
+def _engine(folder: Path, kv: str, cpu_kernels: str, max_len: int | None, weights: str = "none") -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(
-                path=str(folder), dtype="float32", cpu_kernels=cpu_kernels, max_model_len=max_len
+                path=str(folder),
+                dtype="float32",
+                cpu_kernels=cpu_kernels,
+                max_model_len=max_len,
+                quantization=weights,
             ),
             cache=CacheConfig(block_size=16, num_blocks=1024, kv_cache_dtype=kv),
             # 64-token chunks: later chunks of a passage attend over the cached (quantized) keys
@@ -152,7 +162,7 @@ def measure(
     return Measured(-sum(logprobs) / len(logprobs), tokens, logprobs)
 
 
-def compare(model: str, kv: str, ref: Measured, got: Measured) -> Row:
+def compare(model: str, weights: str, kv: str, ref: Measured, got: Measured) -> Row:
     def common_prefix(a: list[int], b: list[int]) -> int:
         return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
@@ -160,6 +170,7 @@ def compare(model: str, kv: str, ref: Measured, got: Measured) -> Row:
     return Row(
         model=model,
         kv_cache_dtype=kv,
+        weights=weights,
         perplexity=math.exp(got.nll),
         perplexity_ratio=math.exp(got.nll - ref.nll),
         agreement=sum(shares) / len(shares),
@@ -169,7 +180,7 @@ def compare(model: str, kv: str, ref: Measured, got: Measured) -> Row:
     )
 
 
-def stories_rows(cpu_kernels: str = "auto", kv_dtypes: tuple[str, ...] = ("int8", "fp8")) -> list[Row]:
+def stories_rows(cpu_kernels: str = "auto", configs: tuple[tuple[str, str], ...] = CONFIGS) -> list[Row]:
     reference = _engine(STORIES, "auto", cpu_kernels, None)
     encode = reference.tokenizer.hf.encode
     passages = [encode(text).ids for text in HELD_OUT]
@@ -177,13 +188,17 @@ def stories_rows(cpu_kernels: str = "auto", kv_dtypes: tuple[str, ...] = ("int8"
     ref = measure(reference, passages, prompts, 64)
     return [
         compare(
-            "stories260K", kv, ref, measure(_engine(STORIES, kv, cpu_kernels, None), passages, prompts, 64)
+            "stories260K",
+            weights,
+            kv,
+            ref,
+            measure(_engine(STORIES, kv, cpu_kernels, None, weights), passages, prompts, 64),
         )
-        for kv in kv_dtypes
+        for weights, kv in configs
     ]
 
 
-def arch_rows(cpu_kernels: str = "auto", kv_dtypes: tuple[str, ...] = ("int8", "fp8")) -> list[Row]:
+def arch_rows(cpu_kernels: str = "auto", configs: tuple[tuple[str, str], ...] = CONFIGS) -> list[Row]:
     """Random configurations of every architecture (tests/engine/test_architectures.py): 10 prompts of 6
     random tokens, 32 greedy tokens; 4 random passages of 40 tokens (within the smallest context, 48)."""
     from tests.engine.support.model_factory import make_tiny_model
@@ -197,21 +212,21 @@ def arch_rows(cpu_kernels: str = "auto", kv_dtypes: tuple[str, ...] = ("int8", "
         for name, spec in sorted(ARCHS.items()):
             folder = make_tiny_model(Path(tmp) / name, **spec)
             ref = measure(_engine(folder, "auto", cpu_kernels, 48), passages, prompts, 32)
-            for kv in kv_dtypes:
-                got = measure(_engine(folder, kv, cpu_kernels, 48), passages, prompts, 32)
-                rows.append(compare(name, kv, ref, got))
+            for weights, kv in configs:
+                got = measure(_engine(folder, kv, cpu_kernels, 48, weights), passages, prompts, 32)
+                rows.append(compare(name, weights, kv, ref, got))
     return rows
 
 
 def format_rows(rows: list[Row]) -> str:
     lines = [
-        "| model | KV cache | perplexity | vs float32 | greedy agreement | identical runs "
+        "| model | weights | KV cache | perplexity | vs float32 | greedy agreement | identical runs "
         "| max logprob diff |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.model} | {r.kv_cache_dtype} | {r.perplexity:.4f} "
+            f"| {r.model} | {r.weights} | {r.kv_cache_dtype} | {r.perplexity:.4f} "
             f"| {100 * (r.perplexity_ratio - 1):+.3f}% | "
             f"{100 * r.agreement:.1f}% | {r.identical_runs}/{r.runs} | {r.max_logprob_diff:.4f} |"
         )
