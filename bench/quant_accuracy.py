@@ -47,7 +47,7 @@ def main() -> None:
     ref = quant_eval.load(folder, "none", args.cpu_kernels)
     int8 = quant_eval.load(folder, "int8", args.cpu_kernels, lm_head=not args.float_lm_head)
     prompts = quant_eval.story_prompts(tok)
-    acc = quant_eval.compare(ref, int8, tok.encode(quant_eval.HELD_OUT).ids, prompts)
+    acc = quant_eval.compare(ref, int8, [tok.encode(quant_eval.HELD_OUT).ids], prompts)
     print(row("stories260K, 50 prompts x 64 tokens", acc, len(prompts), 64), flush=True)
     if args.skip_random:
         return
@@ -56,7 +56,7 @@ def main() -> None:
             folder = make_tiny_model(Path(tmp) / name, **kw)
             ref = quant_eval.load(folder, "none", args.cpu_kernels)
             int8 = quant_eval.load(folder, "int8", args.cpu_kernels, lm_head=not args.float_lm_head)
-            acc = quant_eval.compare(ref, int8, quant_eval.RANDOM_TEXT, quant_eval.RANDOM_PROMPTS, 16)
+            acc = quant_eval.compare(ref, int8, quant_eval.RANDOM_TEXTS, quant_eval.RANDOM_PROMPTS, 16)
             print(row(f"random {name}, 5 x 16", acc, len(quant_eval.RANDOM_PROMPTS), 16), flush=True)
 
 

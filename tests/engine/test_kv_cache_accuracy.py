@@ -4,8 +4,8 @@ float32 (bench/kv_accuracy.py measures them): perplexity of a held-out text, gre
 architecture. Measured (AVX-512 CPU kernels, identical with the torch ops): stories260K int8 +0.44%
 perplexity, 54% agreement, 0.40 largest logprob difference; fp8 +0.71%, 30%, 0.67; int8 weights and
 int8 KV +0.51%, 43%, 0.46. fp8 e4m3 keeps 3 mantissa bits, so on the near-uniform rows of random models
-it is the coarser of the two (up to +4% perplexity there); the bounds leave room for other instruction
-sets' summation order."""
+it is the coarser of the two (-2.0%..+0.9% perplexity there); the bounds leave room for other
+instruction sets' summation order."""
 
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ STORIES_BOUNDS = {
     ("none", "fp8"): (1.01, 0.25, 0.8),
     ("int8", "int8"): (1.01, 0.35, 0.6),
 }
-# random configurations: perplexity within these ratios either way (measured: int8 KV -1.5%..+0.5%,
-# fp8 -2.3%..+4.1%, int8 weights and KV -2.6%..+1.2%, agreement down to 11%)
+# random configurations (24 passages, 936 tokens): perplexity within these ratios either way (measured:
+# int8 KV -0.7%..+0.15%, fp8 -2.0%..+0.86%, int8 weights and KV -0.64%..+0.91%; agreement down to 41%,
+# 10% and 24%; logprob differences up to 0.72, 4.2 and 2.1)
 ARCH_BOUNDS = {
-    ("none", "int8"): (1.02, 0.4, 1.0),
-    ("none", "fp8"): (1.05, 0.1, 3.5),
-    ("int8", "int8"): (1.035, 0.05, 2.0),
+    ("none", "int8"): (1.02, 0.3, 1.0),
+    ("none", "fp8"): (1.035, 0.05, 5.0),
+    ("int8", "int8"): (1.02, 0.15, 3.0),
 }
 
 

@@ -261,7 +261,7 @@ def stories_accuracy(stories_path) -> quant_eval.Accuracy:
     tok = Tokenizer.from_file(str(stories_path / "tokenizer.json"))
     ref = quant_eval.load(stories_path, "none", "auto")
     int8 = quant_eval.load(stories_path, "int8", "auto")
-    return quant_eval.compare(ref, int8, tok.encode(quant_eval.HELD_OUT).ids, quant_eval.story_prompts(tok))
+    return quant_eval.compare(ref, int8, [tok.encode(quant_eval.HELD_OUT).ids], quant_eval.story_prompts(tok))
 
 
 def test_stories260k_int8_perplexity_within_one_percent(stories_accuracy):
@@ -282,9 +282,9 @@ def test_random_architectures_int8_close_to_float32(tmp_path, name):
     folder = make_tiny_model(tmp_path / "model", **ARCHS[name])
     ref = quant_eval.load(folder, "none", "auto")
     int8 = quant_eval.load(folder, "int8", "auto")
-    acc = quant_eval.compare(ref, int8, quant_eval.RANDOM_TEXT, quant_eval.RANDOM_PROMPTS, new_tokens=16)
-    # Random weights give near-flat, near-tied logits (perplexities in the thousands), so these bounds
-    # only catch a broken path; measured: |Δppl| <= 3.7%, agreement 26-69%, chosen Δlogprob <= 1.26.
-    assert abs(acc.ppl_increase) <= 0.06, acc
+    acc = quant_eval.compare(ref, int8, quant_eval.RANDOM_TEXTS, quant_eval.RANDOM_PROMPTS, new_tokens=16)
+    # Random weights give near-flat, near-tied logits (perplexities in the thousands): over 24 passages
+    # (936 tokens) measured |Δppl| <= 0.84%; agreement 26-69%, chosen Δlogprob <= 1.26.
+    assert abs(acc.ppl_increase) <= 0.02, acc
     assert acc.agreement >= 0.15, acc
     assert acc.max_chosen_logprob_diff <= 2.0, acc
