@@ -521,37 +521,36 @@ static void attention_item(const AttentionArgs& a, const Cache& k_cache, const C
     if (a.softcap > 0.0f) score = a.softcap * std::tanh(score / a.softcap);
     scores[(qi * rows + r) * num_keys + (p - key_lo)] = score;
   };
+  auto rows_of = [&](const Cache& cache, int64_t p) {  // key p's rows of the item's kv heads
+    prefetch_ahead(cache, p);
+    return cache.heads(slot_of(p), it.head_begin, heads, rows_buf);
+  };
+  auto score_one = [&](int64_t qi, int64_t p, const typename Cache::E* k) {
+    for (int64_t r = 0; r < rows; ++r) set_score(qi, r, p, dot_row(q32 + (qi * rows + r) * D, k + (r / group) * D, D));
+  };
   auto score_key = [&](int64_t p) {
-    prefetch_ahead(k_cache, p);
-    const auto* k = k_cache.heads(slot_of(p), it.head_begin, heads, rows_buf);
+    const auto* k = rows_of(k_cache, p);
     for (int64_t qi = 0; qi < nq; ++qi) {
       int64_t lo, hi;
       visible(qi, lo, hi);
-      if (p < lo || p > hi) continue;
-      for (int64_t r = 0; r < rows; ++r) set_score(qi, r, p, dot_row(q32 + (qi * rows + r) * D, k + (r / group) * D, D));
+      if (p >= lo && p <= hi) score_one(qi, p, k);
     }
   };
   // A plain cache is read in place, so four keys' rows can be held at once: four scores a pass (and
-  // below, four values into each output), the same sums in the same order as one key at a time.
+  // below, four values into each output), the same sums in the same order as one key at a time. A
+  // query that does not see all four takes the keys it sees one at a time.
   constexpr bool in_place = std::is_same_v<Cache, PlainCache<T>>;
   int64_t p4 = key_lo;
   if constexpr (in_place) {
     for (; p4 + 4 <= key_end; p4 += 4) {
       const typename Cache::E* k[4];
-      for (int u = 0; u < 4; ++u) {
-        prefetch_ahead(k_cache, p4 + u);
-        k[u] = k_cache.heads(slot_of(p4 + u), it.head_begin, heads, rows_buf);
-      }
+      for (int u = 0; u < 4; ++u) k[u] = rows_of(k_cache, p4 + u);
       for (int64_t qi = 0; qi < nq; ++qi) {
         int64_t lo, hi;
         visible(qi, lo, hi);
-        if (p4 < lo || p4 + 3 > hi) {  // a key this query does not see: one at a time
-          for (int u = 0; u < 4; ++u) {
-            const int64_t p = p4 + u;
-            if (p < lo || p > hi) continue;
-            for (int64_t r = 0; r < rows; ++r)
-              set_score(qi, r, p, dot_row(q32 + (qi * rows + r) * D, k[u] + (r / group) * D, D));
-          }
+        if (p4 < lo || p4 + 3 > hi) {
+          for (int u = 0; u < 4; ++u)
+            if (p4 + u >= lo && p4 + u <= hi) score_one(qi, p4 + u, k[u]);
           continue;
         }
         for (int64_t r = 0; r < rows; ++r) {
@@ -577,43 +576,35 @@ static void attention_item(const AttentionArgs& a, const Cache& k_cache, const C
   auto weight_of = [&](int64_t qi, int64_t r, int64_t p) {
     return Vec::set1(scores[(qi * rows + r) * num_keys + (p - key_lo)]);
   };
+  auto add_one = [&](int64_t qi, int64_t p, const typename Cache::E* v) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const R weight = weight_of(qi, r, p);
+      float* o = acc + (qi * rows + r) * D;
+      const auto* vr = v + (r / group) * D;
+      for_chunks(D, [&](int64_t c, int n) { store_any(o + c, Vec::fma(weight, load_any(vr + c, n), load_any(o + c, n)), n); });
+    }
+  };
   auto add_value = [&](int64_t p) {
-    prefetch_ahead(v_cache, p);
-    const auto* v = v_cache.heads(slot_of(p), it.head_begin, heads, rows_buf);
+    const auto* v = rows_of(v_cache, p);
     for (int64_t qi = 0; qi < nq; ++qi) {
       int64_t lo, hi;
       visible(qi, lo, hi);
-      if (p < lo || p > hi) continue;
-      for (int64_t r = 0; r < rows; ++r) {
-        const R weight = weight_of(qi, r, p);
-        float* o = acc + (qi * rows + r) * D;
-        const auto* vr = v + (r / group) * D;
-        for_chunks(D, [&](int64_t c, int n) { store_any(o + c, Vec::fma(weight, load_any(vr + c, n), load_any(o + c, n)), n); });
-      }
+      if (p >= lo && p <= hi) add_one(qi, p, v);
     }
   };
   p4 = key_lo;
   if constexpr (in_place) {
     for (; p4 + 4 <= key_end; p4 += 4) {
       const typename Cache::E* v[4];
-      for (int u = 0; u < 4; ++u) {
-        prefetch_ahead(v_cache, p4 + u);
-        v[u] = v_cache.heads(slot_of(p4 + u), it.head_begin, heads, rows_buf);
-      }
+      for (int u = 0; u < 4; ++u) v[u] = rows_of(v_cache, p4 + u);
       for (int64_t qi = 0; qi < nq; ++qi) {
         int64_t lo, hi;
         visible(qi, lo, hi);
-        for (int u = 0; u < 4 && (p4 < lo || p4 + 3 > hi); ++u) {  // a key this query does not see
-          const int64_t p = p4 + u;
-          if (p < lo || p > hi) continue;
-          for (int64_t r = 0; r < rows; ++r) {
-            const R weight = weight_of(qi, r, p);
-            float* o = acc + (qi * rows + r) * D;
-            const auto* vr = v[u] + (r / group) * D;
-            for_chunks(D, [&](int64_t c, int n) { store_any(o + c, Vec::fma(weight, load_any(vr + c, n), load_any(o + c, n)), n); });
-          }
+        if (p4 < lo || p4 + 3 > hi) {
+          for (int u = 0; u < 4; ++u)
+            if (p4 + u >= lo && p4 + u <= hi) add_one(qi, p4 + u, v[u]);
+          continue;
         }
-        if (p4 < lo || p4 + 3 > hi) continue;
         for (int64_t r = 0; r < rows; ++r) {
           const R w0 = weight_of(qi, r, p4), w1 = weight_of(qi, r, p4 + 1);
           const R w2 = weight_of(qi, r, p4 + 2), w3 = weight_of(qi, r, p4 + 3);
