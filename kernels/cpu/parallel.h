@@ -26,9 +26,13 @@ bool run_on_pool(int64_t n, int64_t chunk, int helpers, ChunkCall call, const vo
 // holds back only the chunk it is on. Small calls (n <= grain) run on the calling thread.
 template <class F>
 void parallel_chunks(int64_t n, int64_t grain_items, const F& fn) {
-  const int64_t threads = at::get_num_threads();
-  if (n <= grain_items || threads <= 1 || at::in_parallel_region()) {
+  if (n <= grain_items) {  // before asking ATen anything: most calls of a small model stop here
     if (n > 0) fn(0, n);
+    return;
+  }
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || at::in_parallel_region()) {
+    fn(0, n);
     return;
   }
   const int64_t chunk = std::max<int64_t>(grain_items, n / (4 * threads));
