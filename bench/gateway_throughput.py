@@ -111,6 +111,59 @@ def run_engine(port: int) -> None:
             await ticker.tick
             await context.write(head + body)
 
+    def varint(value: int) -> bytes:
+        out = bytearray()
+        while value > 0x7F:
+            out.append(value & 0x7F | 0x80)
+            value >>= 7
+        out.append(value)
+        return bytes(out)
+
+    async def generate_stream(request_iterator, context):
+        """GenerateStream: at each tick, one batch with the next message of every stream open on it,
+        written by hand from the pre-serialised messages (GenerateStreamBatch fields 1 and 2)."""
+        open_streams: dict[int, list] = {}  # tag -> [tag bytes, request_id head, bodies, next index]
+        opened = asyncio.Event()
+        step = [10]
+
+        async def read() -> None:
+            async for action in request_iterator:
+                if action.WhichOneof("action") == "open":
+                    request = action.open.request
+                    sampling = request.sampling
+                    max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 16
+                    top = sampling.logprobs if sampling.HasField("logprobs") else -1
+                    if sampling.HasField("seed") and sampling.seed > 0:
+                        step[0] = sampling.seed
+                    head = engine_pb2.GenerateResponse(request_id=request.request_id).SerializeToString()
+                    tag = b"\x08" + varint(action.open.tag)
+                    open_streams[action.open.tag] = [tag, head, messages(max_tokens, top), 0]
+                    opened.set()
+                else:
+                    open_streams.pop(action.cancel, None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                if not open_streams:
+                    opened.clear()
+                    await opened.wait()
+                ticker = tickers.get(step[0]) or tickers.setdefault(step[0], Ticker(step[0] / 1000))
+                await ticker.tick
+                parts, ends = [], []
+                for key, stream in list(open_streams.items()):
+                    tag, head, bodies, at = stream
+                    body = head + bodies[at]
+                    item = tag + b"\x12" + varint(len(body)) + body
+                    parts.append(b"\x0a" + varint(len(item)) + item)
+                    stream[3] = at + 1
+                    if at + 1 == len(bodies):
+                        del open_streams[key]
+                        ends.append(b"\x12" + varint(len(tag)) + tag)
+                yield b"".join(parts + ends)
+        finally:
+            reader.cancel()
+
     async def model_info(request, context):
         return engine_pb2.GetModelInfoResponse(
             model="fake-model",
@@ -124,6 +177,7 @@ def run_engine(port: int) -> None:
             max_num_seqs=4096,
             eos_token_ids=[2],
             has_chat_template=True,
+            generate_stream=True,
         )
 
     async def get_load(request, context):
@@ -143,6 +197,9 @@ def run_engine(port: int) -> None:
         # Responses go out as the bytes they were built as (no serialiser).
         "Generate": grpc.unary_stream_rpc_method_handler(
             generate, request_deserializer=engine_pb2.GenerateRequest.FromString
+        ),
+        "GenerateStream": grpc.stream_stream_rpc_method_handler(
+            generate_stream, request_deserializer=engine_pb2.GenerateStreamRequest.FromString
         ),
         "GetModelInfo": unary(model_info, engine_pb2.GetModelInfoRequest, engine_pb2.GetModelInfoResponse),
         "GetLoad": unary(get_load, engine_pb2.GetLoadRequest, engine_pb2.GetLoadResponse),

@@ -12,6 +12,7 @@ from conduit.engine.v1 import engine_pb2
 from tests.gateway.conftest import MODEL
 from tests.gateway.sse import parse_events, post_stream
 from tests.support.fake_engine import FakeEngine
+from tests.support.gateway_thread import GatewayThread
 from tests.support.polling import wait_for
 from tests.support.processes import free_port
 
@@ -183,3 +184,28 @@ def test_slow_engine_request_timeout_is_504(make_gateway, fake):
     response = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "timeout"
+
+
+def test_an_engine_that_claims_generate_stream_but_refuses_it_is_served_one_call_per_prompt(fake):
+    """GetModelInfo says generate_stream, the RPC answers UNIMPLEMENTED (say, a proxy that passes only
+    the methods it knows): the request opened on it is retried, the node stops multiplexing for good."""
+    fake.claims_generate_stream = True
+    try:
+        with GatewayThread([fake.address]) as gateway:
+            node = gateway.ctx.pool.engines[0]
+            wait_for(lambda: node.serving, "the node in rotation")
+            assert node.client.multiplexed
+            first = httpx.post(
+                f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30
+            )
+            assert first.status_code == 503  # its only engine refused it (UNAVAILABLE): nowhere to retry
+            assert not node.client.multiplexed
+            wait_for(lambda: node.serving, "the node back in rotation")
+            assert not node.client.multiplexed  # back in rotation, it stays on Generate
+            second = httpx.post(
+                f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30
+            )
+            assert second.status_code == 200
+            assert fake.record.requests  # served by Generate
+    finally:
+        fake.claims_generate_stream = False

@@ -162,7 +162,11 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
 
     async def GetModelInfo(self, request, context):
         if self.fake.model_info is not None:
-            return self.fake.model_info
+            info = engine_pb2.GetModelInfoResponse()
+            info.CopyFrom(self.fake.model_info)
+            # A real engine's answer, less what the fake does not serve (unless a test wants the lie).
+            info.generate_stream = self.fake.claims_generate_stream
+            return info
         return engine_pb2.GetModelInfoResponse(
             model=self.fake.model,
             architecture="FakeForCausalLM",
@@ -175,6 +179,7 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
             max_num_seqs=8,
             eos_token_ids=[2],
             has_chat_template=True,
+            generate_stream=self.fake.claims_generate_stream,
         )
 
     async def GetLoad(self, request, context):
@@ -210,6 +215,8 @@ class FakeEngine:
         # What GetModelInfo answers instead of the fake's own (e.g. a real engine's, with its role and KV
         # layout, so the fake can stand in a disaggregated pool).
         self.model_info: engine_pb2.GetModelInfoResponse | None = None
+        # GetModelInfo says it serves GenerateStream, which it does not (a fault: UNIMPLEMENTED).
+        self.claims_generate_stream = False
         self.script = Script()
         self.record = Record()
         self.port = port

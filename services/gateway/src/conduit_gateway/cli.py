@@ -196,6 +196,14 @@ FLAGS: tuple[Flag, ...] = (
         2.0,
     ),
     Flag("--request-timeout", "request_timeout_s", "deadline of one generation, seconds", float),
+    Flag(
+        "--engine-multiplex",
+        "engine_multiplex",
+        "carry the generations sent to an engine on one GenerateStream, where the engine serves it "
+        "(default true; false: one Generate call per prompt)",
+        default=True,
+        kind=BOOL,
+    ),
     Flag("--grpc-max-message-bytes", "grpc_max_message_bytes", "gRPC message limit", int, 64 * 1024 * 1024),
     Flag("--grpc-keepalive", "grpc_keepalive_s", "HTTP/2 keepalive ping period, seconds", float, 30.0),
     Flag(

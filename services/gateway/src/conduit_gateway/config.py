@@ -102,6 +102,9 @@ class GatewayConfig:
     # Engine channels: message size limit; HTTP/2 keepalive pings every grpc_keepalive_s while calls are
     # open, and a ping unanswered for grpc_keepalive_timeout_s (at most the period) breaks the connection.
     grpc_max_message_bytes: int = 64 * 1024 * 1024
+    # Generations to an engine that serves GenerateStream share one such stream per channel
+    # (routing/generate_mux.py); False: one Generate call each.
+    engine_multiplex: bool = True
     grpc_keepalive_s: float = 30.0
     grpc_keepalive_timeout_s: float = 10.0
     # Reconnecting to an engine after a restart: the first wait (of the channel and of the health watch),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -20,6 +20,7 @@ from conduit_common.logs import current_request_id
 from conduit_engine.core.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch
 from conduit_engine.engine.async_engine import AsyncEngine
 from conduit_engine.engine.llm_engine import LLMEngine
+from conduit_engine.entrypoints.generate_stream import GenerateStreamSession, ProtocolError
 from conduit_engine.entrypoints.proto_mapping import (
     messages_from_pb,
     output_to_pb,
@@ -146,8 +147,8 @@ def _wrap_stream(inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., Asyn
     return call
 
 
-def _metadata_request_id(context: grpc.aio.ServicerContext) -> str | None:
-    for key, value in context.invocation_metadata() or ():
+def _metadata_request_id(metadata: Sequence[tuple[str, str]]) -> str | None:
+    for key, value in metadata:
         if key == "x-request-id" and value:
             return str(value)
     return None
@@ -187,15 +188,32 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        async for message in self.generate_messages(request, context.invocation_metadata() or ()):
+            yield message
+
+    async def GenerateStream(
+        self, request_iterator: AsyncIterator[pb.GenerateStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateStreamBatch]:
+        session = GenerateStreamSession(self.generate_messages, status_for)
+        try:
+            async for batch in session.run(request_iterator):
+                yield batch
+        except ProtocolError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def generate_messages(
+        self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, str]]
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """One Generate call's messages, whether it came as its own call or on a GenerateStream."""
         if not self.ready:
             raise EngineUnavailableError("the engine is still warming up")
         lora = self._adapter_of(request)
         req = request_from_pb(request)
         req.lora = lora
         if not request.request_id:
-            req.request_id = _metadata_request_id(context) or req.request_id
+            req.request_id = _metadata_request_id(metadata) or req.request_id
         current_request_id.set(req.request_id)  # this call's log lines carry it
-        req.trace_context = trace = self.telemetry.request_trace(context.invocation_metadata())
+        req.trace_context = trace = self.telemetry.request_trace(metadata)
         decode = self.core.tokenizer.token_text
         sent = False
         try:
@@ -356,6 +374,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             kv_cache_dtype=core.kv_layout.dtype,
             kv_cache_tokens=core.num_blocks * core.block_size,
             kv_block_bytes=core.kv_layout.block_bytes,
+            generate_stream=True,
         )
 
     async def GetLoad(

@@ -28,6 +28,7 @@ from conduit.engine.v1 import engine_pb2
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.http.sse import ClientPace
 from conduit_gateway.http.tracing import engine_trace_metadata
+from conduit_gateway.routing.generate_mux import MuxCall
 from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.pool import EnginePool
 from conduit_gateway.routing.roles import NodeRole
@@ -113,7 +114,7 @@ class PromptStream:
     prompt_index: int
     pool: EnginePool
     node: EngineNode
-    call: grpc.aio.UnaryStreamCall
+    call: grpc.aio.UnaryStreamCall | MuxCall
     first: engine_pb2.GenerateResponse
     opened_at: float = field(default_factory=time.perf_counter)
     tokens_after_first: int = 0
@@ -131,8 +132,12 @@ class PromptStream:
         default_factory=lambda: asyncio.Queue(maxsize=READ_AHEAD), init=False
     )
     _held: object = field(default=None, init=False)  # the end or an error `ready()` took off the inbox
+    _direct: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
+        # A call whose read can be cancelled without harm (a MuxCall, routing/generate_mux.py) is read
+        # directly, without the reader task and inbox a grpc.aio call needs.
+        self._direct = getattr(self.call, "cancel_safe", False)
         self._last_token_at[self.first.index] = self.opened_at
         self.node.watch_lost(self._on_lost)
 
@@ -147,11 +152,13 @@ class PromptStream:
         The call is read by a task of its own (`_pump`): grpc cancels a call whose read is cancelled, and
         a reader cancelled because the client left must leave the call open, and its message unread, for
         the drain that charges what the engine generated (handlers/drain.py)."""
-        if self._reader is None:
-            self._reader = asyncio.ensure_future(self._pump())
         if self._held is not None:
             message, self._held = self._held, None
+        elif self._direct:
+            message = await self.call.next_item()  # a MuxCall: cancelling this read loses nothing
         else:
+            if self._reader is None:
+                self._reader = asyncio.ensure_future(self._pump())
             message = await self._inbox.get()  # cancelling this reader leaves the message for the next one
         try:
             if isinstance(message, BaseException):
@@ -182,6 +189,8 @@ class PromptStream:
         if self._held is not None or self.closed:
             return messages
         now = time.perf_counter()
+        if self._direct:
+            return [self._accept(item, now) for item in self.call.take_ready()]
         while not inbox.empty():
             item = inbox.get_nowait()
             if not isinstance(item, engine_pb2.GenerateResponse):
@@ -314,7 +323,10 @@ async def open_stream(
 
 
 def _give_up_opening(
-    call: grpc.aio.UnaryStreamCall, first_read: asyncio.Future[object], node: EngineNode, blocks: int
+    call: grpc.aio.UnaryStreamCall | MuxCall,
+    first_read: asyncio.Future[object],
+    node: EngineNode,
+    blocks: int,
 ) -> None:
     first_read.cancel()
     call.cancel()
@@ -325,7 +337,7 @@ async def _open_late(
     prompt_index: int,
     pool: EnginePool,
     node: EngineNode,
-    call: grpc.aio.UnaryStreamCall,
+    call: grpc.aio.UnaryStreamCall | MuxCall,
     first_read: asyncio.Future[object],
     request: engine_pb2.GenerateRequest,
     blocks: int,

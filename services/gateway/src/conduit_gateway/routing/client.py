@@ -6,7 +6,7 @@ The channel is plaintext or TLS and every call carries the engines' bearer token
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
 from conduit_common.engine_dialer import PLAINTEXT, EngineDialer
 from conduit_gateway.config import GatewayConfig
+from conduit_gateway.routing.generate_mux import GenerateMux, MuxCall
 
 
 def channel_options(config: GatewayConfig) -> list[tuple[str, int]]:
@@ -47,6 +48,30 @@ class EngineClient:
         self._channel = dialer.dial(address, channel_options(config))
         self._engine = engine_pb2_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        # Set from the engine's GetModelInfo (generate_stream) and --engine-multiplex: Generate calls
+        # then share one GenerateStream (routing/generate_mux.py).
+        self._mux: GenerateMux | None = None
+        self._mux_unimplemented = False  # the engine said it does not serve GenerateStream after all
+
+    def multiplex(self, on: bool) -> None:
+        """Send the following Generate calls on one GenerateStream (on), or each as its own call."""
+        if on and self._mux is None and not self._mux_unimplemented:
+            self._mux = GenerateMux(self._open_generate_stream, self._unimplemented)
+        elif not on and self._mux is not None:
+            self._mux = None  # its open requests finish on it; nothing new is sent there
+
+    def _unimplemented(self) -> None:
+        self._mux_unimplemented = True
+        self.multiplex(False)
+
+    @property
+    def multiplexed(self) -> bool:
+        return self._mux is not None
+
+    def _open_generate_stream(
+        self, requests: AsyncIterator[engine_pb2.GenerateStreamRequest]
+    ) -> grpc.aio.StreamStreamCall:
+        return self._engine.GenerateStream(requests, metadata=self._dialer.metadata())
 
     async def check(self, timeout_s: float) -> bool:
         """grpc.health.v1 Check: True when the engine says SERVING (raises AioRpcError when unreachable)."""
@@ -96,7 +121,9 @@ class EngineClient:
         request: engine_pb2.GenerateRequest,
         metadata: Sequence[tuple[str, str]],
         timeout_s: float | None,
-    ) -> grpc.aio.UnaryStreamCall:
+    ) -> grpc.aio.UnaryStreamCall | MuxCall:
+        if self._mux is not None:
+            return self._mux.generate(request, metadata, timeout_s)
         return self._engine.Generate(request, metadata=self._dialer.metadata(*metadata), timeout=timeout_s)
 
     async def abort(self, request_id: str, timeout_s: float) -> bool:
@@ -128,4 +155,6 @@ class EngineClient:
         await self._engine.UnloadLoraAdapter(request, timeout=timeout_s, metadata=self._dialer.metadata())
 
     async def close(self) -> None:
+        if self._mux is not None:
+            self._mux.close()
         await self._channel.close(grace=None)

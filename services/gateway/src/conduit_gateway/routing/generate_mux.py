@@ -1,0 +1,247 @@
+"""Every Generate of one engine channel on one GenerateStream (the gateway's side of it).
+
+As its own Generate call, each token of each request costs the gateway a gRPC read: a future, a callback
+from gRPC's poller thread, a reader task's step. On a GenerateStream the engine sends one batch per step
+holding that step's message of every request, one task here (`_Session._receive`) reads the batches and
+hands each message to its request's `MuxCall`, and the handler reading that call wakes once.
+
+A `MuxCall` reads like the grpc.aio call of Generate (`read()`: each message, then grpc.aio.EOF, or an
+AioRpcError with the status the engine ended the request with; `cancel()`), with two differences the
+gateway relies on: cancelling a `read()` loses nothing and leaves the call open (no reader task is
+needed to protect it), and `take_ready()` hands over what has arrived without waiting. A request's
+deadline is kept here (DEADLINE_EXCEEDED, and the engine is told to cancel it). When the stream itself
+breaks (the engine died, the channel closed), every request open on it ends with that error, as each
+Generate call would have; the next request opens a new stream.
+
+What arrives for a request is held until it is read, however slowly: one slow reader cannot hold up
+the others' messages on the shared stream (at most a request's max_tokens messages are held).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+
+from conduit.engine.v1 import engine_pb2
+
+log = logging.getLogger(__name__)
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_EMPTY = grpc.aio.Metadata()
+
+# What a MuxCall ends with: grpc.aio.EOF after its last message, else the exception a read raises.
+End = object
+
+# Opens the GenerateStream call on the channel, sending what the iterator yields.
+OpenStream = Callable[[AsyncIterator[engine_pb2.GenerateStreamRequest]], grpc.aio.StreamStreamCall]
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a Generate call ended with this status would raise."""
+    return grpc.aio.AioRpcError(code, _EMPTY, _EMPTY, details)
+
+
+class MuxCall:
+    """One request on a GenerateStream, read like its Generate call would be (see the module's doc)."""
+
+    __slots__ = ("tag", "_session", "_items", "_end", "_waiter", "_timer")
+
+    cancel_safe = True  # a cancelled read() loses nothing (handlers/streams.py reads it directly)
+
+    def __init__(self, session: _Session, tag: int) -> None:
+        self.tag = tag
+        self._session = session
+        self._items: deque[engine_pb2.GenerateResponse] = deque()
+        self._end: End | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def next_item(self) -> engine_pb2.GenerateResponse | End:
+        """The next message, else the end: grpc.aio.EOF or the error (returned, not raised)."""
+        while True:
+            if self._items:
+                return self._items.popleft()
+            if self._end is not None:
+                return self._end
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
+    async def read(self) -> engine_pb2.GenerateResponse | End:
+        """The next message, or grpc.aio.EOF at the end; raises the request's error."""
+        item = await self.next_item()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def take_ready(self) -> list[engine_pb2.GenerateResponse]:
+        """The messages that have arrived, without waiting (the end stays for the next read)."""
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    def done(self) -> bool:
+        return self._end is not None
+
+    def cancel(self) -> bool:
+        """End the request: the engine is told to cancel it (it aborts the request and frees its blocks),
+        and reads raise asyncio.CancelledError from now on, as a cancelled grpc.aio call's do."""
+        if self._end is not None:
+            return False
+        self._items.clear()
+        self._finish(asyncio.CancelledError())
+        self._session.cancel(self.tag)
+        return True
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self._end is None:
+            self._finish(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            self._session.cancel(self.tag)
+
+    def deliver(self, message: engine_pb2.GenerateResponse) -> None:
+        self._items.append(message)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _finish(self, end: End) -> None:
+        if self._end is not None:
+            return
+        self._end = end
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def fail(self, code: grpc.StatusCode, details: str) -> None:
+        self._finish(rpc_error(code, details))
+
+    def set_deadline(self, timeout_s: float) -> None:
+        self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
+
+    def end(self, code: int, details: str) -> None:
+        """The engine ended the request with this status (0: its messages are complete)."""
+        status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+        self._finish(grpc.aio.EOF if status is grpc.StatusCode.OK else rpc_error(status, details))
+
+
+class _Session:
+    """One GenerateStream call: the requests open on it and the task that reads its batches."""
+
+    def __init__(
+        self, open_stream: OpenStream, on_end: Callable[[_Session, grpc.aio.AioRpcError | None], None]
+    ) -> None:
+        self._outgoing: asyncio.Queue[engine_pb2.GenerateStreamRequest] = asyncio.Queue()
+        self.calls: dict[int, MuxCall] = {}
+        self._on_end = on_end
+        self._call = open_stream(self._requests())
+        self._task = asyncio.ensure_future(self._receive())
+
+    def open(
+        self, tag: int, request: engine_pb2.GenerateRequest, metadata: Sequence[tuple[str, str]]
+    ) -> MuxCall:
+        call = MuxCall(self, tag)
+        self.calls[tag] = call
+        action = engine_pb2.GenerateStreamRequest()
+        action.open.tag = tag
+        action.open.request.CopyFrom(request)
+        action.open.metadata.update(metadata)
+        self._outgoing.put_nowait(action)
+        return call
+
+    def cancel(self, tag: int) -> None:
+        if self.calls.pop(tag, None) is not None:
+            self._outgoing.put_nowait(engine_pb2.GenerateStreamRequest(cancel=tag))
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    async def _requests(self) -> AsyncIterator[engine_pb2.GenerateStreamRequest]:
+        while True:
+            yield await self._outgoing.get()
+
+    async def _receive(self) -> None:
+        error: grpc.aio.AioRpcError | None = None
+        try:
+            async for batch in self._call:
+                calls = self.calls
+                for item in batch.messages:
+                    call = calls.get(item.tag)
+                    if call is not None:
+                        call.deliver(item.message)
+                for ended in batch.ends:
+                    call = calls.pop(ended.tag, None)
+                    if call is not None:
+                        call.end(ended.code, ended.details)
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            error = rpc_error(grpc.StatusCode.CANCELLED, "the gateway closed the engine's GenerateStream")
+        finally:
+            self._on_end(self, error)
+            calls, self.calls = self.calls, {}
+            for call in calls.values():
+                if error is None:
+                    call.fail(grpc.StatusCode.UNAVAILABLE, "the engine ended its GenerateStream")
+                elif error.code() is grpc.StatusCode.UNIMPLEMENTED:
+                    call.fail(grpc.StatusCode.UNAVAILABLE, f"GenerateStream is not served: {error.details()}")
+                else:
+                    call.fail(error.code(), error.details() or "")
+
+
+class GenerateMux:
+    """The GenerateStream of one channel, opened on the first request and again after it ends.
+
+    `on_unimplemented` is told when the engine answers that it does not serve GenerateStream after all
+    (something between gateway and engine that passes only known methods): the requests open on it end
+    UNAVAILABLE (retried elsewhere, like a refusal), and the caller stops multiplexing."""
+
+    def __init__(self, open_stream: OpenStream, on_unimplemented: Callable[[], None] = lambda: None) -> None:
+        self._open_stream = open_stream
+        self._on_unimplemented = on_unimplemented
+        self._session: _Session | None = None
+        self._next_tag = 1
+
+    @property
+    def open_calls(self) -> int:
+        return len(self._session.calls) if self._session is not None else 0
+
+    def generate(
+        self,
+        request: engine_pb2.GenerateRequest,
+        metadata: Sequence[tuple[str, str]],
+        timeout_s: float | None,
+    ) -> MuxCall:
+        """Start `request` as a Generate call with these metadata and deadline would."""
+        if self._session is None:
+            self._session = _Session(self._open_stream, self._ended)
+        tag = self._next_tag
+        self._next_tag += 1
+        call = self._session.open(tag, request, metadata)
+        if timeout_s is not None:
+            call.set_deadline(timeout_s)
+        return call
+
+    def _ended(self, session: _Session, error: grpc.aio.AioRpcError | None) -> None:
+        if self._session is session:
+            self._session = None
+        if error is not None and error.code() is grpc.StatusCode.UNIMPLEMENTED:
+            log.warning(
+                "GenerateStream is not served there (%s): one Generate call per prompt from now on",
+                error.details(),
+            )
+            self._on_unimplemented()
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
