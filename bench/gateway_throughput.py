@@ -120,10 +120,13 @@ def run_engine(port: int) -> None:
         return bytes(out)
 
     async def generate_stream(request_iterator, context):
-        """GenerateStream: at each tick, one batch with the next message of every stream open on it,
-        written by hand from the pre-serialised messages (GenerateStreamBatch fields 1 and 2)."""
+        """GenerateStream as the engine serves it: at each tick the next message of every stream open on
+        it goes into an outbox (written by hand from the pre-serialised messages: GenerateStreamBatch
+        fields 1 and 2), and the writer sends all the outbox holds as one batch; while the gateway reads
+        slower than that, the outbox holds several ticks and a batch carries them all."""
         open_streams: dict[int, list] = {}  # tag -> [tag bytes, request_id head, bodies, next index]
-        opened = asyncio.Event()
+        opened, filled = asyncio.Event(), asyncio.Event()
+        outbox: list[bytes] = []
         step = [10]
 
         async def read() -> None:
@@ -142,27 +145,36 @@ def run_engine(port: int) -> None:
                 else:
                     open_streams.pop(action.cancel, None)
 
-        reader = asyncio.create_task(read())
-        try:
+        async def produce() -> None:
             while True:
                 if not open_streams:
                     opened.clear()
                     await opened.wait()
                 ticker = tickers.get(step[0]) or tickers.setdefault(step[0], Ticker(step[0] / 1000))
                 await ticker.tick
-                parts, ends = [], []
                 for key, stream in list(open_streams.items()):
                     tag, head, bodies, at = stream
                     body = head + bodies[at]
                     item = tag + b"\x12" + varint(len(body)) + body
-                    parts.append(b"\x0a" + varint(len(item)) + item)
+                    outbox.append(b"\x0a" + varint(len(item)) + item)
                     stream[3] = at + 1
                     if at + 1 == len(bodies):
                         del open_streams[key]
-                        ends.append(b"\x12" + varint(len(tag)) + tag)
-                yield b"".join(parts + ends)
+                        outbox.append(b"\x12" + varint(len(tag)) + tag)
+                filled.set()
+
+        await context.send_initial_metadata(())  # the stream is taken: the gateway may write
+        tasks = [asyncio.create_task(read()), asyncio.create_task(produce())]
+        try:
+            while True:
+                await filled.wait()
+                filled.clear()
+                batch = b"".join(outbox)
+                outbox.clear()
+                yield batch
         finally:
-            reader.cancel()
+            for task in tasks:
+                task.cancel()
 
     async def model_info(request, context):
         return engine_pb2.GetModelInfoResponse(

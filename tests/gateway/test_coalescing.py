@@ -5,7 +5,7 @@ order, each once. Chat and completions (one choice, n > 1, prompt lists: choices
 other), the Responses API (read by the official openai SDK: sequence numbers stay contiguous) and the
 Messages API (read by the official anthropic SDK: blocks open and close as for a fast reader). Runs the
 gateway as its real process (the coalescing needs its HTTP protocol's body writer), against the
-in-process fake engine."""
+in-process fake engine, whose generations travel as Generate calls or on one GenerateStream."""
 
 from __future__ import annotations
 
@@ -35,12 +35,16 @@ MAX_TOKENS = 1500
 SMALL_RCVBUF = [(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)]
 
 
-@pytest.fixture(scope="module")
-def stack():
+@pytest.fixture(scope="module", params=["generate", "generate_stream"])
+def stack(request):
+    """The gateway on the fake engine, its generations as Generate calls or on one GenerateStream."""
     with FakeEngine(MODEL) as fake:
         fake.reset(Script(words=WORDS, max_tokens_cap=MAX_TOKENS))
+        fake.generate_stream = "on" if request.param == "generate_stream" else "off"
         with start_gateway(fake.address, "--log-level", "warning") as gateway:
             yield gateway
+        methods = {method.rsplit("/", 1)[-1] for method, _ in fake.record.calls}
+        assert ("GenerateStream" in methods) == (request.param == "generate_stream"), methods
 
 
 def expected_text(tokens: int, choice: int = 0) -> str:

@@ -18,6 +18,15 @@ from tests.support.processes import free_port
 
 pytestmark = pytest.mark.integration
 
+
+@pytest.fixture(scope="module", params=["generate", "generate_stream"])
+def fake_engine_server(request):
+    """The fake engine, its generations reaching it as Generate calls or on one GenerateStream: every
+    fault here must look the same to the client either way."""
+    with FakeEngine(MODEL) as fake:
+        fake.generate_stream = "on" if request.param == "generate_stream" else "off"
+        yield fake
+
 # What a client sees of any engine failure: the engine's own words (internals) stay in the gateway's log.
 GENERIC_500 = "The engine failed to process the request."
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -189,7 +198,8 @@ def test_slow_engine_request_timeout_is_504(make_gateway, fake):
 def test_an_engine_that_claims_generate_stream_but_refuses_it_is_served_one_call_per_prompt(fake):
     """GetModelInfo says generate_stream, the RPC answers UNIMPLEMENTED (say, a proxy that passes only
     the methods it knows): the request opened on it is retried, the node stops multiplexing for good."""
-    fake.claims_generate_stream = True
+    mode = fake.generate_stream
+    fake.generate_stream = "claimed"
     try:
         with GatewayThread([fake.address]) as gateway:
             node = gateway.ctx.pool.engines[0]
@@ -208,4 +218,4 @@ def test_an_engine_that_claims_generate_stream_but_refuses_it_is_served_one_call
             assert second.status_code == 200
             assert fake.record.requests  # served by Generate
     finally:
-        fake.claims_generate_stream = False
+        fake.generate_stream = mode

@@ -133,7 +133,7 @@ def test_each_request_on_the_stream_answers_what_its_generate_call_answers(stub)
         2: _request(24, temperature=0.8, seed=7, n=2, logprobs=2),
         3: _request(33, temperature=0, logprobs=0),
         4: engine_pb2.GenerateRequest(
-            text="Once upon a time", sampling=engine_pb2.SamplingParams(max_tokens=5)
+            text="Once upon a time", sampling=engine_pb2.SamplingParams(max_tokens=5, temperature=0)
         ),
     }
     session = Session(stub)

@@ -36,7 +36,11 @@ class EngineFleet:
             raise ValueError(
                 f"per_engine: {count} engines need {count} flag lists, got {len(self.per_engine)}"
             )
-        self.ports = [free_port() for _ in range(count)]
+        self.ports: list[int] = []
+        while len(self.ports) < count:  # free_port may hand out a port it handed out a moment ago
+            port = free_port()
+            if port not in self.ports:
+                self.ports.append(port)
         self.engines: list[ManagedProcess] = []
         self._channels: dict[int, grpc.Channel] = {}
         try:

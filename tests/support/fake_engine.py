@@ -15,6 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
+from conduit_engine.entrypoints.generate_stream import GenerateStreamSession
+from conduit_engine.errors import EngineError
 
 WORDS = ("Once", " upon", " a", " time", ",", " there", " was", " a", " little", " cat", ".")
 
@@ -144,6 +146,36 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
             raise
         record.completed += 1
 
+    async def GenerateStream(self, request_iterator, context):
+        mode = self.fake.generate_stream
+        if mode != "on":
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found: GenerateStream")
+        # The engine's own session over this fake's Generate (each request as a Generate call).
+        await context.send_initial_metadata(())
+        session = GenerateStreamSession(self._generate_on_stream, lambda exc: exc.code)
+        async for batch in session.run(request_iterator):
+            yield batch
+
+    async def _generate_on_stream(self, request, metadata):
+        """The scripted Generate of one request on a GenerateStream: its writes, then its abort if any."""
+        messages: asyncio.Queue[object] = asyncio.Queue()
+        ended = object()
+        context = _StreamRequestContext(metadata, messages)
+
+        async def run() -> None:
+            try:
+                await self.Generate(request, context)
+            finally:
+                messages.put_nowait(ended)
+
+        task = asyncio.ensure_future(run())
+        try:
+            while (message := await messages.get()) is not ended:
+                yield message
+            await task  # raises the scripted abort
+        finally:
+            task.cancel()
+
     async def Abort(self, request, context):
         script = self.fake.script
         self.fake.record.aborted.append(request.request_id)
@@ -165,7 +197,7 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
             info = engine_pb2.GetModelInfoResponse()
             info.CopyFrom(self.fake.model_info)
             # A real engine's answer, less what the fake does not serve (unless a test wants the lie).
-            info.generate_stream = self.fake.claims_generate_stream
+            info.generate_stream = self.fake.generate_stream != "off"
             return info
         return engine_pb2.GetModelInfoResponse(
             model=self.fake.model,
@@ -179,11 +211,36 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
             max_num_seqs=8,
             eos_token_ids=[2],
             has_chat_template=True,
-            generate_stream=self.fake.claims_generate_stream,
+            generate_stream=self.fake.generate_stream != "off",
         )
 
     async def GetLoad(self, request, context):
         return engine_pb2.GetLoadResponse(kv_blocks_total=64)
+
+
+class _Aborted(EngineError):
+    """A scripted abort of a request on a GenerateStream: it ends with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+
+
+class _StreamRequestContext:
+    """What the scripted Generate uses of its call's context, for a request on a GenerateStream."""
+
+    def __init__(self, metadata: Sequence[tuple[str, str]], messages: asyncio.Queue[object]) -> None:
+        self._metadata = tuple(metadata)
+        self._messages = messages
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    async def write(self, message: engine_pb2.GenerateResponse) -> None:
+        self._messages.put_nowait(message)
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details)
 
 
 def _prompt_ids(request: engine_pb2.GenerateRequest) -> list[int]:
@@ -215,8 +272,9 @@ class FakeEngine:
         # What GetModelInfo answers instead of the fake's own (e.g. a real engine's, with its role and KV
         # layout, so the fake can stand in a disaggregated pool).
         self.model_info: engine_pb2.GetModelInfoResponse | None = None
-        # GetModelInfo says it serves GenerateStream, which it does not (a fault: UNIMPLEMENTED).
-        self.claims_generate_stream = False
+        # GenerateStream: "off" (not served, GetModelInfo says so), "on" (served: each request runs
+        # the scripted Generate), "claimed" (GetModelInfo says it is served; it answers UNIMPLEMENTED).
+        self.generate_stream = "off"
         self.script = Script()
         self.record = Record()
         self.port = port

@@ -194,6 +194,8 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def GenerateStream(
         self, request_iterator: AsyncIterator[pb.GenerateStreamRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateStreamBatch]:
+        # Taken: the client writes its requests once it has these (see the proto).
+        await context.send_initial_metadata(())
         session = GenerateStreamSession(self.generate_messages, status_for)
         try:
             async for batch in session.run(request_iterator):

@@ -361,14 +361,15 @@ class GenerationHandler(ABC):
     def _choice(
         self, choices: ChoiceSet, prompt_index: int, message: engine_pb2.GenerateResponse
     ) -> tuple[ChoiceState, bool]:
-        if message.index >= self.n:
+        index = message.index
+        if index >= self.n:
             raise OpenAIError(
                 502,
-                f"The engine sent choice index {message.index} for n={self.n}.",
+                f"The engine sent choice index {index} for n={self.n}.",
                 type="server_error",
                 code="engine_error",
             )
-        return choices.get(prompt_index, message.index)
+        return choices.get(prompt_index, index)
 
     def _finish(self, choice: ChoiceState, message: engine_pb2.GenerateResponse) -> None:
         error = ending_error(message.finish_reason, choice.index)
@@ -514,10 +515,14 @@ class ChunkedHandler(GenerationHandler):
                 # the client is behind, what has arrived meanwhile goes out merged (handlers/coalesce.py).
                 async with contextlib.aclosing(read_batches(streams, self.unread, pace)) as batches:
                     async for batch in batches:
-                        events = "".join(
-                            self._message_events(encoder, choices, usage, prompt_index, message)
-                            for prompt_index, message in merge_batch(batch)
-                        )
+                        if len(batch) == 1:  # the common case: one message, nothing to merge
+                            prompt_index, message = batch[0]
+                            events = self._message_events(encoder, choices, usage, prompt_index, message)
+                        else:
+                            events = "".join(
+                                self._message_events(encoder, choices, usage, prompt_index, message)
+                                for prompt_index, message in merge_batch(batch)
+                            )
                         if events:
                             yield events
                 if include_usage:
@@ -552,11 +557,12 @@ class ChunkedHandler(GenerationHandler):
             # Usage as it was before this message: the opening chunk precedes its tokens.
             events = encoder.chunk([opening], usage.as_dict)
         self._count(usage, prompt_index, message)
-        if message.text or message.logprobs:
-            delta = self.delta_choice(choice, message.text, message.logprobs)
+        text, logprobs = message.text, message.logprobs  # each field read builds a wrapper: read once
+        if text or logprobs:
+            delta = self.delta_choice(choice, text, logprobs)
             if delta is not None:
                 events += encoder.chunk([delta], usage.as_dict)
-            choice.texts.append(message.text)
+            choice.texts.append(text)
         if message.finished:
             self._finish(choice, message)
             for last in (self.flush_choice(choice), self.finish_choice(choice)):

@@ -127,7 +127,9 @@ class MigratingStream:
         self._finished: set[int] = set()
         self._handed_back: _Failure | None = None  # a choice the engine handed back, moved at stream end
         self._usage = engine_pb2.Usage()  # the first engine's prompt and cached tokens, once moved
-        self._latest_usage = engine_pb2.Usage()  # the first engine's latest usage, until it moves
+        # The first engine's latest message, until it moves (its usage is read then: a field read per
+        # message costs more than keeping the message).
+        self._latest: engine_pb2.GenerateResponse | None = None
         self._moved = False
         self._carried = 0  # completion tokens of choices finished before the current engine took over
         self._token_gaps: Histogram | None = None
@@ -197,9 +199,10 @@ class MigratingStream:
 
     def _relay(self, message: engine_pb2.GenerateResponse) -> engine_pb2.GenerateResponse:
         """Record what the client gets of `message`; a handed-back choice is relayed as not finished."""
-        received = self._received.get(message.index)
+        index = message.index
+        received = self._received.get(index)
         if received is None:
-            received = self._received[message.index] = _Received()
+            received = self._received[index] = _Received()
         received.token_ids.extend(message.token_ids)
         received.texts.append(message.text)
         if message.finished:
@@ -217,13 +220,13 @@ class MigratingStream:
             message.usage.CopyFrom(self._usage)
             message.usage.completion_tokens = completion
         else:
-            self._latest_usage = message.usage  # its prompt and cached tokens are taken when it moves
+            self._latest = message  # its usage's prompt and cached tokens are taken when it moves
         return message
 
     async def _move(self, failure: _Failure) -> None:
         """Continue the unfinished choices on another engine, or raise what the client gets instead."""
         if not self._moved:
-            latest = self._latest_usage
+            latest = self._latest.usage if self._latest is not None else engine_pb2.Usage()
             self._usage = engine_pb2.Usage(
                 prompt_tokens=latest.prompt_tokens, cached_tokens=latest.cached_tokens
             )

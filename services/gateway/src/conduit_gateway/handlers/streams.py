@@ -188,9 +188,13 @@ class PromptStream:
         inbox = self._inbox
         if self._held is not None or self.closed:
             return messages
-        now = time.perf_counter()
         if self._direct:
-            return [self._accept(item, now) for item in self.call.take_ready()]
+            items = self.call.take_ready()
+            if items:
+                now = time.perf_counter()
+                return [self._accept(item, now) for item in items]
+            return items
+        now = time.perf_counter()
         while not inbox.empty():
             item = inbox.get_nowait()
             if not isinstance(item, engine_pb2.GenerateResponse):
@@ -200,8 +204,9 @@ class PromptStream:
         return messages
 
     def _accept(self, message: engine_pb2.GenerateResponse, now: float) -> engine_pb2.GenerateResponse:
-        self.tokens_after_first += len(message.token_ids)
-        if message.token_ids and self.token_gaps is not None:
+        tokens = len(message.token_ids)  # each field access builds a wrapper: once per message
+        self.tokens_after_first += tokens
+        if tokens and self.token_gaps is not None:
             last = self._last_token_at.get(message.index)
             if last is not None:
                 self.token_gaps.observe(now - last)

@@ -82,6 +82,8 @@ class MuxCall:
 
     def take_ready(self) -> list[engine_pb2.GenerateResponse]:
         """The messages that have arrived, without waiting (the end stays for the next read)."""
+        if not self._items:
+            return []
         items = list(self._items)
         self._items.clear()
         return items
@@ -166,11 +168,15 @@ class _Session:
         self._call.cancel()
 
     async def _requests(self) -> AsyncIterator[engine_pb2.GenerateStreamRequest]:
+        # Nothing is written before the engine has taken the stream (its initial metadata): a write racing
+        # a refusal (UNIMPLEMENTED, UNAUTHENTICATED) can make gRPC report INTERNAL instead.
+        await self._call.initial_metadata()
         while True:
             yield await self._outgoing.get()
 
     async def _receive(self) -> None:
         error: grpc.aio.AioRpcError | None = None
+        closed = False  # by the gateway (close(), or the app stopping)
         try:
             async for batch in self._call:
                 calls = self.calls
@@ -185,17 +191,37 @@ class _Session:
         except grpc.aio.AioRpcError as exc:
             error = exc
         except asyncio.CancelledError:
-            error = rpc_error(grpc.StatusCode.CANCELLED, "the gateway closed the engine's GenerateStream")
+            closed = True
+            raise
         finally:
             self._on_end(self, error)
             calls, self.calls = self.calls, {}
+            if closed:
+                code, details = grpc.StatusCode.CANCELLED, "the gateway closed the engine's GenerateStream"
+            else:
+                code, details = _open_calls_status(error)
             for call in calls.values():
-                if error is None:
-                    call.fail(grpc.StatusCode.UNAVAILABLE, "the engine ended its GenerateStream")
-                elif error.code() is grpc.StatusCode.UNIMPLEMENTED:
-                    call.fail(grpc.StatusCode.UNAVAILABLE, f"GenerateStream is not served: {error.details()}")
-                else:
-                    call.fail(error.code(), error.details() or "")
+                call.fail(code, details)
+
+
+# Statuses of the whole stream that say something of the caller, passed on to each request open on it.
+_CALLER_STATUSES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+
+def _open_calls_status(error: grpc.aio.AioRpcError | None) -> tuple[grpc.StatusCode, str]:
+    """What each request open on a stream that ended gets. The engine ends a request with its own status
+    (an end item), never the stream, so a stream that ends or fails otherwise has lost its engine, as a
+    broken Generate call has: UNAVAILABLE (retried elsewhere before a first message, migrated after),
+    whatever gRPC reported (a write racing the connection's end shows as INTERNAL, a stopping server as
+    CANCELLED); refusals of the caller stay themselves."""
+    if error is None:
+        return grpc.StatusCode.UNAVAILABLE, "the engine ended its GenerateStream"
+    code = error.code()
+    if code in _CALLER_STATUSES:
+        return code, error.details() or ""
+    if code is grpc.StatusCode.UNIMPLEMENTED:
+        return grpc.StatusCode.UNAVAILABLE, f"GenerateStream is not served: {error.details()}"
+    return grpc.StatusCode.UNAVAILABLE, f"the engine's GenerateStream broke ({code.name}: {error.details()})"
 
 
 class GenerateMux:
