@@ -27,6 +27,7 @@ def fake_engine_server(request):
         fake.generate_stream = "on" if request.param == "generate_stream" else "off"
         yield fake
 
+
 # What a client sees of any engine failure: the engine's own words (internals) stay in the gateway's log.
 GENERIC_500 = "The engine failed to process the request."
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
