@@ -26,6 +26,7 @@ from prometheus_client import Histogram
 
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.errors import OpenAIError
+from conduit_gateway.handlers.token_gaps import TokenGaps
 from conduit_gateway.http.sse import ClientPace
 from conduit_gateway.http.tracing import engine_trace_metadata
 from conduit_gateway.routing.generate_mux import MuxCall
@@ -122,6 +123,7 @@ class PromptStream:
     blocks: int = 0  # the prompt's KV blocks, counted in the node's active blocks until close()
     # Observes the time between consecutive token messages of each choice (its inter-token latency).
     token_gaps: Histogram | None = None
+    _gaps: TokenGaps | None = field(default=None, init=False)  # token_gaps' counts, added in batches
     _last_token_at: dict[int, float] = field(default_factory=dict, init=False)
     lost: str | None = field(default=None, init=False)  # why the node was lost while this was open
     # One task reads the call for the stream's whole life and hands each message (or the read's error)
@@ -207,10 +209,14 @@ class PromptStream:
         tokens = len(message.token_ids)  # each field access builds a wrapper: once per message
         self.tokens_after_first += tokens
         if tokens and self.token_gaps is not None:
-            last = self._last_token_at.get(message.index)
+            index = message.index
+            last = self._last_token_at.get(index)
             if last is not None:
-                self.token_gaps.observe(now - last)
-            self._last_token_at[message.index] = now
+                gaps = self._gaps
+                if gaps is None:
+                    gaps = self._gaps = TokenGaps(self.token_gaps)
+                gaps.add(now - last)
+            self._last_token_at[index] = now
         return message
 
     async def _pump(self) -> None:
@@ -236,6 +242,8 @@ class PromptStream:
         and give back the node's in-flight slot; safe to call more than once."""
         if not self.closed:
             self.closed = True
+            if self._gaps is not None:
+                self._gaps.flush()
             self.node.unwatch_lost(self._on_lost)
             self.call.cancel()
             if self._reader is not None:
