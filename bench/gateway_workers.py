@@ -159,6 +159,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fakes", type=int, default=2, help="fake engine processes behind each gateway")
     parser.add_argument("--clients", type=int, default=2, help="client processes")
+    parser.add_argument(
+        "--generate-stream",
+        choices=["on", "off"],
+        default="on",
+        help="the fakes serve GenerateStream, so the gateways multiplex (off: a Generate call per stream)",
+    )
     parser.add_argument("--gateway-cpus", help="CPUs of the gateways' processes, e.g. 0,1")
     parser.add_argument("--other-cpus", help="CPUs of the fakes and clients, e.g. 2-15")
     args = parser.parse_args()
@@ -176,6 +182,7 @@ def main() -> None:
         for _ in range(args.fakes):
             port = free_port()
             fake_args = [sys.executable, "-m", "tests.support.fake_engine", "--port", str(port)]
+            fake_args += ["--generate-stream", args.generate_stream]
             fakes.append(stack.enter_context(ManagedProcess("fake-engine", fake_args, port)))
         time.sleep(2.0)  # the fakes' servers start; the gateways wait for their health anyway
         engines = [fake.address for fake in fakes]

@@ -354,11 +354,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Conduit fake engine (instant tokens) for benchmarks")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="fake-model")
+    parser.add_argument(
+        "--generate-stream", choices=["off", "on"], default="off", help="serve GenerateStream"
+    )
     args = parser.parse_args()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with FakeEngine(args.model, port=args.port):
+    with FakeEngine(args.model, port=args.port) as fake:
+        fake.generate_stream = args.generate_stream
         stop.wait()
 
 
