@@ -5,7 +5,8 @@ order, each once. Chat and completions (one choice, n > 1, prompt lists: choices
 other), the Responses API (read by the official openai SDK: sequence numbers stay contiguous) and the
 Messages API (read by the official anthropic SDK: blocks open and close as for a fast reader). Runs the
 gateway as its real process (the coalescing needs its HTTP protocol's body writer), against the
-in-process fake engine, whose generations travel as Generate calls or on one GenerateStream."""
+in-process fake engine, whose generations travel on one GenerateStream as a real engine's do (the shapes
+test also over Generate calls)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import anthropic
@@ -35,16 +37,30 @@ MAX_TOKENS = 1500
 SMALL_RCVBUF = [(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)]
 
 
-@pytest.fixture(scope="module", params=["generate", "generate_stream"])
-def stack(request):
-    """The gateway on the fake engine, its generations as Generate calls or on one GenerateStream."""
-    with FakeEngine(MODEL) as fake:
-        fake.reset(Script(words=WORDS, max_tokens_cap=MAX_TOKENS))
-        fake.generate_stream = "on" if request.param == "generate_stream" else "off"
-        with start_gateway(fake.address, "--log-level", "warning") as gateway:
-            yield gateway
-        methods = {method.rsplit("/", 1)[-1] for method, _ in fake.record.calls}
-        assert ("GenerateStream" in methods) == (request.param == "generate_stream"), methods
+TRANSPORTS = ("generate", "generate_stream")
+
+
+@pytest.fixture(scope="module")
+def stacks():
+    """A gateway on a fake engine per transport: its generations as Generate calls, or on one
+    GenerateStream (what a real engine gets)."""
+    with ExitStack() as started:
+        gateways, fakes = {}, {}
+        for transport in TRANSPORTS:
+            fake = fakes[transport] = started.enter_context(FakeEngine(MODEL))
+            fake.reset(Script(words=WORDS, max_tokens_cap=MAX_TOKENS))
+            fake.generate_stream = "on" if transport == "generate_stream" else "off"
+            gateways[transport] = started.enter_context(start_gateway(fake.address, "--log-level", "warning"))
+        yield gateways
+        for transport, fake in fakes.items():
+            methods = {method.rsplit("/", 1)[-1] for method, _ in fake.record.calls}
+            assert ("GenerateStream" in methods) == (transport == "generate_stream"), methods
+
+
+@pytest.fixture
+def stack(stacks):
+    """The gateway of a real engine's path (GenerateStream); the shapes test runs over both."""
+    return stacks["generate_stream"]
 
 
 def expected_text(tokens: int, choice: int = 0) -> str:
@@ -281,7 +297,11 @@ def _body(api: str, n: int, prompts: int, tokens: int) -> dict:
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_a_slow_reader_gets_merged_events_with_the_same_tokens_logprobs_and_usage_as_a_fast_one(stack, shape):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_slow_reader_gets_merged_events_with_the_same_tokens_logprobs_and_usage_as_a_fast_one(
+    stacks, transport, shape
+):
+    stack = stacks[transport]
     api, n, prompts, tokens = SHAPES[shape]
     path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
     body = _body(api, n, prompts, tokens)
