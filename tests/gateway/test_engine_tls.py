@@ -8,16 +8,18 @@ engine keeps serving the gateway that can.
 from __future__ import annotations
 
 import logging
+import signal
 
 import grpc
 import httpx
 import openai
 import pytest
 
+from tests.gateway.sse import parse_events
 from tests.support.certs import make_pki
 from tests.support.gateway_thread import GatewayThread
 from tests.support.polling import wait_for
-from tests.support.processes import start_engine
+from tests.support.processes import start_engine, start_gateway
 from tests.support.stories import MODEL, PROMPT
 
 pytestmark = pytest.mark.integration
@@ -143,3 +145,46 @@ def test_an_admin_added_engine_over_verified_tls_receives_the_token(engine, pki,
             "the admin-added engine to serve",
         )
         assert complete(gateway).usage.completion_tokens == 5
+
+
+def test_a_new_engine_token_goes_out_on_a_new_generate_stream_and_the_open_one_finishes(
+    engine, pki, token_files, tmp_path
+):
+    """SIGHUP with a changed token file: a stream open on the GenerateStream that carried the old token
+    finishes there; the next request opens a new GenerateStream, which carries the new token (here a
+    wrong one: refused), and the right one again serves."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    flags = ["--engine-tls-ca", str(pki.ca), "--engine-tls-cert", str(pki.client.cert)]
+    flags += ["--engine-tls-key", str(pki.client.key), "--engine-auth-token-file", str(token)]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+    def reloaded(gateway, times: int) -> None:
+        gateway.process.send_signal(signal.SIGHUP)
+        wait_for(
+            lambda: gateway.output_tail(1_000_000).count("the engines' auth token changed") >= times,
+            "the reload",
+        )
+
+    with start_gateway(engine.address, *flags) as gateway:
+        with httpx.Client(base_url=gateway.url, timeout=60) as client:
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                lines = (line for line in response.iter_lines() if line)
+                text = parse_events(next(lines) + "\n\n")[0]["choices"][0]["text"]
+                engine.process.send_signal(signal.SIGSTOP)  # the stream stays open across the reload
+                try:
+                    token.write_text("not-" + TOKEN)
+                    reloaded(gateway, 1)
+                finally:
+                    engine.process.send_signal(signal.SIGCONT)
+                events = [parse_events(line + "\n\n")[0] for line in lines if line != "data: [DONE]"]
+            assert not any("error" in event for event in events)
+            text += "".join(event["choices"][0]["text"] for event in events)
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+            refused = client.post("/v1/completions", json=body)
+            assert refused.status_code >= 500, refused.text  # the new stream carried the wrong token
+            token.write_text(TOKEN)
+            reloaded(gateway, 2)
+            served = client.post("/v1/completions", json=body)
+            assert served.status_code == 200, served.text
+            assert served.json()["choices"][0]["text"] == text

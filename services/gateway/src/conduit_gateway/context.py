@@ -99,6 +99,8 @@ class GatewayContext:
         try:
             if self.pool.dialer.reload():
                 log.info("SIGHUP: the engines' auth token changed")
+                for node in self.pool.engines:
+                    node.client.renew_streams()  # a GenerateStream carries the token it opened with
         except SecretFileError as exc:
             log.error("SIGHUP: keeping the engines' auth token: %s", exc)
         for hook in self.reload_hooks:

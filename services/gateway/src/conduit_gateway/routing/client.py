@@ -60,6 +60,12 @@ class EngineClient:
         elif not on and self._mux is not None:
             self._mux = None  # its open requests finish on it; nothing new is sent there
 
+    def renew_streams(self) -> None:
+        """The channel's credentials changed (SIGHUP re-read the engine token): requests from now on go
+        on a new GenerateStream, which carries the new token; the old one ends with its requests."""
+        if self._mux is not None:
+            self._mux.renew()
+
     def _unimplemented(self) -> None:
         self._mux_unimplemented = True
         self.multiplex(False)

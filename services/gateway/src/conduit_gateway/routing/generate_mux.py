@@ -144,6 +144,7 @@ class _Session:
     ) -> None:
         self._outgoing: asyncio.Queue[engine_pb2.GenerateStreamRequest] = asyncio.Queue()
         self.calls: dict[int, MuxCall] = {}
+        self._retired = False
         self._on_end = on_end
         self._call = open_stream(self._requests())
         self._task = asyncio.ensure_future(self._receive())
@@ -163,9 +164,19 @@ class _Session:
     def cancel(self, tag: int) -> None:
         if self.calls.pop(tag, None) is not None:
             self._outgoing.put_nowait(engine_pb2.GenerateStreamRequest(cancel=tag))
+        self._close_if_retired()
 
     def close(self) -> None:
         self._call.cancel()
+
+    def retire(self) -> None:
+        """Take no new requests; close once the open ones have ended (a new session takes the others)."""
+        self._retired = True
+        self._close_if_retired()
+
+    def _close_if_retired(self) -> None:
+        if self._retired and not self.calls:
+            self.close()
 
     async def _requests(self) -> AsyncIterator[engine_pb2.GenerateStreamRequest]:
         # Nothing is written before the engine has taken the stream (its initial metadata): a write racing
@@ -188,6 +199,8 @@ class _Session:
                     call = calls.pop(ended.tag, None)
                     if call is not None:
                         call.end(ended.code, ended.details)
+                if self._retired and not calls:
+                    self.close()
         except grpc.aio.AioRpcError as exc:
             error = exc
         except asyncio.CancelledError:
@@ -256,6 +269,13 @@ class GenerateMux:
         if timeout_s is not None:
             call.set_deadline(timeout_s)
         return call
+
+    def renew(self) -> None:
+        """The next request opens a new stream (with the call metadata of now: a new engine token); the
+        current one closes once the requests open on it have ended."""
+        if self._session is not None:
+            session, self._session = self._session, None
+            session.retire()
 
     def _ended(self, session: _Session, error: grpc.aio.AioRpcError | None) -> None:
         if self._session is session:
