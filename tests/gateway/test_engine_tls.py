@@ -188,3 +188,45 @@ def test_a_new_engine_token_goes_out_on_a_new_generate_stream_and_the_open_one_f
             served = client.post("/v1/completions", json=body)
             assert served.status_code == 200, served.text
             assert served.json()["choices"][0]["text"] == text
+
+
+def test_a_token_rotated_on_the_engine_refuses_new_requests_on_an_open_generate_stream(
+    stories_path, tmp_path
+):
+    """The engine checks the token at each request opened on a GenerateStream, as at the start of each
+    Generate call: after SIGHUP rotates its token, the gateway's open stream gets no new request through
+    (one running meanwhile finishes) until the gateway presents the new token too."""
+    engine_token, gateway_token = tmp_path / "engine-token", tmp_path / "gateway-token"
+    engine_token.write_text(TOKEN)
+    gateway_token.write_text(TOKEN)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+    def reloaded(process, line: str, times: int) -> None:
+        process.process.send_signal(signal.SIGHUP)
+        wait_for(lambda: process.output_tail(1_000_000).count(line) >= times, "the reload")
+
+    with (
+        start_engine(
+            stories_path, "--auth-token-file", str(engine_token), "--kv-cache-blocks", "64"
+        ) as engine,
+        start_gateway(engine.address, "--engine-auth-token-file", str(gateway_token)) as gateway,
+        httpx.Client(base_url=gateway.url, timeout=60) as client,
+    ):
+        expected = client.post("/v1/completions", json=body).json()["choices"][0]["text"]  # the stream opens
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            lines = (line for line in response.iter_lines() if line)
+            text = parse_events(next(lines) + "\n\n")[0]["choices"][0]["text"]
+            engine_token.write_text("rotated-" + TOKEN)
+            reloaded(engine, "re-read the auth token", 1)
+            events = [parse_events(line + "\n\n")[0] for line in lines if line != "data: [DONE]"]
+        assert not any("error" in event for event in events)
+        assert text + "".join(event["choices"][0]["text"] for event in events) == expected
+        refused = client.post("/v1/completions", json=body)
+        assert refused.status_code >= 500, refused.text
+        assert "re-read the auth token" in engine.output_tail(1_000_000)
+        assert "refused a GenerateStream request: " in engine.output_tail(1_000_000)
+        gateway_token.write_text("rotated-" + TOKEN)
+        reloaded(gateway, "the engines' auth token changed", 1)
+        served = client.post("/v1/completions", json=body)
+        assert served.status_code == 200, served.text
+        assert served.json()["choices"][0]["text"] == expected

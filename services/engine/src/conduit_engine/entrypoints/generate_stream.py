@@ -31,6 +31,11 @@ GenerateFn = Callable[[pb.GenerateRequest, Sequence[tuple[str, str]]], AsyncIter
 # The status an exception of GenerateFn travels as.
 StatusFor = Callable[[BaseException], grpc.StatusCode]
 
+# Why the stream's caller may not start a request now (None: it may): the engine's token, checked at
+# each open as it is at the start of each Generate call, so a token rotated since the stream opened
+# refuses the stream's new requests while its running ones finish.
+Authorize = Callable[[], str | None]
+
 # A batch is cut before it grows past this many bytes of messages that carry prompt logprobs (the only
 # ones that can be large): far below the message size limit, whatever the requests ask for.
 BATCH_SOFT_BYTES = 4 * 1024 * 1024
@@ -40,9 +45,12 @@ INTERNAL_DETAILS = "internal error in the engine (details are in its log)"
 class GenerateStreamSession:
     """One GenerateStream call: a task per open request, the outbox they fill and the batches it makes."""
 
-    def __init__(self, generate: GenerateFn, status_for: StatusFor) -> None:
+    def __init__(
+        self, generate: GenerateFn, status_for: StatusFor, authorize: Authorize | None = None
+    ) -> None:
         self._generate = generate
         self._status_for = status_for
+        self._authorize = authorize
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._messages: list[tuple[int, pb.GenerateResponse]] = []
         self._ends: list[pb.GenerateStreamEnd] = []
@@ -114,6 +122,11 @@ class GenerateStreamSession:
             self._protocol_error = f"GenerateStream: tag {tag} is already open"
             self._wake.set()
             return
+        problem = self._authorize() if self._authorize is not None else None
+        if problem is not None:
+            log.warning("refused a GenerateStream request: %s", problem)
+            self._end(tag, grpc.StatusCode.UNAUTHENTICATED, problem)
+            return
         metadata = tuple(opened.metadata.items())
         self._tasks[tag] = asyncio.ensure_future(self._serve(tag, opened.request, metadata))
 
@@ -137,6 +150,9 @@ class GenerateStreamSession:
         finally:
             if self._tasks.get(tag) is asyncio.current_task():
                 del self._tasks[tag]
+        self._end(tag, code, details)
+
+    def _end(self, tag: int, code: grpc.StatusCode, details: str) -> None:
         self._ends.append(pb.GenerateStreamEnd(tag=tag, code=code.value[0], details=details))
         self._wake.set()
 

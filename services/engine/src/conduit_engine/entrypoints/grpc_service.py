@@ -17,6 +17,7 @@ from opentelemetry.trace import Status, StatusCode
 from conduit.engine.v1 import engine_pb2 as pb
 from conduit.engine.v1 import engine_pb2_grpc as pb_grpc
 from conduit_common.logs import current_request_id
+from conduit_common.secret_files import TokenFile
 from conduit_engine.core.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch
 from conduit_engine.engine.async_engine import AsyncEngine
 from conduit_engine.engine.llm_engine import LLMEngine
@@ -27,6 +28,7 @@ from conduit_engine.entrypoints.proto_mapping import (
     request_from_pb,
     template_extras_from_pb,
 )
+from conduit_engine.entrypoints.security import token_problem
 from conduit_engine.errors import (
     EngineError,
     EngineUnavailableError,
@@ -168,6 +170,9 @@ class EngineServicer(pb_grpc.EngineServicer):
         self._kv_service: KvTransferService | None = None
         self.advertise_address = ""
         self.ready = False
+        # --auth-token-file: checked again at each request opened on a GenerateStream (the interceptor
+        # checks a call's token when it starts).
+        self.token: TokenFile | None = None
 
     def attach(self, async_engine: AsyncEngine, advertise_address: str, max_message_bytes: int) -> None:
         self._kv_service = async_engine.core.kv_transfer_service(async_engine.run_sync, max_message_bytes)
@@ -196,7 +201,9 @@ class EngineServicer(pb_grpc.EngineServicer):
     ) -> AsyncIterator[pb.GenerateStreamBatch]:
         # Taken: the client writes its requests once it has these (see the proto).
         await context.send_initial_metadata(())
-        session = GenerateStreamSession(self.generate_messages, status_for)
+        token, metadata = self.token, context.invocation_metadata() or ()
+        authorize = (lambda: token_problem(token, metadata)) if token is not None else None
+        session = GenerateStreamSession(self.generate_messages, status_for, authorize)
         try:
             async for batch in session.run(request_iterator):
                 yield batch

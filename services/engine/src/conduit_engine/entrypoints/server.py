@@ -111,6 +111,7 @@ class EngineServer:
             self.server,
         )
         self.servicer = EngineServicer(config.model.device, self.telemetry)
+        self.servicer.token = self.security.token
         pb_grpc.add_EngineServicer_to_server(self.servicer, self.server)
         self.async_engine: AsyncEngine | None = None
         self._stop = asyncio.Event()
