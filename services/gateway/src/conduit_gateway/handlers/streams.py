@@ -29,7 +29,7 @@ from conduit_gateway.errors import OpenAIError
 from conduit_gateway.handlers.token_gaps import TokenGaps
 from conduit_gateway.http.sse import ClientPace
 from conduit_gateway.http.tracing import engine_trace_metadata
-from conduit_gateway.routing.generate_mux import MuxCall
+from conduit_gateway.routing.client import MessageSource
 from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.pool import EnginePool
 from conduit_gateway.routing.roles import NodeRole
@@ -41,9 +41,6 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXH
 # How long the Abort RPC of a stream the client left may take.
 ABORT_TIMEOUT_S = 1.0
 
-# Messages a stream's reader task takes off its call ahead of the handler: what one merged event of a
-# client that reads slowly can carry beyond its first token (handlers/coalesce.py).
-READ_AHEAD = 64
 
 # Told the status of each refusal that is retried on another node (for metrics).
 OnRetry = Callable[[grpc.StatusCode], None]
@@ -115,7 +112,7 @@ class PromptStream:
     prompt_index: int
     pool: EnginePool
     node: EngineNode
-    call: grpc.aio.UnaryStreamCall | MuxCall
+    call: MessageSource  # read so that cancelling a read never cancels the call (`read` below)
     first: engine_pb2.GenerateResponse
     opened_at: float = field(default_factory=time.perf_counter)
     tokens_after_first: int = 0
@@ -126,20 +123,8 @@ class PromptStream:
     _gaps: TokenGaps | None = field(default=None, init=False)  # token_gaps' counts, added in batches
     _last_token_at: dict[int, float] = field(default_factory=dict, init=False)
     lost: str | None = field(default=None, init=False)  # why the node was lost while this was open
-    # One task reads the call for the stream's whole life and hands each message (or the read's error)
-    # over through a bounded inbox, so that cancelling a reader never cancels the call; `ready()` takes
-    # what it holds without waiting.
-    _reader: asyncio.Task[None] | None = field(default=None, init=False)
-    _inbox: asyncio.Queue[object] = field(
-        default_factory=lambda: asyncio.Queue(maxsize=READ_AHEAD), init=False
-    )
-    _held: object = field(default=None, init=False)  # the end or an error `ready()` took off the inbox
-    _direct: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        # A call whose read can be cancelled without harm (a MuxCall, routing/generate_mux.py) is read
-        # directly, without the reader task and inbox a grpc.aio call needs.
-        self._direct = getattr(self.call, "cancel_safe", False)
         self._last_token_at[self.first.index] = self.opened_at
         self.node.watch_lost(self._on_lost)
 
@@ -151,17 +136,10 @@ class PromptStream:
         """The next message, or None at the end of the stream; engine errors propagate (AioRpcError), and
         StreamLost when the node was lost meanwhile.
 
-        The call is read by a task of its own (`_pump`): grpc cancels a call whose read is cancelled, and
-        a reader cancelled because the client left must leave the call open, and its message unread, for
-        the drain that charges what the engine generated (handlers/drain.py)."""
-        if self._held is not None:
-            message, self._held = self._held, None
-        elif self._direct:
-            message = await self.call.next_item()  # a MuxCall: cancelling this read loses nothing
-        else:
-            if self._reader is None:
-                self._reader = asyncio.ensure_future(self._pump())
-            message = await self._inbox.get()  # cancelling this reader leaves the message for the next one
+        Cancelling a read loses nothing (the call's `next_item`): a reader cancelled because the client
+        left must leave the call open, and its message unread, for the drain that charges what the
+        engine generated (handlers/drain.py)."""
+        message = await self.call.next_item()
         try:
             if isinstance(message, BaseException):
                 raise message
@@ -186,24 +164,13 @@ class PromptStream:
         return self._accept(message, now)
 
     def ready(self) -> list[engine_pb2.GenerateResponse]:
-        messages: list[engine_pb2.GenerateResponse] = []
-        inbox = self._inbox
-        if self._held is not None or self.closed:
-            return messages
-        if self._direct:
-            items = self.call.take_ready()
-            if items:
-                now = time.perf_counter()
-                return [self._accept(item, now) for item in items]
-            return items
-        now = time.perf_counter()
-        while not inbox.empty():
-            item = inbox.get_nowait()
-            if not isinstance(item, engine_pb2.GenerateResponse):
-                self._held = item  # the end, or an error: read() hands it over as before
-                break
-            messages.append(self._accept(item, now))
-        return messages
+        if self.closed:
+            return []
+        items = self.call.take_ready()
+        if items:
+            now = time.perf_counter()
+            return [self._accept(item, now) for item in items]
+        return items
 
     def _accept(self, message: engine_pb2.GenerateResponse, now: float) -> engine_pb2.GenerateResponse:
         tokens = len(message.token_ids)  # each field access builds a wrapper: once per message
@@ -219,19 +186,6 @@ class PromptStream:
             self._last_token_at[index] = now
         return message
 
-    async def _pump(self) -> None:
-        """Read the call to its end, handing over each message, the EOF or the read's error."""
-        while True:
-            try:
-                message = await self.call.read()
-            except (asyncio.CancelledError, Exception) as exc:  # handed to the reader, which raises it
-                if not self.closed:
-                    await self._inbox.put(exc)
-                return
-            await self._inbox.put(message)
-            if message is grpc.aio.EOF:
-                return
-
     async def abort(self) -> None:
         if self.closed:
             raise RuntimeError(f"the stream of {self.first.request_id} is closed")
@@ -246,11 +200,6 @@ class PromptStream:
                 self._gaps.flush()
             self.node.unwatch_lost(self._on_lost)
             self.call.cancel()
-            if self._reader is not None:
-                self._reader.cancel()
-                self._reader = None
-            with contextlib.suppress(asyncio.QueueFull):  # full: no reader is waiting
-                self._inbox.put_nowait(asyncio.CancelledError())  # a reader waiting now ends as before
             self.node.request_ended(self.blocks)
 
 
@@ -287,7 +236,7 @@ async def open_stream(
         blocks = _prompt_blocks(route.token_ids, node.block_size)
         node.request_started(blocks)
         call = node.client.generate(request, metadata, timeout_s)
-        # The first read is shielded: a cancelled read would cancel the call, which `on_left` keeps.
+        # The first read is shielded: it goes on when the caller is cancelled, for `on_left` to take over.
         first_read = asyncio.ensure_future(call.read())
         try:
             first = await asyncio.shield(first_read)
@@ -336,7 +285,7 @@ async def open_stream(
 
 
 def _give_up_opening(
-    call: grpc.aio.UnaryStreamCall | MuxCall,
+    call: MessageSource,
     first_read: asyncio.Future[object],
     node: EngineNode,
     blocks: int,
@@ -350,7 +299,7 @@ async def _open_late(
     prompt_index: int,
     pool: EnginePool,
     node: EngineNode,
-    call: grpc.aio.UnaryStreamCall | MuxCall,
+    call: MessageSource,
     first_read: asyncio.Future[object],
     request: engine_pb2.GenerateRequest,
     blocks: int,

@@ -14,7 +14,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
 from conduit_common.engine_dialer import PLAINTEXT, EngineDialer
 from conduit_gateway.config import GatewayConfig
+from conduit_gateway.routing.call_reader import CallReader
 from conduit_gateway.routing.generate_mux import GenerateMux, MuxCall
+
+# What a generation is read from: its tagged request on the engine's GenerateStream, or its own call.
+MessageSource = MuxCall | CallReader
 
 
 def channel_options(config: GatewayConfig) -> list[tuple[str, int]]:
@@ -127,10 +131,13 @@ class EngineClient:
         request: engine_pb2.GenerateRequest,
         metadata: Sequence[tuple[str, str]],
         timeout_s: float | None,
-    ) -> grpc.aio.UnaryStreamCall | MuxCall:
+    ) -> MessageSource:
+        """Start `request`: on the engine's GenerateStream when multiplexed, else as its own Generate call
+        (read through a CallReader); either way read alike (`read`, `next_item`, `take_ready`, `cancel`)."""
         if self._mux is not None:
             return self._mux.generate(request, metadata, timeout_s)
-        return self._engine.Generate(request, metadata=self._dialer.metadata(*metadata), timeout=timeout_s)
+        call = self._engine.Generate(request, metadata=self._dialer.metadata(*metadata), timeout=timeout_s)
+        return CallReader(call)
 
     async def abort(self, request_id: str, timeout_s: float) -> bool:
         """Abort: stop a running or waiting request; True when the engine still had it."""

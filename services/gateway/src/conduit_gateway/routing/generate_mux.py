@@ -50,8 +50,6 @@ class MuxCall:
 
     __slots__ = ("tag", "_session", "_items", "_end", "_waiter", "_timer")
 
-    cancel_safe = True  # a cancelled read() loses nothing (handlers/streams.py reads it directly)
-
     def __init__(self, session: _Session, tag: int) -> None:
         self.tag = tag
         self._session = session
@@ -87,9 +85,6 @@ class MuxCall:
         items = list(self._items)
         self._items.clear()
         return items
-
-    def done(self) -> bool:
-        return self._end is not None
 
     def cancel(self) -> bool:
         """End the request: the engine is told to cancel it (it aborts the request and frees its blocks),
