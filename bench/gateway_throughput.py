@@ -414,10 +414,11 @@ def baseline_tree(args: argparse.Namespace, scratch: Path) -> Path | None:
     return tree
 
 
-def gateway_env(tree: Path | None) -> dict[str, str]:
+def gateway_env(tree: Path | None, service: str = "gateway") -> dict[str, str]:
+    """The environment that runs `service` (gateway or engine) from `tree`'s sources (None: this checkout)."""
     if tree is None:
         return {}
-    paths = [tree / "services" / "gateway" / "src", tree / "services" / "common" / "src"]
+    paths = [tree / "services" / service / "src", tree / "services" / "common" / "src"]
     paths.append(REPO / "protos" / "python" / "gen")  # generated, not in git; the proto is the same
     return {"PYTHONPATH": os.pathsep.join(str(path) for path in paths)}
 
