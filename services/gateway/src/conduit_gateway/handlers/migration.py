@@ -208,9 +208,9 @@ class MigratingStream:
         if message.finished:
             reason = _HANDED_BACK.get(message.finish_reason)
             if reason is None:
-                self._finished.add(message.index)
+                self._finished.add(index)
             else:
-                error = ending_error(message.finish_reason, message.index)
+                error = ending_error(message.finish_reason, index)
                 assert error is not None
                 self._handed_back = self._handed_back or _Failure(reason, error)
                 message.finished = False
