@@ -34,10 +34,10 @@ pytestmark = pytest.mark.integration
 NUM_BLOCKS = 64
 
 
-def _config(stories_path, *, vllm_compat: bool = True) -> EngineConfig:
+def _config(stories_path, *, vllm_compat: bool = True, num_blocks: int = NUM_BLOCKS) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(path=str(stories_path)),
-        cache=CacheConfig(num_blocks=NUM_BLOCKS),
+        cache=CacheConfig(num_blocks=num_blocks),
         # One forward pass per step: the step counts below are exact (decode bursts follow timing).
         scheduler=SchedulerConfig(max_num_seqs=8, max_decode_steps=1),
         server=ServerConfig(host="127.0.0.1", port=0, drain_seconds=10),
@@ -255,7 +255,17 @@ def test_a_taken_metrics_port_stops_the_start_naming_the_flag(stories_path):
             ServerThread(config).start()
 
 
-def test_a_waiting_request_holds_its_cached_prefix_until_it_is_aborted(engine):
+@pytest.fixture
+def roomy_engine(stories_path):
+    # A full batch of long generations (8 x 500 tokens: 256 blocks) never runs short of blocks: a step
+    # that lacks them releases the waiting request's hold first, which would end what is measured here.
+    thread = ServerThread(_config(stories_path, num_blocks=512)).start()
+    yield thread
+    thread.stop()
+
+
+def test_a_waiting_request_holds_its_cached_prefix_until_it_is_aborted(roomy_engine):
+    engine = roomy_engine
     stub = engine.stub()
     prompt = KNOWN_STORY + " The end."
     messages = _generate_text(stub, prompt, 1, "warm")
@@ -265,7 +275,7 @@ def test_a_waiting_request_holds_its_cached_prefix_until_it_is_aborted(engine):
     fillers = [
         stub.Generate(
             pb.GenerateRequest(
-                text=f"Lily {i}", sampling=pb.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+                text=f"Lily {i}", sampling=pb.SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
             ),
             timeout=60,
         )

@@ -5,6 +5,8 @@ x-ratelimit headers, and what the engine generated from its own Prometheus count
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -237,3 +239,31 @@ def test_a_stream_that_does_not_end_after_the_abort_is_given_up_with_the_worst_c
     wait_for(lambda: settled(fake_gateway), "the drain to time out and settle")
     assert charged(fake_gateway) == FAKE_PROMPT_TOKENS + FAKE_MAX_TOKENS
     wait_for(lambda: fake.record.cancelled == 1, "the call to be cancelled")
+
+
+async def _leave_while_the_fake_holds(gateway, fake, body: dict) -> None:
+    """Send `body` and leave once the fake has the request (it holds its first message)."""
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        request = asyncio.create_task(
+            client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-team"})
+        )
+        while not fake.record.requests:
+            await asyncio.sleep(0.005)
+        request.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+
+
+def test_a_request_left_while_opening_whose_first_message_is_its_last_is_charged_that_message(
+    fake, fake_gateway
+):
+    # The engine merges a slow reader's waiting outputs (a token, then the end the Abort made): the first
+    # message the gateway reads of a request the client left while it opened can be its last one, and its
+    # usage is all there is to charge.
+    fake.script.hold_after = 0
+    body = {"model": FAKE_MODEL, "prompt": FAKE_PROMPT, "max_tokens": 1}
+    asyncio.run(_leave_while_the_fake_holds(fake_gateway, fake, body))
+    wait_for(lambda: bool(fake.record.aborted), "the gateway to abort the request it left opening")
+    fake.release()
+    wait_for(lambda: settled(fake_gateway), "the gateway to drain and settle the request")
+    assert charged(fake_gateway) == FAKE_PROMPT_TOKENS + 1

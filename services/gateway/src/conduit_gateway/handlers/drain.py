@@ -49,19 +49,23 @@ def drain_later(
     drains.add(task)
 
     def ended(task: asyncio.Task[None]) -> None:
-        drains.discard(task)
-        for late in opening:
-            if not late.done():
-                late.cancel()  # it gives up its call itself
-            elif not late.cancelled() and late.exception() is None and late.result() not in streams:
-                result = late.result()
-                if result is not None:
-                    result.close()
-        for stream in streams:
-            stream.close()
-        if not task.cancelled() and task.exception() is not None:
-            log.error("draining left streams failed", exc_info=task.exception())
-        on_end()
+        try:
+            for late in opening:
+                if not late.done():
+                    late.cancel()  # it gives up its call itself
+                elif not late.cancelled() and late.exception() is None and late.result() not in streams:
+                    result = late.result()
+                    if result is not None:
+                        result.close()
+            for stream in streams:
+                stream.close()
+            if not task.cancelled() and task.exception() is not None:
+                log.error("draining left streams failed", exc_info=task.exception())
+            on_end()
+        finally:
+            # Last: a drain counts as in flight until its request is charged (what `drains` being empty
+            # tells a shutdown, or a test reading the charge from another thread).
+            drains.discard(task)
 
     task.add_done_callback(ended)
 
@@ -87,6 +91,9 @@ async def _drain_all(
             if isinstance(late, PromptStream):
                 if on_opened is not None:
                     on_opened(late)
+                # Its first message may be its last (the engine merges the outputs waiting for a slow
+                # reader: a token, then the end the Abort made): the drain reads only what follows it.
+                usage.update(late.prompt_index, late.first.usage)
                 streams.append(late)
     await drain(streams, unread, usage, bound)
 
