@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from conduit_gateway.config import GatewayConfig
 from conduit_gateway.http.app import create_app
+from conduit_gateway.http.protocol import bounded_http_protocol
 from conduit_gateway.keys.rate_limit import Clock
 from conduit_gateway.routing.discovery import Resolver
 from tests.support.processes import free_port
@@ -36,7 +37,16 @@ class GatewayThread:
         self.config = GatewayConfig(engines=tuple(engines), host="127.0.0.1", port=self.port, **overrides)
         self.app = create_app(self.config, resolver=resolver, clock=clock, tracer_provider=tracer_provider)
         self._server = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="asyncio", log_level="warning")
+            uvicorn.Config(
+                self.app,
+                host="127.0.0.1",
+                port=self.port,
+                loop="asyncio",
+                log_level="warning",
+                # The gateway's own HTTP protocol, as `conduit-gateway` serves: its bounds, and the body
+                # writer that streamed responses write through (pushed and coalesced chunks).
+                http=bounded_http_protocol(self.config.max_header_bytes, self.config.header_timeout_s),
+            )
         )
         self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
 

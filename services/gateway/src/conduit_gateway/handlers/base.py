@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -29,6 +30,7 @@ from conduit_gateway.handlers.choices import (
     ending_error,
     prompt_logprobs_entries,
 )
+from conduit_gateway.handlers.chunk_push import ChunkPush
 from conduit_gateway.handlers.coalesce import merge_batch
 from conduit_gateway.handlers.disaggregated import continuation_opener, stream_opener
 from conduit_gateway.handlers.drain import drain_later
@@ -513,18 +515,23 @@ class ChunkedHandler(GenerationHandler):
                     )
                 # Closed when the client leaves, so that nothing reads the streams but their drain. While
                 # the client is behind, what has arrived meanwhile goes out merged (handlers/coalesce.py).
-                async with contextlib.aclosing(read_batches(streams, self.unread, pace)) as batches:
-                    async for batch in batches:
-                        if len(batch) == 1:  # the common case: one message, nothing to merge
-                            prompt_index, message = batch[0]
-                            events = self._message_events(encoder, choices, usage, prompt_index, message)
-                        else:
-                            events = "".join(
-                                self._message_events(encoder, choices, usage, prompt_index, message)
-                                for prompt_index, message in merge_batch(batch)
-                            )
-                        if events:
-                            yield events
+                pushed = self._push_chunks(streams, pace, encoder, choices, usage)
+                try:
+                    async with contextlib.aclosing(read_batches(streams, self.unread, pace)) as batches:
+                        async for batch in batches:
+                            if len(batch) == 1:  # the common case: one message, nothing to merge
+                                prompt_index, message = batch[0]
+                                events = self._message_events(encoder, choices, usage, prompt_index, message)
+                            else:
+                                events = "".join(
+                                    self._message_events(encoder, choices, usage, prompt_index, message)
+                                    for prompt_index, message in merge_batch(batch)
+                                )
+                            if events:
+                                yield events
+                finally:
+                    if pushed:
+                        streams[0].push_to(None)  # before the streams close or drain
                 if include_usage:
                     yield encoder.usage_chunk(usage.as_dict())
                 self._finished(usage, choices)
@@ -540,6 +547,22 @@ class ChunkedHandler(GenerationHandler):
                     )
                 )
             yield DONE_EVENT
+
+    def _push_chunks(
+        self,
+        streams: list[EngineStream],
+        pace: ClientPace,
+        encoder: ChunkEncoder,
+        choices: ChoiceSet,
+        usage: UsageTotals,
+    ) -> bool:
+        """Have the only stream's plain messages written as they arrive (handlers/chunk_push.py)."""
+        writer = pace.writer
+        if len(streams) != 1 or writer is None:
+            return False
+        stream = streams[0]
+        events = functools.partial(self._message_events, encoder, choices, usage, stream.prompt_index)
+        return stream.push_to(ChunkPush(events, writer, pace, self.n))
 
     def _message_events(
         self,

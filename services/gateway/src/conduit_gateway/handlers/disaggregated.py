@@ -161,6 +161,10 @@ class DisaggregatedStream:
             return []
         return [self._from_decode(message) for message in self._decode.ready()]
 
+    def push_to(self, push: object) -> bool:
+        """Its messages are only read (the decode stream opens while it is read)."""
+        return False
+
     async def abort(self) -> None:
         """Abort on the engine serving the stream now; a prefill's hand-offs are then not decoded (close()
         releases their transfer)."""

@@ -30,6 +30,7 @@ from conduit_gateway.handlers.token_gaps import TokenGaps
 from conduit_gateway.http.sse import ClientPace
 from conduit_gateway.http.tracing import engine_trace_metadata
 from conduit_gateway.routing.client import MessageSource
+from conduit_gateway.routing.generate_mux import Push
 from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.pool import EnginePool
 from conduit_gateway.routing.roles import NodeRole
@@ -78,6 +79,12 @@ class EngineStream(Protocol):
     def ready(self) -> list[engine_pb2.GenerateResponse]:
         """The messages that have arrived and can be read without waiting, in order (maybe none); the
         end of the stream and errors are left for the next `read`."""
+        ...
+
+    def push_to(self, push: Push | None) -> bool:
+        """While a `read` waits, hand each message `push` accepts to `push.take` as it arrives, instead of
+        waking the reader (routing/generate_mux.py); None: stop. False when this stream cannot (its
+        messages are only read)."""
         ...
 
     async def abort(self) -> None:
@@ -172,6 +179,9 @@ class PromptStream:
             return [self._accept(item, now) for item in items]
         return items
 
+    def push_to(self, push: Push | None) -> bool:
+        return self.call.push_to(None if push is None else _Accepting(self, push))
+
     def _accept(self, message: engine_pb2.GenerateResponse, now: float) -> engine_pb2.GenerateResponse:
         tokens = len(message.token_ids)  # each field access builds a wrapper: once per message
         self.tokens_after_first += tokens
@@ -201,6 +211,20 @@ class PromptStream:
             self.node.unwatch_lost(self._on_lost)
             self.call.cancel()
             self.node.request_ended(self.blocks)
+
+
+class _Accepting:
+    """A PromptStream's push: each message taken is accepted first, as `read` accepts it."""
+
+    __slots__ = ("accepts", "_take", "_accept")
+
+    def __init__(self, stream: PromptStream, push: Push) -> None:
+        self.accepts = push.accepts
+        self._take = push.take
+        self._accept = stream._accept
+
+    def take(self, message: engine_pb2.GenerateResponse) -> None:
+        self._take(self._accept(message, time.perf_counter()))
 
 
 async def open_stream(

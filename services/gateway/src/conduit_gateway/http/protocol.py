@@ -93,6 +93,19 @@ class BodyWriter:
         self._written += len(body)
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
+    @property
+    def writable_now(self) -> bool:
+        """`write_now` may be used: the response has not ended, the client is there and the connection's
+        buffer takes more (`write` would not wait)."""
+        cycle = self._cycle
+        return not (cycle.flow.write_paused or cycle.disconnected or cycle.response_complete)
+
+    def write_now(self, body: bytes) -> None:
+        """`write` of a chunk when `writable_now`: without waiting."""
+        if body:
+            self._written += len(body)
+            self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
 
 class BoundedHttpProtocol(HttpToolsProtocol):
     """One connection; `max_header_bytes` and `header_timeout_s` are set per server by

@@ -77,6 +77,11 @@ class ClientPace:
         self._writer = writer
 
     @property
+    def writer(self) -> BodyWriter | None:
+        """The response's body writer, once the response has started on our server."""
+        return self._writer
+
+    @property
     def behind(self) -> bool:
         return self._writer is not None and self._writer.behind
 

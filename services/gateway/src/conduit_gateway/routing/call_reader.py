@@ -59,6 +59,10 @@ class CallReader:
                 self._held = item  # the end, or an error: the next `next_item()` hands it over
         return messages
 
+    def push_to(self, push: object) -> bool:
+        """A Generate call's messages come through its reader task: they are only ever read."""
+        return False
+
     def cancel(self) -> None:
         """Cancel the call (the engine sees CANCELLED and frees the request's blocks); a `next_item()`
         waiting now returns asyncio.CancelledError after what the inbox holds."""

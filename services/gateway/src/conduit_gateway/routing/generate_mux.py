@@ -15,6 +15,10 @@ Generate call would have; the next request opens a new stream.
 
 What arrives for a request is held until it is read, however slowly: one slow reader cannot hold up
 the others' messages on the shared stream (at most a request's max_tokens messages are held).
+
+A reader may also take the messages as they arrive, without waking (`push_to`): while it waits on its
+`read()`, each message it accepts (`Push.accepts`) goes straight to `Push.take` in the receiving task,
+and the rest (the one that finishes the request, any the reader is not ready for) arrive by `read()`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Protocol
 
 import grpc
 
@@ -36,6 +41,20 @@ _EMPTY = grpc.aio.Metadata()
 # What a MuxCall ends with: grpc.aio.EOF after its last message, else the exception a read raises.
 End = object
 
+
+class Push(Protocol):
+    """Where a reader takes a call's messages as they arrive (MuxCall.push_to)."""
+
+    def accepts(self, message: engine_pb2.GenerateResponse) -> bool:
+        """Whether `take` handles `message` now (else `read()` returns it); no side effects."""
+        ...
+
+    def take(self, message: engine_pb2.GenerateResponse) -> None:
+        """Handle `message` as the reader would once `read()` returned it. An exception is raised by
+        the reader's next `read()` (the request stays open until the reader cancels it)."""
+        ...
+
+
 # Opens the GenerateStream call on the channel, sending what the iterator yields.
 OpenStream = Callable[[AsyncIterator[engine_pb2.GenerateStreamRequest]], grpc.aio.StreamStreamCall]
 
@@ -48,7 +67,7 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 class MuxCall:
     """One request on a GenerateStream, read like its Generate call would be (see the module's doc)."""
 
-    __slots__ = ("tag", "_session", "_items", "_end", "_waiter", "_timer")
+    __slots__ = ("tag", "_session", "_items", "_end", "_waiter", "_timer", "_push", "_push_failed")
 
     def __init__(self, session: _Session, tag: int) -> None:
         self.tag = tag
@@ -57,12 +76,23 @@ class MuxCall:
         self._end: End | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._push: Push | None = None
+        self._push_failed: Exception | None = None
+
+    def push_to(self, push: Push | None) -> bool:
+        """From now on, while a `read()` waits, each message `push` accepts goes to `push.take` instead
+        (None: every message is read again)."""
+        self._push = push
+        return True
 
     async def next_item(self) -> engine_pb2.GenerateResponse | End:
         """The next message, else the end: grpc.aio.EOF or the error (returned, not raised)."""
         while True:
             if self._items:
                 return self._items.popleft()
+            if self._push_failed is not None:
+                failed, self._push_failed = self._push_failed, None
+                return failed
             if self._end is not None:
                 return self._end
             waiter = self._waiter = asyncio.get_running_loop().create_future()
@@ -92,6 +122,7 @@ class MuxCall:
         if self._end is not None:
             return False
         self._items.clear()
+        self._push = None
         self._finish(asyncio.CancelledError())
         self._session.cancel(self.tag)
         return True
@@ -103,10 +134,21 @@ class MuxCall:
             self._session.cancel(self.tag)
 
     def deliver(self, message: engine_pb2.GenerateResponse) -> None:
-        self._items.append(message)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
+            # The reader waits, so it has read everything before this message: a push keeps the order.
+            push = self._push
+            if push is not None and push.accepts(message):
+                try:
+                    push.take(message)
+                except Exception as exc:
+                    self._push, self._push_failed = None, exc
+                    waiter.set_result(None)
+                return
+            self._items.append(message)
             waiter.set_result(None)
+            return
+        self._items.append(message)
 
     def _finish(self, end: End) -> None:
         if self._end is not None:
