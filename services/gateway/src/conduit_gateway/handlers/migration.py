@@ -208,7 +208,11 @@ class MigratingStream:
         received = self._received.get(index)
         if received is None:
             received = self._received[index] = _Received()
-        received.token_ids.extend(message.token_ids)
+        token_ids = message.token_ids
+        if len(token_ids) == 1:
+            received.token_ids.append(token_ids[0])  # the common message: half an extend's cost
+        else:
+            received.token_ids.extend(token_ids)
         received.texts.append(message.text)
         if message.finished:
             reason = _HANDED_BACK.get(message.finish_reason)
