@@ -33,7 +33,7 @@ from conduit.engine.v1 import engine_pb2
 from conduit_gateway.errors import OpenAIError
 from conduit_gateway.handlers.choices import ending_error
 from conduit_gateway.handlers.streams import EngineStream, OpenOne, StreamLost
-from conduit_gateway.routing.generate_mux import Push
+from conduit_gateway.routing.generate_mux import Push, Relayed
 from conduit_gateway.routing.node import EngineNode
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ class MigratingStream:
 
     def push_to(self, push: Push | None) -> bool:
         """Push the current engine's messages, relayed (a stream continued elsewhere is read again)."""
-        return self._stream.push_to(None if push is None else _Relaying(self, push))
+        return self._stream.push_to(None if push is None else Relayed(push, self._relay))
 
     async def abort(self) -> None:
         self._aborted = True
@@ -300,17 +300,3 @@ def continuation_request(
             )
         )
     return continued
-
-
-class _Relaying:
-    """A MigratingStream's push: each message taken is recorded first, as `read` records it."""
-
-    __slots__ = ("accepts", "_take", "_relay")
-
-    def __init__(self, stream: MigratingStream, push: Push) -> None:
-        self.accepts = push.accepts
-        self._take = push.take
-        self._relay = stream._relay
-
-    def take(self, message: engine_pb2.GenerateResponse) -> None:
-        self._take(self._relay(message))

@@ -30,7 +30,7 @@ from conduit_gateway.handlers.token_gaps import TokenGaps
 from conduit_gateway.http.sse import ClientPace
 from conduit_gateway.http.tracing import engine_trace_metadata
 from conduit_gateway.routing.client import MessageSource
-from conduit_gateway.routing.generate_mux import Push
+from conduit_gateway.routing.generate_mux import Push, Relayed
 from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.pool import EnginePool
 from conduit_gateway.routing.roles import NodeRole
@@ -180,7 +180,11 @@ class PromptStream:
         return items
 
     def push_to(self, push: Push | None) -> bool:
-        return self.call.push_to(None if push is None else _Accepting(self, push))
+        # Each message pushed is accepted first, as `read` accepts it.
+        return self.call.push_to(None if push is None else Relayed(push, self._accept_now))
+
+    def _accept_now(self, message: engine_pb2.GenerateResponse) -> engine_pb2.GenerateResponse:
+        return self._accept(message, time.perf_counter())
 
     def _accept(self, message: engine_pb2.GenerateResponse, now: float) -> engine_pb2.GenerateResponse:
         tokens = len(message.token_ids)  # each field access builds a wrapper: once per message
@@ -211,20 +215,6 @@ class PromptStream:
             self.node.unwatch_lost(self._on_lost)
             self.call.cancel()
             self.node.request_ended(self.blocks)
-
-
-class _Accepting:
-    """A PromptStream's push: each message taken is accepted first, as `read` accepts it."""
-
-    __slots__ = ("accepts", "_take", "_accept")
-
-    def __init__(self, stream: PromptStream, push: Push) -> None:
-        self.accepts = push.accepts
-        self._take = push.take
-        self._accept = stream._accept
-
-    def take(self, message: engine_pb2.GenerateResponse) -> None:
-        self._take(self._accept(message, time.perf_counter()))
 
 
 async def open_stream(

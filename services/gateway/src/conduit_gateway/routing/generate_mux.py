@@ -55,6 +55,23 @@ class Push(Protocol):
         ...
 
 
+class Relayed:
+    """`push`, each message it takes passed through `relay` first: a reading layer (a stream over the
+    call) pushes what its own read would have returned."""
+
+    __slots__ = ("accepts", "_take", "_relay")
+
+    def __init__(
+        self, push: Push, relay: Callable[[engine_pb2.GenerateResponse], engine_pb2.GenerateResponse]
+    ) -> None:
+        self.accepts = push.accepts
+        self._take = push.take
+        self._relay = relay
+
+    def take(self, message: engine_pb2.GenerateResponse) -> None:
+        self._take(self._relay(message))
+
+
 # Opens the GenerateStream call on the channel, sending what the iterator yields.
 OpenStream = Callable[[AsyncIterator[engine_pb2.GenerateStreamRequest]], grpc.aio.StreamStreamCall]
 
