@@ -562,7 +562,7 @@ class ChunkedHandler(GenerationHandler):
             return False
         stream = streams[0]
         events = functools.partial(self._message_events, encoder, choices, usage, stream.prompt_index)
-        return stream.push_to(ChunkPush(events, writer, pace, self.n))
+        return stream.push_to(ChunkPush(events, writer, self.n))
 
     def _message_events(
         self,
