@@ -62,3 +62,13 @@ def test_a_list_of_choices_mixing_raw_and_dicts_is_one_json_list():
     encoder = ChunkEncoder(id="x", object="o", created=1, model="m", usage_mode="none")
     event = encoder.chunk([raw, {"index": 1, "text": "b"}], dict)
     assert json.loads(event[6:])["choices"] == [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]
+
+
+@pytest.mark.parametrize("usage_mode", ["none", "final", "running"])
+@pytest.mark.parametrize(
+    "choice", [RawJson('{"index":0,"text":"a"}'), {"index": 0, "delta": {"content": "é\n"}, "logprobs": None}]
+)
+def test_one_choices_event_is_the_chunk_of_a_list_of_it(choice, usage_mode):
+    encoder = ChunkEncoder(id="x", object="o", created=1, model="m", usage_mode=usage_mode)
+    usage = {"prompt_tokens": 5, "completion_tokens": 1}
+    assert encoder.one(choice, lambda: usage) == encoder.chunk([choice], lambda: usage)

@@ -578,17 +578,17 @@ class ChunkedHandler(GenerationHandler):
         opening = self.opening_choice(choice) if is_new else None
         if opening is not None:
             # Usage as it was before this message: the opening chunk precedes its tokens.
-            events = encoder.chunk([opening], usage.as_dict)
+            events = encoder.one(opening, usage.as_dict)
         self._count(usage, prompt_index, message)
         text, logprobs = message.text, message.logprobs  # each field read builds a wrapper: read once
         if text or logprobs:
             delta = self.delta_choice(choice, text, logprobs)
             if delta is not None:
-                events += encoder.chunk([delta], usage.as_dict)
+                events += encoder.one(delta, usage.as_dict)
             choice.texts.append(text)
         if message.finished:
             self._finish(choice, message)
             for last in (self.flush_choice(choice), self.finish_choice(choice)):
                 if last is not None:
-                    events += encoder.chunk([last], usage.as_dict)
+                    events += encoder.one(last, usage.as_dict)
         return events

@@ -152,24 +152,19 @@ class ChatHandler(ChunkedHandler):
         self, choice: ChatChoiceState, text: str, logprobs: Sequence[engine_pb2.PositionLogprobs]
     ) -> dict[str, Any] | RawJson | None:
         output = choice.output
-        if output.parses:
-            delta = delta_fields(output.feed(text))
-        else:
-            # Without parsers the text is the content as it comes (what feed() would return).
-            delta = {"content": text} if text else {}
+        if not output.parses:
+            # Without parsers the text is the content as it comes (what feed() would return), in the
+            # common delta below, written at once.
+            if not text and not logprobs:
+                return None
+            return _content_delta(choice.index, text, logprobs)
+        delta = delta_fields(output.feed(text))
         if not delta:
             if not logprobs:
                 return None  # held back by a parser
             delta["content"] = ""
         if len(delta) == 1 and "content" in delta:
-            # The common delta, written by hand: the same JSON the dict below encodes to.
-            shaped = (
-                f'{{"content":[{_logprob_entries_json(logprobs)}],"refusal":null}}' if logprobs else "null"
-            )
-            return RawJson(
-                f'{{"index":{choice.index},"delta":{{"content":{json_string(delta["content"])}}},'
-                f'"logprobs":{shaped},"finish_reason":null}}'
-            )
+            return _content_delta(choice.index, delta["content"], logprobs)
         return {
             "index": choice.index,
             "delta": delta,
@@ -260,6 +255,15 @@ def _content(where: str, message: ChatMessageParam) -> str:
         texts.append(fields.text(f"{part_where}.text", part.text))
     # Text parts are joined with newlines, as vLLM does, so a template sees one string per message.
     return "\n".join(texts)
+
+
+def _content_delta(index: int, content: str, logprobs: Sequence[engine_pb2.PositionLogprobs]) -> RawJson:
+    """The common delta, written by hand: the JSON of delta_choice's dict shape for `{"content": ...}`."""
+    shaped = f'{{"content":[{_logprob_entries_json(logprobs)}],"refusal":null}}' if logprobs else "null"
+    return RawJson(
+        f'{{"index":{index},"delta":{{"content":{json_string(content)}}},'
+        f'"logprobs":{shaped},"finish_reason":null}}'
+    )
 
 
 def _logprob_entries(logprobs: Sequence[engine_pb2.PositionLogprobs]) -> list[dict[str, Any]]:

@@ -54,6 +54,14 @@ class ChunkEncoder:
         usage_json = _dumps(usage()) if self._usage_mode == "running" else "null"
         return f'{self._head}{_choices_json(choices)},"usage":{usage_json}}}\n\n'
 
+    def one(self, choice: dict[str, Any] | RawJson, usage: Callable[[], dict[str, Any]]) -> str:
+        """`chunk([choice], usage)`: the event of one choice, as most are."""
+        choice_json = choice if type(choice) is RawJson else _dumps(choice)
+        if self._usage_mode == "none":
+            return f"{self._head}[{choice_json}]}}\n\n"
+        usage_json = _dumps(usage()) if self._usage_mode == "running" else "null"
+        return f'{self._head}[{choice_json}],"usage":{usage_json}}}\n\n'
+
     def usage_chunk(self, usage: dict[str, Any]) -> str:
         """The last chunk of `stream_options.include_usage`: no choices, the request's usage."""
         return f'{self._head}[],"usage":{_dumps(usage)}}}\n\n'
