@@ -27,6 +27,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -397,6 +398,43 @@ def run_client(url: str, case: Case, streams: int, tokens: int, step_ms: int, pi
     return result
 
 
+class Profile:
+    """py-spy sampling a gateway process over one run (`--py-spy PREFIX`): the raw stacks go to a file
+    (flamegraph.pl and speedscope read it), and the frames with the most samples of their own are
+    printed, each with its inclusive share."""
+
+    def __init__(self, pid: int, path: Path) -> None:
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        self.path = path
+        self._process = subprocess.Popen(
+            [spy, "record", "-p", str(pid), "-r", "250", "--format", "raw", "-o", str(path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def stop(self, top: int = 12) -> None:
+        self._process.send_signal(signal.SIGINT)  # py-spy writes what it sampled, then exits
+        self._process.wait(timeout=30)
+        if not self.path.exists():
+            print(f"  py-spy wrote nothing to {self.path} (is `make bench-setup` done?)")
+            return
+        own: dict[str, int] = {}
+        within: dict[str, int] = {}
+        total = 0
+        for line in self.path.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not stack or not count.isdigit():
+                continue
+            samples, frames = int(count), stack.split(";")
+            total += samples
+            own[frames[-1]] = own.get(frames[-1], 0) + samples
+            for frame in set(frames):
+                within[frame] = within.get(frame, 0) + samples
+        print(f"  py-spy: {total} samples in {self.path}; own / inclusive share of the most sampled frames:")
+        for frame, samples in sorted(own.items(), key=lambda item: -item[1])[:top]:
+            print(f"    {100 * samples / total:5.1f}% / {100 * within[frame] / total:5.1f}%  {frame}")
+
+
 def baseline_tree(args: argparse.Namespace, scratch: Path) -> Path | None:
     if args.baseline_path:
         return Path(args.baseline_path).resolve()
@@ -488,6 +526,11 @@ def main() -> None:
     parser.add_argument("--baseline-path", help="also run the gateway of this checkout, side by side")
     parser.add_argument("--rounds", type=int, default=1, help="runs per case and gateway, alternating")
     parser.add_argument("--gateway-args", default="", help="extra gateway flags (space-separated)")
+    parser.add_argument(
+        "--py-spy",
+        metavar="PREFIX",
+        help="profile each run's gateway with py-spy (make bench-setup): PREFIX-LABEL-CASE-STREAMS.txt",
+    )
     args = parser.parse_args()
     if args.command == "engine":
         run_engine(args.port)
@@ -546,10 +589,16 @@ def main() -> None:
                                 warm = Case("warm", case.api, secured=case.secured)
                                 run_client(gw.url, warm, 8, 8, 1, gw.process.pid)
                             gw = gateways[key]
+                            name = f"{case.name}@{step}ms"
+                            profile = None
+                            if args.py_spy:
+                                out = Path(f"{args.py_spy}-{label}-{name}-{streams}.txt").resolve()
+                                profile = Profile(gw.process.pid, out)
                             result = run_client(gw.url, case, streams, args.tokens, step, gw.process.pid)
                             runs[label].append(result)
-                            name = f"{case.name}@{step}ms"
                             print(f"{name:22} {streams:7} {label:9} {fmt(result)}", flush=True)
+                            if profile is not None:
+                                profile.stop()
                     if "baseline" in runs:
                         pairs = list(zip(runs["baseline"], runs["current"], strict=True))
                         label = "ratio" if len(pairs) == 1 else "median"
