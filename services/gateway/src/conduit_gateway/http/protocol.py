@@ -88,10 +88,8 @@ class BodyWriter:
         cycle = self._cycle
         if cycle.flow.write_paused and not cycle.disconnected:
             await cycle.flow.drain()
-        if cycle.disconnected or not body:
-            return
-        self._written += len(body)
-        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        if not cycle.disconnected:
+            self.write_now(body)
 
     @property
     def writable_now(self) -> bool:

@@ -49,18 +49,17 @@ class ChunkEncoder:
 
     def chunk(self, choices: list[dict[str, Any] | RawJson], usage: Callable[[], dict[str, Any]]) -> str:
         """One event; `usage` is only called when running usage is on."""
-        if self._usage_mode == "none":
-            return f"{self._head}{_choices_json(choices)}}}\n\n"
-        usage_json = _dumps(usage()) if self._usage_mode == "running" else "null"
-        return f'{self._head}{_choices_json(choices)},"usage":{usage_json}}}\n\n'
+        return self._event(_choices_json(choices), usage)
 
     def one(self, choice: dict[str, Any] | RawJson, usage: Callable[[], dict[str, Any]]) -> str:
         """`chunk([choice], usage)`: the event of one choice, as most are."""
-        choice_json = choice if type(choice) is RawJson else _dumps(choice)
+        return self._event(f"[{choice if type(choice) is RawJson else _dumps(choice)}]", usage)
+
+    def _event(self, choices_json: str, usage: Callable[[], dict[str, Any]]) -> str:
         if self._usage_mode == "none":
-            return f"{self._head}[{choice_json}]}}\n\n"
+            return f"{self._head}{choices_json}}}\n\n"
         usage_json = _dumps(usage()) if self._usage_mode == "running" else "null"
-        return f'{self._head}[{choice_json}],"usage":{usage_json}}}\n\n'
+        return f'{self._head}{choices_json},"usage":{usage_json}}}\n\n'
 
     def usage_chunk(self, usage: dict[str, Any]) -> str:
         """The last chunk of `stream_options.include_usage`: no choices, the request's usage."""
