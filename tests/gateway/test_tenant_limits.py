@@ -127,9 +127,11 @@ def test_a_request_within_the_limit_is_charged_what_it_used_and_gets_the_rest_ba
     assert charged(gateway, "roomy") - spent == reply.usage.total_tokens < 5 + 2 * 300
 
 
-async def _leave_while_generating(gateway, body: dict) -> None:
+async def _leave_while_generating(gateway, engine, body: dict) -> None:
     """Send `body` and leave (close the connection) once the gateway has its first prompt's stream open
-    (the key's charge then holds that prompt's exact tokens) and the engine has sampled a token of it."""
+    (the key's charge then holds that prompt's exact tokens) and the engine has sampled a token of it.
+    The engine is held (SIGSTOP) from then until the gateway has taken the leaving in hand, so that the
+    prompt is still generating when its Abort reaches the engine, however slow this machine is."""
     start, spent = generated(), charged(gateway, "roomy")
     async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
         request = asyncio.create_task(
@@ -140,9 +142,20 @@ async def _leave_while_generating(gateway, body: dict) -> None:
         while generated() == start or charged(gateway, "roomy") - spent <= 3 * body["max_tokens"]:
             assert not request.done(), "the request ended before the client could leave"
             await asyncio.sleep(0.005)
-        request.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await request
+        os.kill(engine.process.pid, signal.SIGSTOP)
+        try:
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+            # The gateway hands the left stream to a drain, which sends the Abort (within its 2 s limit).
+            for _ in range(1000):
+                if gateway.ctx.drains:
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                raise AssertionError("the gateway did not drain the stream the client left")
+        finally:
+            os.kill(engine.process.pid, signal.SIGCONT)
 
 
 async def _send_and_leave_after(url: str, body: dict, seconds: float) -> None:
@@ -179,12 +192,14 @@ def test_a_client_leaving_at_any_moment_of_the_opening_is_charged_what_the_engin
     assert charged(gateway, "leaver") - spent == prompted + made
 
 
-def test_a_multi_prompt_request_left_while_its_last_prompt_queues_is_charged_every_token(gateway):
+def test_a_multi_prompt_request_left_while_its_last_prompt_queues_is_charged_every_token(
+    gateway, stories_engine
+):
     spent = charged(gateway, "roomy")
     before = generated()
     # One sequence at a time: the first prompt runs while the other two wait in the engine's queue.
     body = {"model": MODEL, "prompt": [PROMPT] * 3, "max_tokens": 500, "ignore_eos": True}
-    asyncio.run(_leave_while_generating(gateway, body))
+    asyncio.run(_leave_while_generating(gateway, stories_engine, body))
     wait_for(lambda: gateway.ctx.limiter.active == 0, "the gateway to let the request go")
     wait_for(engine_idle, "the engine to abort the request's prompts")
     wait_for(lambda: not gateway.ctx.drains, "the gateway to drain the prompt that had opened")
