@@ -30,7 +30,7 @@ from conduit_gateway.handlers.choices import (
     ending_error,
     prompt_logprobs_entries,
 )
-from conduit_gateway.handlers.chunk_push import ChunkPush
+from conduit_gateway.handlers.chunk_push import ChunkPush, TextEvents
 from conduit_gateway.handlers.coalesce import merge_batch
 from conduit_gateway.handlers.disaggregated import continuation_opener, stream_opener
 from conduit_gateway.handlers.drain import drain_later
@@ -418,6 +418,12 @@ class ChunkedHandler(GenerationHandler):
         """The streamed choice for new text of `choice` (called before the text is added to it), or None
         when nothing is to be sent yet (a parser holds the text back); RawJson: the choice already encoded."""
 
+    def text_delta(self, choice: ChoiceState) -> tuple[str, str] | None:
+        """When from now on `delta_choice` of every message of `choice` that adds text and no logprobs is
+        the text's JSON string between two fixed parts: those parts (the push then writes such messages
+        without calling the hooks, handlers/chunk_push.py); else None."""
+        return None
+
     def flush_choice(self, choice: ChoiceState) -> dict[str, Any] | None:
         """A streamed choice with what was held back until the choice's end, sent before its finish."""
         return None
@@ -561,8 +567,28 @@ class ChunkedHandler(GenerationHandler):
         if len(streams) != 1 or writer is None:
             return False
         stream = streams[0]
-        events = functools.partial(self._message_events, encoder, choices, usage, stream.prompt_index)
-        return stream.push_to(ChunkPush(events, writer, self.n))
+        prompt_index = stream.prompt_index
+        events = functools.partial(self._message_events, encoder, choices, usage, prompt_index)
+        text_events = None
+        if self.n == 1:
+            text_events = functools.partial(self._text_events, encoder, choices, usage, prompt_index)
+        return stream.push_to(ChunkPush(events, writer, self.n, text_events))
+
+    def _text_events(
+        self, encoder: ChunkEncoder, choices: ChoiceSet, usage: UsageTotals, prompt_index: int
+    ) -> TextEvents | None:
+        """How the push writes the only choice's messages that just add text, once the choice is open and
+        they all make the same event around their text (`text_delta`); else None."""
+        choice = choices.made(prompt_index, 0)
+        if choice is None:
+            return None
+        delta = self.text_delta(choice)
+        event = encoder.text_event(*delta) if delta is not None else None
+        if event is None:
+            return None
+        return TextEvents(
+            event[0], event[1], choice.texts, functools.partial(self._count, usage, prompt_index)
+        )
 
     def _message_events(
         self,

@@ -172,6 +172,12 @@ class ChatHandler(ChunkedHandler):
             "finish_reason": None,
         }
 
+    def text_delta(self, choice: ChatChoiceState) -> tuple[str, str] | None:  # type: ignore[override]
+        # Without parsers or logprobs, every text is content as it comes (delta_choice's first branch).
+        if choice.output.parses or self.body.logprobs:
+            return None
+        return _content_parts(choice.index, "null")
+
     def flush_choice(self, choice: ChatChoiceState) -> dict[str, Any] | None:
         delta = delta_fields(choice.output.finish())
         if not delta:
@@ -260,10 +266,13 @@ def _content(where: str, message: ChatMessageParam) -> str:
 def _content_delta(index: int, content: str, logprobs: Sequence[engine_pb2.PositionLogprobs]) -> RawJson:
     """The common delta, written by hand: the JSON of delta_choice's dict shape for `{"content": ...}`."""
     shaped = f'{{"content":[{_logprob_entries_json(logprobs)}],"refusal":null}}' if logprobs else "null"
-    return RawJson(
-        f'{{"index":{index},"delta":{{"content":{json_string(content)}}},'
-        f'"logprobs":{shaped},"finish_reason":null}}'
-    )
+    before, after = _content_parts(index, shaped)
+    return RawJson(f"{before}{json_string(content)}{after}")
+
+
+def _content_parts(index: int, logprobs_json: str) -> tuple[str, str]:
+    """The common delta's JSON before and after its content's JSON string."""
+    return f'{{"index":{index},"delta":{{"content":', f'}},"logprobs":{logprobs_json},"finish_reason":null}}'
 
 
 def _logprob_entries(logprobs: Sequence[engine_pb2.PositionLogprobs]) -> list[dict[str, Any]]:

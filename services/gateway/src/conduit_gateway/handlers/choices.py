@@ -56,7 +56,8 @@ class ChoiceState:
     # Character offset of each logprobs position in the choice's text (completions' text_offset).
     offsets: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    # Characters sent so far (the start of the next token's text_offset in completions logprobs).
+    # Characters sent so far (the start of the next token's text_offset in completions logprobs; counted
+    # only where logprobs are asked for).
     chars: int = 0
 
     def text(self) -> str:
@@ -120,6 +121,10 @@ class ChoiceSet:
             return choice, False
         choice = self._by_index[index] = self._make(index, prompt_index)
         return choice, True
+
+    def made(self, prompt_index: int, engine_index: int) -> ChoiceState | None:
+        """The choice if it has been made, without making it."""
+        return self._by_index.get(prompt_index * self.n + engine_index)
 
     def ordered(self) -> list[ChoiceState]:
         return [self._by_index[index] for index in sorted(self._by_index)]

@@ -113,10 +113,14 @@ class CompletionsHandler(ChunkedHandler):
             shaped = json_value(_logprobs(logprobs, offsets))
         text = prefix + text
         choice.chars += len(text)
-        # {"index", "text", "logprobs", "finish_reason": null}, written by hand.
-        return RawJson(
-            f'{{"index":{choice.index},"text":{json_string(text)},"logprobs":{shaped},"finish_reason":null}}'
-        )
+        before, after = _text_parts(choice.index, shaped)
+        return RawJson(f"{before}{json_string(text)}{after}")
+
+    def text_delta(self, choice: ChoiceState) -> tuple[str, str] | None:
+        # Once the echoed prompt is out and without logprobs (`chars` only counts for their offsets).
+        if self.body.logprobs is not None or not choice.prefix_sent:
+            return None
+        return _text_parts(choice.index, "null")
 
     def finish_choice(self, choice: ChoiceState) -> dict[str, Any]:
         # A prompt echoed into a choice that produced no text at all still has to reach the client.
@@ -145,6 +149,11 @@ def _request(name: str, prompt: str | list[int]) -> engine_pb2.GenerateRequest:
     if isinstance(prompt, str):
         return engine_pb2.GenerateRequest(text=fields.text(name, prompt))
     return engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=fields.token_ids(name, prompt)))
+
+
+def _text_parts(index: int, logprobs_json: str) -> tuple[str, str]:
+    """{"index", "text", "logprobs", "finish_reason": null}, written by hand: before and after the text."""
+    return f'{{"index":{index},"text":', f',"logprobs":{logprobs_json},"finish_reason":null}}'
 
 
 def _unsent_prefix(choice: ChoiceState) -> str:

@@ -190,7 +190,7 @@ class MigratingStream:
 
     def push_to(self, push: Push | None) -> bool:
         """Push the current engine's messages, relayed (a stream continued elsewhere is read again)."""
-        return self._stream.push_to(None if push is None else Relayed(push, self._relay))
+        return self._stream.push_to(None if push is None else Relayed(push, self._relay, self._relay_tokens))
 
     async def abort(self) -> None:
         self._aborted = True
@@ -202,18 +202,30 @@ class MigratingStream:
     def _unfinished(self) -> list[int]:
         return [index for index in range(self._n) if index not in self._finished]
 
-    def _relay(self, message: engine_pb2.GenerateResponse) -> engine_pb2.GenerateResponse:
-        """Record what the client gets of `message`; a handed-back choice is relayed as not finished."""
-        index = message.index
+    def _relay_tokens(
+        self, message: engine_pb2.GenerateResponse, token_ids: Sequence[int], text: str
+    ) -> None:
+        """`_relay` of a message that only adds tokens (not a choice's last)."""
+        if self._moved:
+            self._relay(message)  # its usage is rewritten
+            return
+        self._record(message.index, token_ids, text)
+        self._latest = message
+
+    def _record(self, index: int, token_ids: Sequence[int], text: str) -> None:
         received = self._received.get(index)
         if received is None:
             received = self._received[index] = _Received()
-        token_ids = message.token_ids
         if len(token_ids) == 1:
             received.token_ids.append(token_ids[0])  # the common message: half an extend's cost
         else:
             received.token_ids.extend(token_ids)
-        received.texts.append(message.text)
+        received.texts.append(text)
+
+    def _relay(self, message: engine_pb2.GenerateResponse) -> engine_pb2.GenerateResponse:
+        """Record what the client gets of `message`; a handed-back choice is relayed as not finished."""
+        index = message.index
+        self._record(index, message.token_ids, message.text)
         if message.finished:
             reason = _HANDED_BACK.get(message.finish_reason)
             if reason is None:

@@ -181,13 +181,22 @@ class PromptStream:
 
     def push_to(self, push: Push | None) -> bool:
         # Each message pushed is accepted first, as `read` accepts it.
-        return self.call.push_to(None if push is None else Relayed(push, self._accept_now))
+        pushed = None if push is None else Relayed(push, self._accept_now, self._accept_tokens)
+        return self.call.push_to(pushed)
 
     def _accept_now(self, message: engine_pb2.GenerateResponse) -> engine_pb2.GenerateResponse:
         return self._accept(message, time.perf_counter())
 
     def _accept(self, message: engine_pb2.GenerateResponse, now: float) -> engine_pb2.GenerateResponse:
-        tokens = len(message.token_ids)  # each field access builds a wrapper: once per message
+        self._count(message, len(message.token_ids), now)  # each field read builds a wrapper: once
+        return message
+
+    def _accept_tokens(
+        self, message: engine_pb2.GenerateResponse, token_ids: Sequence[int], text: str
+    ) -> None:
+        self._count(message, len(token_ids), time.perf_counter())
+
+    def _count(self, message: engine_pb2.GenerateResponse, tokens: int, now: float) -> None:
         self.tokens_after_first += tokens
         if tokens and self.token_gaps is not None:
             index = message.index
@@ -198,7 +207,6 @@ class PromptStream:
                     gaps = self._gaps = TokenGaps(self.token_gaps)
                 gaps.add(now - last)
             self._last_token_at[index] = now
-        return message
 
     async def abort(self) -> None:
         if self.closed:

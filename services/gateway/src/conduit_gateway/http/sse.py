@@ -46,6 +46,8 @@ class ChunkEncoder:
             f'"model":{_dumps(model)},"system_fingerprint":null,"choices":'
         )
         self._usage_mode = usage_mode
+        # What follows the choices of an event without running usage.
+        self._tail = "}\n\n" if usage_mode == "none" else ',"usage":null}\n\n'
 
     def chunk(self, choices: list[dict[str, Any] | RawJson], usage: Callable[[], dict[str, Any]]) -> str:
         """One event; `usage` is only called when running usage is on."""
@@ -55,11 +57,17 @@ class ChunkEncoder:
         """`chunk([choice], usage)`: the event of one choice, as most are."""
         return self._event(f"[{choice if type(choice) is RawJson else _dumps(choice)}]", usage)
 
+    def text_event(self, before: str, after: str) -> tuple[str, str] | None:
+        """The parts of `one(choice)` around a text whose choice JSON is `before` + text + `after`; None
+        with running usage (each event has its own)."""
+        if self._usage_mode == "running":
+            return None
+        return f"{self._head}[{before}", f"{after}]{self._tail}"
+
     def _event(self, choices_json: str, usage: Callable[[], dict[str, Any]]) -> str:
-        if self._usage_mode == "none":
-            return f"{self._head}{choices_json}}}\n\n"
-        usage_json = _dumps(usage()) if self._usage_mode == "running" else "null"
-        return f'{self._head}{choices_json},"usage":{usage_json}}}\n\n'
+        if self._usage_mode == "running":
+            return f'{self._head}{choices_json},"usage":{_dumps(usage())}}}\n\n'
+        return f"{self._head}{choices_json}{self._tail}"
 
     def usage_chunk(self, usage: dict[str, Any]) -> str:
         """The last chunk of `stream_options.include_usage`: no choices, the request's usage."""

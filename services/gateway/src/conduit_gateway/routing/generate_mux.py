@@ -55,21 +55,53 @@ class Push(Protocol):
         ...
 
 
+class TokenPush(Push, Protocol):
+    """A push that can also take a message that only adds tokens to a choice it has opened, given its token
+    ids and text as read once for every layer (`take_tokens`), while `takes_tokens` says so."""
+
+    takes_tokens: bool
+
+    def take_tokens(self, message: engine_pb2.GenerateResponse, token_ids: Sequence[int], text: str) -> None:
+        """Handle `message`, one `accepts` took and that only adds `token_ids` and `text`, as `take` would."""
+        ...
+
+
+# A reading layer's step for a message: what its own read would return for it (the same message, maybe
+# changed), and the same step for a message that only adds tokens, given its token ids and text.
+Relay = Callable[[engine_pb2.GenerateResponse], engine_pb2.GenerateResponse]
+TokenRelay = Callable[[engine_pb2.GenerateResponse, Sequence[int], str], None]
+
+
 class Relayed:
     """`push`, each message it takes passed through `relay` first: a reading layer (a stream over the
-    call) pushes what its own read would have returned."""
+    call) pushes what its own read would have returned. Layers over layers make one Relayed whose relays
+    run innermost first, as the reads would; while a TokenPush `takes_tokens`, each message goes through
+    the layers' token relays and its `take_tokens` instead, its token ids and text read once."""
 
-    __slots__ = ("accepts", "_take", "_relay")
+    __slots__ = ("accepts", "_push", "_relays", "_token_push", "_token_relays")
 
-    def __init__(
-        self, push: Push, relay: Callable[[engine_pb2.GenerateResponse], engine_pb2.GenerateResponse]
-    ) -> None:
-        self.accepts = push.accepts
-        self._take = push.take
-        self._relay = relay
+    def __init__(self, push: Push, relay: Relay, token_relay: TokenRelay) -> None:
+        if isinstance(push, Relayed):
+            inner, relays, token_relays = push._push, push._relays, push._token_relays
+        else:
+            inner, relays, token_relays = push, (), ()
+        self._push = inner
+        self.accepts = inner.accepts
+        self._relays: tuple[Relay, ...] = (relay, *relays)
+        self._token_relays: tuple[TokenRelay, ...] = (token_relay, *token_relays)
+        self._token_push: TokenPush | None = inner if hasattr(inner, "take_tokens") else None  # type: ignore[assignment]
 
     def take(self, message: engine_pb2.GenerateResponse) -> None:
-        self._take(self._relay(message))
+        push = self._token_push
+        if push is not None and push.takes_tokens:
+            token_ids, text = message.token_ids, message.text  # each field read builds a wrapper: once
+            for token_relay in self._token_relays:
+                token_relay(message, token_ids, text)
+            push.take_tokens(message, token_ids, text)
+            return
+        for relay in self._relays:
+            message = relay(message)
+        self._push.take(message)
 
 
 # Opens the GenerateStream call on the channel, sending what the iterator yields.
