@@ -32,6 +32,10 @@ class Writer:
         self.behind = False
         self.written: list[bytes] = []
 
+    @property
+    def keeping_up(self) -> bool:
+        return self.writable_now and not self.behind
+
     def write_now(self, body: bytes) -> None:
         self.written.append(body)
 

@@ -63,8 +63,7 @@ class ChunkPush:
     def accepts(self, message: engine_pb2.GenerateResponse) -> bool:
         # A bad choice index is left for the read loop, which answers it with an error event; a client
         # that is behind, for the read loop's coalescing (http/sse.py ClientPace).
-        writer = self._writer
-        return writer.writable_now and not message.finished and message.index < self._n and not writer.behind
+        return not message.finished and message.index < self._n and self._writer.keeping_up
 
     def take(self, message: engine_pb2.GenerateResponse) -> None:
         events = self._context.run(self._events, message)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import struct
 import termios
 
@@ -92,14 +93,17 @@ class BodyWriter:
             self.write_now(body)
 
     @property
-    def writable_now(self) -> bool:
-        """`write_now` may be used: the response has not ended, the client is there and the connection's
-        buffer takes more (`write` would not wait)."""
+    def keeping_up(self) -> bool:
+        """`write_now` may be used (the response has not ended, the client is there and the connection's
+        buffer takes more: `write` would not wait) and the client is not `behind`: what is written now
+        reaches it at once."""
         cycle = self._cycle
-        return not (cycle.flow.write_paused or cycle.disconnected or cycle.response_complete)
+        if cycle.flow.write_paused or cycle.disconnected or cycle.response_complete:
+            return False
+        return not self.behind
 
     def write_now(self, body: bytes) -> None:
-        """`write` of a chunk when `writable_now`: without waiting."""
+        """`write` of a chunk when `keeping_up`: without waiting."""
         if body:
             self._written += len(body)
             self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
@@ -119,6 +123,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # uvicorn builds each access line's arguments before the logger's level drops it.
+        self.access_log = self.access_log and self.access_logger.isEnabledFor(logging.INFO)
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
