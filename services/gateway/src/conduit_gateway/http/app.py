@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from opentelemetry.sdk.trace import TracerProvider
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -26,7 +27,9 @@ from conduit_gateway.handlers.drain import cancel_drains
 from conduit_gateway.http import admin, lora_routes
 from conduit_gateway.http.admin_port import AdminPortMiddleware
 from conduit_gateway.http.anthropic import AnthropicApiMiddleware
+from conduit_gateway.http.direct_routes import DirectRoutes
 from conduit_gateway.http.middleware import (
+    GENERATION_PATHS,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     InternalErrorMiddleware,
@@ -114,7 +117,14 @@ def create_app(
         app.include_router(admin.router)
         app.include_router(lora_routes.router)  # LoRA load/unload: the admin keys guard them
     _add_error_handlers(app)
-    # add_middleware wraps: the last one added runs first.
+    # add_middleware wraps: the last one added runs first. Innermost: the generation endpoints' requests
+    # answered without FastAPI's routing (http/direct_routes.py).
+    generation = [
+        route
+        for route in (*router.routes, *responses_router.routes)
+        if isinstance(route, APIRoute) and route.path in GENERATION_PATHS and "POST" in route.methods
+    ]
+    app.add_middleware(DirectRoutes, routes=generation, handlers=app.exception_handlers)
     # --max-body-bytes, or less on the prompt routes once the engines' prompt bounds are known.
     app.add_middleware(
         BodyLimitMiddleware,

@@ -61,13 +61,18 @@ def check_body_before_parsing(path: str, check: BodyCheck) -> None:
     _BODY_CHECKS[path] = check
 
 
+def body_check(path: str) -> BodyCheck | None:
+    """The check of the route at `path`'s raw body, if it has one."""
+    return _BODY_CHECKS.get(path)
+
+
 class GatewayRoute(APIRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def route_handler(request: Request) -> Response:
             gateway_request = GatewayRequest(request.scope, request.receive, request._send)
-            check = _BODY_CHECKS.get(self.path)
+            check = body_check(self.path)
             if check is not None:
                 check(gateway_request, await gateway_request.body())
             return await handler(gateway_request)
