@@ -217,7 +217,7 @@ class GenerationHandler(ABC):
 
     def _count(self, usage: UsageTotals, prompt_index: int, message: engine_pb2.GenerateResponse) -> None:
         """Take a message's usage into the request's totals and hold that much of the key's tokens."""
-        usage.update(prompt_index, message.usage)
+        usage.update_from(prompt_index, message)
         if self.reservation is not None:
             self._charge(usage.prompt_tokens + usage.completion_tokens)
 
@@ -586,9 +586,10 @@ class ChunkedHandler(GenerationHandler):
         event = encoder.text_event(*delta) if delta is not None else None
         if event is None:
             return None
-        return TextEvents(
-            event[0], event[1], choice.texts, functools.partial(self._count, usage, prompt_index)
-        )
+        # Without a key's reservation to hold, counting a message only takes its usage.
+        counted = self._count if self.reservation is not None else UsageTotals.update_from
+        count = functools.partial(counted, usage, prompt_index)
+        return TextEvents(event[0], event[1], choice.texts, count)
 
     def _message_events(
         self,

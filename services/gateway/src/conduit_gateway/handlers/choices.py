@@ -140,6 +140,10 @@ class UsageTotals:
         # The engine's usage is running and request-wide (all choices), so the newest message wins.
         self._latest[prompt_index] = usage
 
+    def update_from(self, prompt_index: int, message: engine_pb2.GenerateResponse) -> None:
+        """`update` with `message`'s usage."""
+        self._latest[prompt_index] = message.usage
+
     @property
     def completion_tokens(self) -> int:
         return sum(usage.completion_tokens for usage in self._latest)
