@@ -39,6 +39,9 @@ class Writer:
     def write_now(self, body: bytes) -> None:
         self.written.append(body)
 
+    def write_parts_now(self, head: bytes, body: bytes, tail: bytes) -> None:
+        self.written.append(head + body + tail)
+
 
 def test_a_plain_message_is_shaped_in_the_handlers_context_and_written():
     writer, seen = Writer(), []
@@ -83,7 +86,7 @@ class Counted:
 
 def test_once_the_choice_is_open_text_messages_are_written_between_the_handlers_parts():
     writer, counted, texts = Writer(), Counted(), []
-    shapes = iter([None, TextEvents('data: {"t":', "}\n\n", texts, counted)])
+    shapes = iter([None, TextEvents(b'data: {"t":', b"}\n\n", texts, counted)])
     push = ChunkPush(
         lambda message: f"data: {message.text}\n\n", writer, n=1, text_events=lambda: next(shapes)
     )

@@ -589,7 +589,7 @@ class ChunkedHandler(GenerationHandler):
         # Without a key's reservation to hold, counting a message only takes its usage.
         counted = self._count if self.reservation is not None else UsageTotals.update_from
         count = functools.partial(counted, usage, prompt_index)
-        return TextEvents(event[0], event[1], choice.texts, count)
+        return TextEvents(event[0].encode(), event[1].encode(), choice.texts, count)
 
     def _message_events(
         self,

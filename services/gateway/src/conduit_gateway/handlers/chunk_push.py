@@ -31,8 +31,8 @@ class TextEvents:
     choice is open and no hook shapes its text (ChunkedHandler.text_delta): the event is `before` + the
     text's JSON string + `after`, the text is kept in `texts`, and `count` takes the message's usage."""
 
-    before: str
-    after: str
+    before: bytes
+    after: bytes
     texts: list[str]
     count: Callable[[engine_pb2.GenerateResponse], None]
 
@@ -80,5 +80,5 @@ class ChunkPush:
         assert shape is not None
         shape.count(message)
         if text:
-            self._writer.write_now(f"{shape.before}{json_string(text)}{shape.after}".encode())
+            self._writer.write_parts_now(shape.before, json_string(text).encode(), shape.after)
             shape.texts.append(text)

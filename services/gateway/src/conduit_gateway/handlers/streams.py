@@ -185,20 +185,26 @@ class PromptStream:
         return self.call.push_to(pushed)
 
     def _accept_now(self, message: engine_pb2.GenerateResponse) -> engine_pb2.GenerateResponse:
-        return self._accept(message, time.perf_counter())
+        self._accept_tokens(message, message.token_ids)  # each field read builds a wrapper: once
+        return message
 
     def _accept(self, message: engine_pb2.GenerateResponse, now: float) -> engine_pb2.GenerateResponse:
-        self._count(message, len(message.token_ids), now)  # each field read builds a wrapper: once
+        self._accept_tokens(message, message.token_ids, now=now)
         return message
 
     def _accept_tokens(
-        self, message: engine_pb2.GenerateResponse, token_ids: Sequence[int], text: str
+        self,
+        message: engine_pb2.GenerateResponse,
+        token_ids: Sequence[int],
+        text: str = "",
+        now: float | None = None,
     ) -> None:
-        self._count(message, len(token_ids), time.perf_counter())
-
-    def _count(self, message: engine_pb2.GenerateResponse, tokens: int, now: float) -> None:
+        """Count a message's tokens, and the gap since its choice's last ones (at `now`, else now)."""
+        tokens = len(token_ids)
         self.tokens_after_first += tokens
         if tokens and self.token_gaps is not None:
+            if now is None:
+                now = time.perf_counter()
             index = message.index
             last = self._last_token_at.get(index)
             if last is not None:

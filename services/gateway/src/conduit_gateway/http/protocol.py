@@ -53,11 +53,12 @@ class BodyWriter:
     `send` writes for `{"type": "http.response.body", "body": ..., "more_body": True}`; the response's
     start and end still go through `send` (the middleware see both)."""
 
-    __slots__ = ("_cycle", "_fd", "_written", "_behind")
+    __slots__ = ("_cycle", "_transport", "_fd", "_written", "_behind")
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
         self._cycle = cycle
-        sock = cycle.transport.get_extra_info("socket")
+        self._transport = cycle.transport
+        sock = self._transport.get_extra_info("socket")
         self._fd = sock.fileno() if sock is not None else -1
         self._written = 0  # bytes written since `behind` last looked
         self._behind = False  # what it saw then
@@ -77,7 +78,7 @@ class BodyWriter:
         if not self._behind and self._written < BEHIND_BYTES // 4:
             return False
         self._written = 0
-        transport = self._cycle.transport
+        transport = self._transport
         self._behind = not transport.is_closing() and (
             transport.get_write_buffer_size() > 0 or _unsent(self._fd) > BEHIND_BYTES
         )
@@ -108,7 +109,13 @@ class BodyWriter:
         """`write` of a chunk when `keeping_up`: without waiting."""
         if body:
             self._written += len(body)
-            self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+            self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+    def write_parts_now(self, head: bytes, body: bytes, tail: bytes) -> None:
+        """`write_now(head + body + tail)`, joined once, into the chunk's framing."""
+        size = len(head) + len(body) + len(tail)
+        self._written += size
+        self._transport.write(b"%x\r\n%b%b%b\r\n" % (size, head, body, tail))
 
 
 class BoundedHttpProtocol(HttpToolsProtocol):
