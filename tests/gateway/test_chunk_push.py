@@ -165,3 +165,18 @@ def test_a_text_event_is_the_event_the_handlers_hooks_make(usage_mode, text):
 def test_running_usage_has_no_text_event():
     encoder = ChunkEncoder(id="c", object="text_completion", created=1, model="m", usage_mode="running")
     assert encoder.text_event("{", "}") is None
+
+
+def test_a_choice_whose_text_always_needs_the_handlers_hooks_stops_being_asked_about():
+    writer, asked = Writer(), []
+
+    def never():
+        asked.append(1)
+        return False
+
+    push = ChunkPush(lambda message: f"data: {message.text}\n\n", writer, n=1, text_events=never)
+    for text in ("a", "b", "c"):
+        push.take(engine_pb2.GenerateResponse(text=text))
+    assert asked == [1]  # the first answer holds
+    assert not push.takes_tokens
+    assert writer.written == [b"data: a\n\n", b"data: b\n\n", b"data: c\n\n"]

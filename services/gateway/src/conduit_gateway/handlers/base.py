@@ -10,7 +10,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import grpc
 from opentelemetry import trace
@@ -576,16 +576,17 @@ class ChunkedHandler(GenerationHandler):
 
     def _text_events(
         self, encoder: ChunkEncoder, choices: ChoiceSet, usage: UsageTotals, prompt_index: int
-    ) -> TextEvents | None:
+    ) -> TextEvents | Literal[False] | None:
         """How the push writes the only choice's messages that just add text, once the choice is open and
-        they all make the same event around their text (`text_delta`); else None."""
+        they all make the same event around their text (`text_delta`); None while they may yet, False
+        once they never will (the choice has sent text: the hook's answer holds from then on)."""
         choice = choices.made(prompt_index, 0)
         if choice is None:
             return None
         delta = self.text_delta(choice)
         event = encoder.text_event(*delta) if delta is not None else None
         if event is None:
-            return None
+            return False if choice.texts or delta is not None else None
         # Without a key's reservation to hold, counting a message only takes its usage.
         counted = self._count if self.reservation is not None else UsageTotals.update_from
         count = functools.partial(counted, usage, prompt_index)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.http.protocol import BodyWriter
@@ -47,7 +48,7 @@ class ChunkPush:
         events: Callable[[engine_pb2.GenerateResponse], str],
         writer: BodyWriter,
         n: int,
-        text_events: Callable[[], TextEvents | None] | None = None,
+        text_events: Callable[[], TextEvents | Literal[False] | None] | None = None,
     ) -> None:
         self._events = events  # a message's events, as the handler's read loop makes them
         self._writer = writer
@@ -55,7 +56,8 @@ class ChunkPush:
         # Made in the handler's task: its context (request id, trace) is the one the events are made in,
         # not that of the task that receives the engine's batches.
         self._context = contextvars.copy_context()
-        # Asked after each message taken whole, until it answers: then `take_tokens` writes the rest.
+        # Asked after each message taken whole until it answers: TextEvents (then `take_tokens` writes the
+        # rest) or False (never: the choice's text always needs the handler's hooks).
         self._text_events = text_events
         self._text: TextEvents | None = None
         self.takes_tokens = False
@@ -70,9 +72,11 @@ class ChunkPush:
         if events:
             self._writer.write_now(events.encode("utf-8"))
         if self._text_events is not None:
-            self._text = self._text_events()
-            if self._text is not None:
-                self._text_events, self.takes_tokens = None, True
+            answer = self._text_events()
+            if answer is False:
+                self._text_events = None
+            elif answer is not None:
+                self._text, self._text_events, self.takes_tokens = answer, None, True
 
     def take_tokens(self, message: engine_pb2.GenerateResponse, token_ids: Sequence[int], text: str) -> None:
         # What the handler's _message_events does with such a message, without its hooks.
