@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from conduit_gateway.http import app as app_module
+from conduit_gateway.http.direct_routes import DirectRoutes
 from tests.gateway.conftest import MODEL
 from tests.support.gateway_thread import GatewayThread
 
@@ -53,8 +54,21 @@ def both(fake_engine_server):
             routed = GatewayThread([fake_engine_server.address])
         finally:
             app_module.GENERATION_PATHS = original
+        # What the comparison stands on: only the first app answers the four endpoints itself.
+        assert direct_paths(direct) == {
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/messages",
+            "/v1/responses",
+        }
+        assert direct_paths(routed) == set()
         with routed:
             yield direct, routed
+
+
+def direct_paths(gateway: GatewayThread) -> set[str]:
+    (layer,) = [layer for layer in gateway.app.user_middleware if layer.cls is DirectRoutes]
+    return {route.path for route in layer.kwargs["routes"]}
 
 
 def answer(url: str, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, object]:

@@ -101,8 +101,6 @@ class BodyWriter:
         cycle = self._cycle
         if cycle.flow.write_paused or cycle.disconnected or cycle.response_complete:
             return False
-        if not self._behind and self._written < BEHIND_BYTES // 4:
-            return True  # `behind` would not look again yet (the common case, without its call)
         return not self.behind
 
     def write_now(self, body: bytes) -> None:

@@ -29,8 +29,6 @@ class RawJson(str):
 
 
 def _choices_json(choices: list[Any]) -> str:
-    if len(choices) == 1 and type(choices[0]) is RawJson:
-        return f"[{choices[0]}]"
     if not any(type(choice) is RawJson for choice in choices):
         return _dumps(choices)
     return "[" + ",".join(c if type(c) is RawJson else _dumps(c) for c in choices) + "]"
