@@ -130,21 +130,27 @@ def run_engine(port: int) -> None:
         outbox: list[bytes] = []
         step = [10]
 
+        def apply(action) -> None:
+            if action.WhichOneof("action") == "batch":
+                for each in action.batch.actions:
+                    apply(each)
+            elif action.WhichOneof("action") == "open":
+                request = action.open.request
+                sampling = request.sampling
+                max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 16
+                top = sampling.logprobs if sampling.HasField("logprobs") else -1
+                if sampling.HasField("seed") and sampling.seed > 0:
+                    step[0] = sampling.seed
+                head = engine_pb2.GenerateResponse(request_id=request.request_id).SerializeToString()
+                tag = b"\x08" + varint(action.open.tag)
+                open_streams[action.open.tag] = [tag, head, messages(max_tokens, top), 0]
+                opened.set()
+            else:
+                open_streams.pop(action.cancel, None)
+
         async def read() -> None:
             async for action in request_iterator:
-                if action.WhichOneof("action") == "open":
-                    request = action.open.request
-                    sampling = request.sampling
-                    max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 16
-                    top = sampling.logprobs if sampling.HasField("logprobs") else -1
-                    if sampling.HasField("seed") and sampling.seed > 0:
-                        step[0] = sampling.seed
-                    head = engine_pb2.GenerateResponse(request_id=request.request_id).SerializeToString()
-                    tag = b"\x08" + varint(action.open.tag)
-                    open_streams[action.open.tag] = [tag, head, messages(max_tokens, top), 0]
-                    opened.set()
-                else:
-                    open_streams.pop(action.cancel, None)
+                apply(action)
 
         async def produce() -> None:
             while True:
@@ -191,6 +197,7 @@ def run_engine(port: int) -> None:
             eos_token_ids=[2],
             has_chat_template=True,
             generate_stream=True,
+            generate_stream_batch_bytes=4 * 1024 * 1024,  # gRPC's default largest message
         )
 
     async def get_load(request, context):

@@ -131,3 +131,41 @@ def test_a_cancelled_tag_sends_nothing_more_and_no_end():
     tags = [item.tag for batch in batches for item in batch.messages]
     ends = [end.tag for batch in batches for end in batch.ends]
     assert tags.count(1) == 1 and ends == [2]
+
+
+def _batch(*actions: pb.GenerateStreamRequest) -> pb.GenerateStreamRequest:
+    return pb.GenerateStreamRequest(batch=pb.GenerateStreamActions(actions=actions))
+
+
+def test_a_batch_of_actions_is_applied_in_its_order():
+    started = asyncio.Event()
+
+    async def generate(request, metadata):
+        if request.sampling.max_tokens == 1000:
+            yield pb.GenerateResponse(token_ids=[0])
+            started.set()
+            await asyncio.sleep(3600)  # cancelled long before
+        async for message in _steps(request, metadata):
+            yield message
+
+    async def main():
+        async def requests():
+            yield _batch(_open(1, 1000), _open(2, 2))
+            await started.wait()
+            # A cancel of a request opened in the same batch comes after its open: it is cancelled.
+            yield _batch(pb.GenerateStreamRequest(cancel=1), _open(3, 2), pb.GenerateStreamRequest(cancel=3))
+            yield _batch(_open(4, 3))
+
+        session = GenerateStreamSession(generate, _status)
+        return [batch async for batch in session.run(requests())]
+
+    batches = asyncio.run(main())
+    tags = [item.tag for batch in batches for item in batch.messages]
+    ends = {end.tag for batch in batches for end in batch.ends}
+    assert tags.count(1) == 1 and tags.count(2) == 2 and tags.count(4) == 3
+    assert ends == {2, 4}  # 1 and 3 were cancelled: no end of theirs
+
+
+def test_a_batch_inside_a_batch_ends_the_stream_as_a_protocol_error():
+    with pytest.raises(generate_stream.ProtocolError, match="a batch inside a batch"):
+        asyncio.run(_run(_steps, [_batch(_open(1, 2), _batch(_open(2, 2)))]))

@@ -123,8 +123,44 @@ def _idle(stub: engine_pb2_grpc.EngineStub) -> bool:
     return load.running_requests == 0 and load.waiting_requests == 0 and load.kv_blocks_used == 0
 
 
-def test_model_info_says_the_engine_serves_generate_stream(stub):
-    assert stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10).generate_stream
+def test_model_info_says_the_engine_serves_generate_stream_and_takes_batches_up_to_its_limit(stub):
+    info = stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10)
+    assert info.generate_stream
+    # The engine's gRPC receive limit: the largest request of its context (a few hundred KB here).
+    assert 0 < info.generate_stream_batch_bytes < 64 * 1024 * 1024
+
+
+def test_a_batch_of_actions_answers_what_the_same_actions_one_by_one_answer(stub):
+    requests = {tag: _request(12 + tag, temperature=0) for tag in (1, 2, 3)}
+    batched, plain = Session(stub), Session(stub)
+    batched.send(
+        engine_pb2.GenerateStreamRequest(
+            batch=engine_pb2.GenerateStreamActions(actions=[_open(t, r) for t, r in requests.items()])
+        )
+    )
+    for tag, request in requests.items():
+        plain.send(_open(tag, request))
+    for session in (batched, plain):
+        session.send(None)
+        session.join()
+        assert session.error is None
+    assert batched.ends == plain.ends == {tag: (OK, "") for tag in requests}
+    assert {tag: _choices(batched.messages[tag]) for tag in requests} == {
+        tag: _choices(plain.messages[tag]) for tag in requests
+    }
+    wait_for(lambda: _idle(stub), "the engine idle")
+
+
+def test_a_batch_inside_a_batch_ends_the_stream_invalid_argument(stub):
+    inner = engine_pb2.GenerateStreamRequest(
+        batch=engine_pb2.GenerateStreamActions(actions=[_open(2, _request(4))])
+    )
+    session = Session(stub)
+    session.send(engine_pb2.GenerateStreamRequest(batch=engine_pb2.GenerateStreamActions(actions=[inner])))
+    session.join()
+    assert session.error is not None
+    assert session.error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "a batch inside a batch" in session.error.details()
 
 
 def test_each_request_on_the_stream_answers_what_its_generate_call_answers(stub):

@@ -18,6 +18,9 @@ from conduit.engine.v1 import engine_pb2, engine_pb2_grpc
 from conduit_engine.entrypoints.generate_stream import GenerateStreamSession
 from conduit_engine.errors import EngineError
 
+# The fake's server takes gRPC's default largest message, and so GenerateStream batches up to it.
+BATCH_BYTES = 4 * 1024 * 1024
+
 WORDS = ("Once", " upon", " a", " time", ",", " there", " was", " a", " little", " cat", ".")
 
 
@@ -198,6 +201,7 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
             info.CopyFrom(self.fake.model_info)
             # A real engine's answer, less what the fake does not serve (unless a test wants the lie).
             info.generate_stream = self.fake.generate_stream != "off"
+            info.generate_stream_batch_bytes = BATCH_BYTES if info.generate_stream else 0
             return info
         return engine_pb2.GetModelInfoResponse(
             model=self.fake.model,
@@ -212,6 +216,7 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
             eos_token_ids=[2],
             has_chat_template=True,
             generate_stream=self.fake.generate_stream != "off",
+            generate_stream_batch_bytes=BATCH_BYTES if self.fake.generate_stream != "off" else 0,
         )
 
     async def GetLoad(self, request, context):

@@ -105,22 +105,36 @@ class GenerateStreamSession:
     async def _read(self, requests: AsyncIterator[pb.GenerateStreamRequest]) -> None:
         try:
             async for action in requests:
-                kind = action.WhichOneof("action")
-                if kind == "open":
-                    self._open(action.open)
-                elif kind == "cancel":
-                    task = self._tasks.pop(action.cancel, None)
-                    if task is not None:
-                        task.cancel()
+                if action.WhichOneof("action") == "batch":
+                    for each in action.batch.actions:
+                        if each.WhichOneof("action") == "batch":
+                            self._refuse("GenerateStream: a batch inside a batch")
+                            return
+                        self._apply(each)
+                else:
+                    self._apply(action)
         finally:
             self._requests_done = True
             self._wake.set()
 
+    def _apply(self, action: pb.GenerateStreamRequest) -> None:
+        kind = action.WhichOneof("action")
+        if kind == "open":
+            self._open(action.open)
+        elif kind == "cancel":
+            task = self._tasks.pop(action.cancel, None)
+            if task is not None:
+                task.cancel()
+
+    def _refuse(self, problem: str) -> None:
+        """The client broke the protocol: the stream ends INVALID_ARGUMENT (ProtocolError)."""
+        self._protocol_error = problem
+        self._wake.set()
+
     def _open(self, opened: pb.GenerateStreamOpen) -> None:
         tag = opened.tag
         if tag in self._tasks:
-            self._protocol_error = f"GenerateStream: tag {tag} is already open"
-            self._wake.set()
+            self._refuse(f"GenerateStream: tag {tag} is already open")
             return
         problem = self._authorize() if self._authorize is not None else None
         if problem is not None:

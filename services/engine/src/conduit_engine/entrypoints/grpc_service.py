@@ -169,6 +169,9 @@ class EngineServicer(pb_grpc.EngineServicer):
         self._async_engine: AsyncEngine | None = None
         self._kv_service: KvTransferService | None = None
         self.advertise_address = ""
+        # The largest message the server takes (its grpc.max_receive_message_length): a GenerateStream
+        # batch of actions up to this size is taken.
+        self.receive_bytes = 0
         self.ready = False
         # --auth-token-file: checked again at each request opened on a GenerateStream (the interceptor
         # checks a call's token when it starts).
@@ -384,6 +387,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             kv_cache_tokens=core.num_blocks * core.block_size,
             kv_block_bytes=core.kv_layout.block_bytes,
             generate_stream=True,
+            generate_stream_batch_bytes=self.receive_bytes,
         )
 
     async def GetLoad(

@@ -85,9 +85,10 @@ class EngineServer:
         self.telemetry = EngineTelemetry(config.telemetry, config.server.host, tracer_provider)
         self.health = health.aio.HealthServicer()
         server = config.server
+        receive_bytes = receive_limit(config)
         options = [
             ("grpc.max_send_message_length", server.max_message_bytes),
-            ("grpc.max_receive_message_length", receive_limit(config)),
+            ("grpc.max_receive_message_length", receive_bytes),
             ("grpc.keepalive_time_ms", int(server.keepalive_seconds * 1000)),
             ("grpc.http2.min_ping_interval_without_data_ms", int(server.min_ping_interval_seconds * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),
@@ -112,6 +113,7 @@ class EngineServer:
         )
         self.servicer = EngineServicer(config.model.device, self.telemetry)
         self.servicer.token = self.security.token
+        self.servicer.receive_bytes = receive_bytes
         pb_grpc.add_EngineServicer_to_server(self.servicer, self.server)
         self.async_engine: AsyncEngine | None = None
         self._stop = asyncio.Event()

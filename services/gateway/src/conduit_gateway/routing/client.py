@@ -57,12 +57,16 @@ class EngineClient:
         self._mux: GenerateMux | None = None
         self._mux_unimplemented = False  # the engine said it does not serve GenerateStream after all
 
-    def multiplex(self, on: bool) -> None:
-        """Send the following Generate calls on one GenerateStream (on), or each as its own call."""
-        if on and self._mux is None and not self._mux_unimplemented:
-            self._mux = GenerateMux(self._open_generate_stream, self._unimplemented)
-        elif not on and self._mux is not None:
-            self._mux = None  # its open requests finish on it; nothing new is sent there
+    def multiplex(self, on: bool, batch_bytes: int = 0) -> None:
+        """Send the following Generate calls on one GenerateStream (on), or each as its own call;
+        `batch_bytes`: the largest batch of actions the engine takes on it (0: none)."""
+        mux = self._mux
+        if on and (mux is None or mux.batch_bytes != batch_bytes) and not self._mux_unimplemented:
+            self._mux = GenerateMux(self._open_generate_stream, self._unimplemented, batch_bytes)
+        elif not on:
+            self._mux = None
+        if mux is not None and mux is not self._mux:
+            mux.renew()  # its open requests finish on it, then it closes; nothing new is sent there
 
     def renew_streams(self) -> None:
         """The channel's credentials changed (SIGHUP re-read the engine token): requests from now on go

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _EMPTY = grpc.aio.Metadata()
 
+# Bytes an action (or a map entry) adds around its content: field tags and length prefixes, at most.
+_ACTION_OVERHEAD = 16
+
 # What a MuxCall ends with: grpc.aio.EOF after its last message, else the exception a read raises.
 End = object
 
@@ -226,9 +229,19 @@ class _Session:
     """One GenerateStream call: the requests open on it and the task that reads its batches."""
 
     def __init__(
-        self, open_stream: OpenStream, on_end: Callable[[_Session, grpc.aio.AioRpcError | None], None]
+        self,
+        open_stream: OpenStream,
+        on_end: Callable[[_Session, grpc.aio.AioRpcError | None], None],
+        batch_bytes: int = 0,
     ) -> None:
-        self._outgoing: asyncio.Queue[engine_pb2.GenerateStreamRequest] = asyncio.Queue()
+        # What is still to be written, in order. With `batch_bytes` (the engine takes batched actions up
+        # to that size) the actions of one moment share one batch, the last one queued (`_batch`), until
+        # it is written or full; an action too large to share one goes alone.
+        self._outgoing: deque[engine_pb2.GenerateStreamRequest] = deque()
+        self._queued = asyncio.Event()
+        self._batch_bytes = batch_bytes
+        self._batch: engine_pb2.GenerateStreamRequest | None = None
+        self._batch_size = 0  # bytes of `_batch`, as estimated
         self.calls: dict[int, MuxCall] = {}
         self._retired = False
         self._on_end = on_end
@@ -240,17 +253,37 @@ class _Session:
     ) -> MuxCall:
         call = MuxCall(self, tag)
         self.calls[tag] = call
-        action = engine_pb2.GenerateStreamRequest()
+        size = (
+            request.ByteSize()
+            + sum(len(k) + len(v) for k, v in metadata)
+            + _ACTION_OVERHEAD * (1 + len(metadata))
+        )
+        action = self._next_action(size)
         action.open.tag = tag
         action.open.request.CopyFrom(request)
         action.open.metadata.update(metadata)
-        self._outgoing.put_nowait(action)
         return call
 
     def cancel(self, tag: int) -> None:
         if self.calls.pop(tag, None) is not None:
-            self._outgoing.put_nowait(engine_pb2.GenerateStreamRequest(cancel=tag))
+            self._next_action(_ACTION_OVERHEAD).cancel = tag
         self._close_if_retired()
+
+    def _next_action(self, size: int) -> engine_pb2.GenerateStreamRequest:
+        """A new action of about `size` bytes, to be filled in now and written in its turn."""
+        self._queued.set()
+        limit = self._batch_bytes
+        if size > limit // 2:  # no batches, or one this large: alone
+            action = engine_pb2.GenerateStreamRequest()
+            self._outgoing.append(action)
+            self._batch = None
+            return action
+        if self._batch is None or self._batch_size + size > limit:
+            self._batch = engine_pb2.GenerateStreamRequest()
+            self._batch_size = _ACTION_OVERHEAD
+            self._outgoing.append(self._batch)
+        self._batch_size += size
+        return self._batch.batch.actions.add()
 
     def close(self) -> None:
         self._call.cancel()
@@ -268,8 +301,15 @@ class _Session:
         # Nothing is written before the engine has taken the stream (its initial metadata): a write racing
         # a refusal (UNIMPLEMENTED, UNAUTHENTICATED) can make gRPC report INTERNAL instead.
         await self._call.initial_metadata()
+        outgoing = self._outgoing
         while True:
-            yield await self._outgoing.get()
+            await self._queued.wait()
+            self._queued.clear()
+            while outgoing:
+                action = outgoing.popleft()
+                if action is self._batch:
+                    self._batch = None  # what is said from now on goes in a new batch
+                yield action
 
     async def _receive(self) -> None:
         error: grpc.aio.AioRpcError | None = None
@@ -330,9 +370,16 @@ class GenerateMux:
     (something between gateway and engine that passes only known methods): the requests open on it end
     UNAVAILABLE (retried elsewhere, like a refusal), and the caller stops multiplexing."""
 
-    def __init__(self, open_stream: OpenStream, on_unimplemented: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        open_stream: OpenStream,
+        on_unimplemented: Callable[[], None] = lambda: None,
+        batch_bytes: int = 0,
+    ) -> None:
         self._open_stream = open_stream
         self._on_unimplemented = on_unimplemented
+        # The largest batch of actions the engine takes (GetModelInfo's generate_stream_batch_bytes).
+        self.batch_bytes = batch_bytes
         self._session: _Session | None = None
         self._next_tag = 1
 
@@ -348,7 +395,7 @@ class GenerateMux:
     ) -> MuxCall:
         """Start `request` as a Generate call with these metadata and deadline would."""
         if self._session is None:
-            self._session = _Session(self._open_stream, self._ended)
+            self._session = _Session(self._open_stream, self._ended, self.batch_bytes)
         tag = self._next_tag
         self._next_tag += 1
         call = self._session.open(tag, request, metadata)

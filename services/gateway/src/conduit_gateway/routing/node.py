@@ -252,7 +252,10 @@ class EngineNode:
                     log.warning("engine %s GetModelInfo failed: %s", self.address, exc.code().name)
                     return
                 # Its generations share one GenerateStream where it serves one (routing/generate_mux.py).
-                self.client.multiplex(self._config.engine_multiplex and self.model_info.generate_stream)
+                info = self.model_info
+                self.client.multiplex(
+                    self._config.engine_multiplex and info.generate_stream, info.generate_stream_batch_bytes
+                )
                 await self._read_adapters()
                 # No await between admission and SERVING: two engines of a disaggregated pool coming up
                 # at once each see the other admitted, so layouts that differ are always refused.
