@@ -24,6 +24,7 @@ import fcntl
 import logging
 import struct
 import termios
+from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
@@ -53,10 +54,11 @@ class BodyWriter:
     `send` writes for `{"type": "http.response.body", "body": ..., "more_body": True}`; the response's
     start and end still go through `send` (the middleware see both)."""
 
-    __slots__ = ("_cycle", "_transport", "_fd", "_written", "_behind")
+    __slots__ = ("_cycle", "_transport", "_fd", "_written", "_behind", "_on_gone")
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
         self._cycle = cycle
+        self._on_gone: Callable[[], None] | None = None
         self._transport = cycle.transport
         sock = self._transport.get_extra_info("socket")
         self._fd = sock.fileno() if sock is not None else -1
@@ -109,11 +111,56 @@ class BodyWriter:
             self._written += len(body)
             self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
+    def on_gone(self, callback: Callable[[], None] | None) -> Callable[[], None] | None:
+        """Call `callback` (soon, if it already has) once the client goes away before the response ends;
+        None: call nothing. Returns the callback it replaces."""
+        previous, self._on_gone = self._on_gone, callback
+        if callback is not None and self._cycle.disconnected:
+            asyncio.get_running_loop().call_soon(self.lost)
+        return previous
+
+    def lost(self) -> None:
+        """The connection is gone (the protocol's connection_lost)."""
+        callback = self._on_gone
+        if callback is not None and self._cycle.disconnected:
+            self._on_gone = None
+            callback()
+
     def write_parts_now(self, head: bytes, body: bytes, tail: bytes) -> None:
         """`write_now(head + body + tail)`, joined once, into the chunk's framing."""
         size = len(head) + len(body) + len(tail)
         self._written += size
         self._transport.write(b"%x\r\n%b%b%b\r\n" % (size, head, body, tail))
+
+
+class CancelledOnDisconnect:
+    """`with CancelledOnDisconnect(writer):` the current task is cancelled if the client goes away
+    meanwhile, and that cancellation ends at the block's end (`gone` says it happened), as an
+    `asyncio.timeout` ends its own: a cancellation from elsewhere goes on. No task of its own, where
+    waiting for ASGI's http.disconnect beside the work takes two tasks and a wait per request."""
+
+    __slots__ = ("_writer", "_task", "_previous", "gone")
+
+    def __init__(self, writer: BodyWriter) -> None:
+        self._writer = writer
+        self.gone = False
+
+    def __enter__(self) -> CancelledOnDisconnect:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._previous = self._writer.on_gone(self._cancel)
+        return self
+
+    def _cancel(self) -> None:
+        self.gone = True
+        self._task.cancel()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        self._writer.on_gone(self._previous)
+        if not self.gone or self._task.uncancel() > 0:
+            return False
+        return exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
 
 
 class BoundedHttpProtocol(HttpToolsProtocol):
@@ -127,6 +174,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     _oversized = False  # a head went over the limit: nothing more of this connection reaches the app
     _reading_head = True
     _head_timer: asyncio.TimerHandle | None = None
+    _writer: BodyWriter | None = None  # the current request's
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -169,7 +217,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         if not self._oversized:
             super().on_headers_complete()
             if self.cycle is not None:
-                self.scope.setdefault("extensions", {})[BODY_WRITER] = BodyWriter(self.cycle)
+                self._writer = BodyWriter(self.cycle)
+                self.scope.setdefault("extensions", {})[BODY_WRITER] = self._writer
 
     def on_body(self, body: bytes) -> None:
         if not self._oversized:
@@ -183,6 +232,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         super().connection_lost(exc)
+        if self._writer is not None:
+            self._writer.lost()
 
     def _arm_head_timer(self) -> None:
         self._cancel_head_timer()

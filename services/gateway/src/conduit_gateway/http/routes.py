@@ -17,6 +17,7 @@ from conduit_gateway.handlers.chat import ChatHandler
 from conduit_gateway.handlers.completions import CompletionsHandler
 from conduit_gateway.handlers.messages import MessagesHandler, count_tokens
 from conduit_gateway.http import anthropic
+from conduit_gateway.http.protocol import BODY_WRITER, CancelledOnDisconnect
 from conduit_gateway.http.request_body import GatewayRoute, check_body_before_parsing
 from conduit_gateway.http.sse import wait_for_disconnect
 from conduit_gateway.keys.keys_file import ApiKey
@@ -173,6 +174,11 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
     Streamed responses watch for disconnects themselves once they start; this covers the wait for the
     first token and a whole non-streamed generation.
     """
+    writer = request.scope.get("extensions", {}).get(BODY_WRITER)
+    if writer is not None:  # our server: the connection says when the client goes
+        with CancelledOnDisconnect(writer):
+            return await work
+        return Response(status_code=499)
     task = asyncio.ensure_future(work)
     if await finished_first(task, wait_for_disconnect(request.receive)):
         return task.result()

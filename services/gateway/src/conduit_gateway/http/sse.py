@@ -11,7 +11,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from conduit_gateway.errors import OpenAIError
-from conduit_gateway.http.protocol import BODY_WRITER, BodyWriter
+from conduit_gateway.http.protocol import BODY_WRITER, BodyWriter, CancelledOnDisconnect
 from conduit_gateway.race import finished_first
 
 DONE_EVENT = "data: [DONE]\n\n"
@@ -137,7 +137,27 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         writer = scope.get("extensions", {}).get(BODY_WRITER)
-        producer = asyncio.create_task(self._produce(send, writer))
+        if writer is None:  # another server than ours
+            await self._watching_receive(receive, send)
+            return
+        outcome: Exception | None = None
+        try:
+            with CancelledOnDisconnect(writer):
+                try:
+                    await self._produce(send, writer)
+                except Exception as exc:
+                    outcome = exc
+        finally:
+            try:
+                await self._events.aclose()  # type: ignore[attr-defined]
+            finally:
+                self._close()
+        _raise_failure(outcome)
+
+    async def _watching_receive(self, receive: Receive, send: Send) -> None:
+        """`__call__` on another server: the producer in a task of its own, cancelled when `receive`
+        says the client has gone."""
+        producer = asyncio.create_task(self._produce(send, None))
         try:
             await finished_first(producer, wait_for_disconnect(receive))
         finally:
@@ -147,9 +167,7 @@ class EventStreamResponse(StreamingResponse):
                 await self._events.aclose()  # type: ignore[attr-defined]
             finally:
                 self._close()
-        if isinstance(outcome, Exception) and not isinstance(outcome, OSError):
-            # OSError: the client went away mid-write, which is not the server's failure.
-            raise outcome
+        _raise_failure(outcome)
 
     async def _produce(self, send: Send, writer: BodyWriter | None) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -171,6 +189,13 @@ class EventStreamResponse(StreamingResponse):
         on_close, self._on_close = self._on_close, None
         if on_close is not None:
             on_close()
+
+
+def _raise_failure(outcome: BaseException | None) -> None:
+    """Raise what the producer failed with, unless it is an OSError: the client went away mid-write,
+    which is not the server's failure (a cancellation was handled where it happened)."""
+    if isinstance(outcome, Exception) and not isinstance(outcome, OSError):
+        raise outcome
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
