@@ -1,7 +1,7 @@
 """Gateway throughput per token: a cheap fake engine streams tokens at a fixed rate through a real gateway to
 a cheap SSE client, each in its own process; the gateway's CPU-seconds say what each token costs it.
 
-    .venv/bin/python bench/gateway_throughput.py [--baseline-commit REV | --baseline-path DIR]
+    .venv/bin/python bench/gateway_throughput.py [--baseline-commit REV | --baseline-path DIR] [--direct]
         [--streams 64,256,1024] [--tokens 128] [--step-ms 10] [--cases all|chat,chat-usage,...] [--rounds 1]
 
 The fake engine (`engine` subcommand) answers Generate with pre-serialised GenerateResponse messages (one
@@ -17,6 +17,12 @@ gateway's RSS after the run, and the client's own CPU-seconds (it is not the bot
 well under the wall time). With a baseline, each case runs on the baseline gateway then on this one, side
 by side (same engine, same machine state), and the ratios are printed: with `--rounds N`, the two
 alternate N times per case and the median of the rounds' ratios is printed.
+
+With `--direct`, each case also runs against the fake engine's process serving the same SSE itself (the
+events a plain stream of the gateway writes, same shape and size, one per tick of the same ticker): what
+a minimal SSE server leaves of the client's ITL on this machine, this client included. The `added` row is
+the gateway's ITL p50 and p99 less the direct ones (median over rounds): the ITL the gateway adds. (Its
+"gw cpu" is then the engine process's, which also serves gRPC.)
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -48,7 +55,7 @@ API_KEY = "sk-bench-throughput"
 # -- fake engine ---------------------------------------------------------------------------------------
 
 
-def run_engine(port: int) -> None:
+def run_engine(port: int, sse_port: int = 0) -> None:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -226,7 +233,72 @@ def run_engine(port: int) -> None:
         "Abort": unary(abort, engine_pb2.AbortRequest, engine_pb2.AbortResponse),
     }
 
+    class DirectSse(asyncio.Protocol):
+        """`--direct`: one request per connection, answered by the engine's process itself with the
+        events a plain stream of the gateway writes (same shape and size), one per tick of the same
+        ticker: the floor a minimal SSE server sets on the client's ITL, without any gateway."""
+
+        def connection_made(self, transport) -> None:
+            self.transport, self.buf, self.task = transport, b"", None
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0 or self.task is not None:
+                return
+            length = next(
+                int(line.split(b":", 1)[1])
+                for line in self.buf[:end].split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            if len(self.buf) >= end + 4 + length:
+                self.task = asyncio.ensure_future(
+                    self.stream(json.loads(self.buf[end + 4 : end + 4 + length]))
+                )
+
+        def connection_lost(self, exc) -> None:
+            if self.task is not None:
+                self.task.cancel()
+
+        async def stream(self, body: dict) -> None:
+            step_ms = body.get("seed") or 10
+            ticker = tickers.get(step_ms) or tickers.setdefault(step_ms, Ticker(step_ms / 1000))
+            chat = "messages" in body
+            head = (
+                '{"id":"chatcmpl-direct0000000000000000000000","object":"chat.completion.chunk","created":1,'
+                if chat
+                else '{"id":"cmpl-direct0000000000000000000000","object":"text_completion","created":1,'
+            ) + '"model":"fake-model","system_fingerprint":null,"choices":[{"index":0,'
+
+            def event(choice: str) -> bytes:
+                data = f"data: {head}{choice}}}]}}\n\n".encode()
+                return b"%x\r\n%b\r\n" % (len(data), data)
+
+            word = json.dumps(WORD, ensure_ascii=False)
+            if chat:
+                first = event(
+                    '"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null'
+                )
+                token = event(f'"delta":{{"content":{word}}},"logprobs":null,"finish_reason":null')
+                last = event('"delta":{},"logprobs":null,"finish_reason":"length"')
+            else:
+                first = b""
+                token = event(f'"text":{word},"logprobs":null,"finish_reason":null')
+                last = event('"text":"","logprobs":null,"finish_reason":"length"')
+            write = self.transport.write
+            write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+                b"connection: close\r\n\r\n" + first
+            )
+            for _ in range(body["max_tokens"]):
+                await ticker.tick
+                write(token)
+            write(last + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+            self.transport.close()
+
     async def serve() -> None:
+        if sse_port:
+            await asyncio.get_running_loop().create_server(DirectSse, "127.0.0.1", sse_port)
         server = grpc.aio.server()
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler("conduit.engine.v1.Engine", handlers),)
@@ -398,8 +470,10 @@ def run_client(url: str, case: Case, streams: int, tokens: int, step_ms: int, pi
     if case.secured:
         args += ["--api-key", API_KEY]
     before = cpu_seconds(pid)
-    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
-    result = json.loads(out)
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the client failed ({done.returncode}): {done.stderr[-2000:]}")
+    result = json.loads(done.stdout)
     result["gateway_cpu_s"] = cpu_seconds(pid) - before
     result["rss_mib"] = rss_mib(pid)
     return result
@@ -490,6 +564,25 @@ def median_ratios(pairs: list[tuple[dict[str, float], dict[str, float]]]) -> str
     return f"{tps:9.2f} {eps:9.2f} {'':7} {cpu:9.2f} {p50:7.2f} {p99:7.2f}"
 
 
+def wait_listening(port: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+        time.sleep(0.1)
+
+
+def added_itl(direct: list[dict[str, float]], current: list[dict[str, float]]) -> str:
+    """ITL p50 and p99 through this gateway less those of the engine's own SSE (`--direct`), ms: the
+    median over rounds of each round's difference."""
+    p50 = statistics.median(c["itl_p50_ms"] - d["itl_p50_ms"] for d, c in zip(direct, current, strict=True))
+    p99 = statistics.median(c["itl_p99_ms"] - d["itl_p99_ms"] for d, c in zip(direct, current, strict=True))
+    return f"{'':9} {'':9} {'':7} {'':9} {p50:7.2f} {p99:7.2f}  (ms, ITL current - direct)"
+
+
 def fmt(result: dict[str, float]) -> str:
     tps = result["tokens"] / result["seconds"]
     eps = result["events"] / result["seconds"]
@@ -512,6 +605,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command")
     engine = sub.add_parser("engine")
     engine.add_argument("--port", type=int, required=True)
+    engine.add_argument("--sse-port", type=int, default=0)
     client = sub.add_parser("client")
     client.add_argument("--url", required=True)
     client.add_argument("--path", required=True)
@@ -532,6 +626,11 @@ def main() -> None:
     parser.add_argument("--baseline-commit", help="also run the gateway of this git revision, side by side")
     parser.add_argument("--baseline-path", help="also run the gateway of this checkout, side by side")
     parser.add_argument("--rounds", type=int, default=1, help="runs per case and gateway, alternating")
+    parser.add_argument(
+        "--direct",
+        action="store_true",
+        help="also run each case against the fake engine's own SSE (no gateway): the ITL the gateway adds",
+    )
     parser.add_argument("--gateway-args", default="", help="extra gateway flags (space-separated)")
     parser.add_argument(
         "--py-spy",
@@ -540,7 +639,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.command == "engine":
-        run_engine(args.port)
+        run_engine(args.port, args.sse_port)
         return
     if args.command == "client":
         print(json.dumps(asyncio.run(client_main(args))))
@@ -567,11 +666,14 @@ def main() -> None:
     )
     try:
         tree = baseline_tree(args, scratch)
-        port = free_port()
-        engine_args = [sys.executable, __file__, "engine", "--port", str(port)]
+        port, sse_port = free_port(), free_port()
+        engine_args = [sys.executable, __file__, "engine", "--port", str(port), "--sse-port", str(sse_port)]
         with ManagedProcess("throughput-engine", engine_args, port) as engine, OtlpReceiver() as otlp:
             gateways: dict[tuple[str, bool], ManagedProcess] = {}
-            variants = [("baseline", tree)] if tree is not None else []
+            if args.direct:
+                wait_listening(sse_port)
+            variants: list[tuple[str, Path | None]] = [("direct", None)] if args.direct else []
+            variants += [("baseline", tree)] if tree is not None else []
             variants.append(("current", None))
             base = ["--log-level", "warning", "--max-concurrent-requests", "4096", *args.gateway_args.split()]
             secured = ["--api-keys-file", str(keys_file), "--otlp-endpoint", otlp.endpoint]
@@ -588,6 +690,13 @@ def main() -> None:
                         # Alternate which goes first, so that drift on a shared machine hits both.
                         order = variants if round_index % 2 == 0 else variants[::-1]
                         for label, tree_path in order:
+                            name = f"{case.name}@{step}ms"
+                            if label == "direct":  # the engine's process serves the SSE itself
+                                url = f"http://127.0.0.1:{sse_port}"
+                                result = run_client(url, case, streams, args.tokens, step, engine.process.pid)
+                                runs[label].append(result)
+                                print(f"{name:22} {streams:7} {label:9} {fmt(result)}", flush=True)
+                                continue
                             key = (label, case.secured)
                             if key not in gateways:
                                 extra = base + (secured if case.secured else [])
@@ -596,7 +705,6 @@ def main() -> None:
                                 warm = Case("warm", case.api, secured=case.secured)
                                 run_client(gw.url, warm, 8, 8, 1, gw.process.pid)
                             gw = gateways[key]
-                            name = f"{case.name}@{step}ms"
                             profile = None
                             if args.py_spy:
                                 out = Path(f"{args.py_spy}-{label}-{name}-{streams}.txt").resolve()
@@ -610,6 +718,11 @@ def main() -> None:
                         pairs = list(zip(runs["baseline"], runs["current"], strict=True))
                         label = "ratio" if len(pairs) == 1 else "median"
                         print(f"{'':22} {'':7} {label:9} {median_ratios(pairs)}", flush=True)
+                    if "direct" in runs:
+                        print(
+                            f"{'':22} {'':7} {'added':9} {added_itl(runs['direct'], runs['current'])}",
+                            flush=True,
+                        )
             finally:
                 for gw in gateways.values():
                     gw.stop()
