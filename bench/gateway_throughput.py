@@ -47,6 +47,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # for tests.support
 
+from proc_stats import cpu_seconds, rss_mib  # noqa: E402
+
 WORD = "§"
 WORD_BYTES = WORD.encode()
 API_KEY = "sk-bench-throughput"
@@ -450,18 +452,6 @@ CASES = {
         Case("completions-logprobs", "completions", logprobs=True),
     )
 }
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def run_client(url: str, case: Case, streams: int, tokens: int, step_ms: int, pid: int) -> dict[str, float]:

@@ -33,22 +33,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # for tests.support
 
+from proc_stats import cpu_seconds  # noqa: E402
+
 from tests.support.proc_tree import descendants  # noqa: E402
 from tests.support.processes import ManagedProcess, free_port, start_gateway  # noqa: E402
-
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of `pids` (a process gone since counts 0)."""
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        total += (int(fields[11]) + int(fields[12])) / _TICKS
-    return total
 
 
 def parse_cpus(text: str | None) -> set[int] | None:
@@ -131,14 +119,14 @@ def measure(
         context.Process(target=_client, args=(gateway.port, body, n, seconds, cpus, out)) for n in per_client
     ]
     gateway_pids = [gateway.process.pid, *descendants(gateway.process.pid)]
-    before = cpu_seconds(gateway_pids)
+    before = cpu_seconds(*gateway_pids)
     started = time.perf_counter()
     for client in clients:
         client.start()
     results = [out.get(timeout=seconds + 120) for _ in clients]
     elapsed = time.perf_counter() - started
-    client_cpu = cpu_seconds([client.pid for client in clients if client.pid is not None])
-    gateway_cpu = cpu_seconds(gateway_pids) - before
+    client_cpu = cpu_seconds(*[client.pid for client in clients if client.pid is not None])
+    gateway_cpu = cpu_seconds(*gateway_pids) - before
     for client in clients:
         client.join()
     return Round(
