@@ -11,7 +11,7 @@ from conduit_gateway.errors import invalid_param
 from conduit_gateway.handlers import fields
 from conduit_gateway.handlers.base import ChunkedHandler
 from conduit_gateway.handlers.chat_output import ChatChoiceState, delta_fields, message
-from conduit_gateway.handlers.choices import ChoiceState, UsageTotals, safe_logprob
+from conduit_gateway.handlers.choices import ChoiceState, UsageTotals, safe_logprob, token_text_json
 from conduit_gateway.handlers.sampling import sampling_params
 from conduit_gateway.http.sse import RawJson, json_string
 from conduit_gateway.parsers.chat_output import ChatOutputParser
@@ -288,17 +288,17 @@ def _logprob_entries(logprobs: Sequence[engine_pb2.PositionLogprobs]) -> list[di
 def _logprob_entries_json(logprobs: Sequence[engine_pb2.PositionLogprobs]) -> str:
     """`_logprob_entries` as JSON, comma-separated, without building the dicts."""
     return ",".join(
-        f"{_top_json(position.token)[:-1]},"
-        f'"top_logprobs":[{",".join(_top_json(alternative) for alternative in position.top)}]}}'
+        f'{{{_top_fields(position.token)},"top_logprobs":'
+        f"[{','.join([f'{{{_top_fields(alternative)}}}' for alternative in position.top])}]}}"
         for position in logprobs
     )
 
 
-def _top_json(token: engine_pb2.TokenLogprob) -> str:
-    text = token.text
+def _top_fields(token: engine_pb2.TokenLogprob) -> str:
+    """`_top(token)`'s JSON, without its braces."""
+    text_json, utf8_json = token_text_json(token.text)
     return (
-        f'{{"token":{json_string(text)},"logprob":{float.__repr__(safe_logprob(token.logprob))},'
-        f'"bytes":[{",".join(map(str, text.encode("utf-8")))}]}}'
+        f'"token":{text_json},"logprob":{float.__repr__(safe_logprob(token.logprob))},"bytes":[{utf8_json}]'
     )
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from conduit.engine.v1 import engine_pb2
 from conduit_gateway.errors import OpenAIError
+from conduit_gateway.http.sse import json_string
 
 FINISH_REASONS = {
     engine_pb2.FINISH_REASON_STOP: "stop",
@@ -41,6 +42,23 @@ LOGPROB_FLOOR = -9999.0
 
 def safe_logprob(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+# Token text -> its JSON string and its UTF-8 bytes as a JSON array's items, as logprobs write them for
+# every token and alternative. The texts are the model's vocabulary, so most repeat; the cache is
+# emptied when it reaches TOKEN_TEXTS_MAX entries (a stream of unusual texts cannot grow it further).
+_TOKEN_TEXTS: dict[str, tuple[str, str]] = {}
+TOKEN_TEXTS_MAX = 1 << 16
+
+
+def token_text_json(text: str) -> tuple[str, str]:
+    """(`json_string(text)`, the comma-separated bytes of `text` in UTF-8)."""
+    parts = _TOKEN_TEXTS.get(text)
+    if parts is None:
+        if len(_TOKEN_TEXTS) >= TOKEN_TEXTS_MAX:
+            _TOKEN_TEXTS.clear()
+        parts = _TOKEN_TEXTS[text] = (json_string(text), ",".join(map(str, text.encode("utf-8"))))
+    return parts
 
 
 @dataclass(slots=True)
