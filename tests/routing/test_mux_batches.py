@@ -97,7 +97,8 @@ def test_each_batch_written_fits_the_limit():
     async def main() -> list[int]:
         session, (call,) = start(batch_bytes=1000)
         for tag in range(1, 41):
-            session.open(tag, request(tag * 10), [("traceparent", "00-" + "a" * 50)])
+            metadata = [("traceparent", "00-" + "a" * 50), ("x-request-id", "é" * tag)]  # 2 bytes a char
+            session.open(tag, request(tag * 10), metadata)
         sizes, tags = [], []
         while len(tags) < 40:
             action = await anext(call.requests)

@@ -38,8 +38,10 @@ log = logging.getLogger(__name__)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _EMPTY = grpc.aio.Metadata()
 
-# Bytes an action (or a map entry) adds around its content: field tags and length prefixes, at most.
-_ACTION_OVERHEAD = 16
+# Bytes an action in a batch adds around its request (field tags, length prefixes, its tag number), and a
+# metadata entry around its key and value, at most.
+_ACTION_OVERHEAD = 32
+_ENTRY_OVERHEAD = 18
 
 # What a MuxCall ends with: grpc.aio.EOF after its last message, else the exception a read raises.
 End = object
@@ -253,11 +255,9 @@ class _Session:
     ) -> MuxCall:
         call = MuxCall(self, tag)
         self.calls[tag] = call
-        size = (
-            request.ByteSize()
-            + sum(len(k) + len(v) for k, v in metadata)
-            + _ACTION_OVERHEAD * (1 + len(metadata))
-        )
+        size = request.ByteSize() + _ACTION_OVERHEAD
+        for key, value in metadata:
+            size += len(key.encode()) + len(value.encode()) + _ENTRY_OVERHEAD
         action = self._next_action(size)
         action.open.tag = tag
         action.open.request.CopyFrom(request)
