@@ -218,8 +218,13 @@ class GenerationHandler(ABC):
     def _count(self, usage: UsageTotals, prompt_index: int, message: engine_pb2.GenerateResponse) -> None:
         """Take a message's usage into the request's totals and hold that much of the key's tokens."""
         usage.update_from(prompt_index, message)
-        if self.reservation is not None:
-            self._charge(usage.prompt_tokens + usage.completion_tokens)
+        reservation = self.reservation
+        if reservation is not None:
+            tokens = usage.total_tokens
+            # The reservation holds the worst case as it stood at its last change (the plan, each prompt
+            # opening), so only tokens beyond what it holds can take more.
+            if tokens > reservation.taken:
+                self._charge(tokens)
 
     def _charge(self, tokens: int) -> None:
         """The request has used `tokens` (prompt + output) so far: hold at least that of the key's."""

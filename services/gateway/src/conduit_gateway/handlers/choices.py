@@ -163,6 +163,14 @@ class UsageTotals:
         self._latest[prompt_index] = message.usage
 
     @property
+    def total_tokens(self) -> int:
+        """prompt_tokens + completion_tokens."""
+        latest = self._latest
+        if len(latest) == 1:
+            return latest[0].prompt_tokens + latest[0].completion_tokens
+        return sum(usage.prompt_tokens + usage.completion_tokens for usage in latest)
+
+    @property
     def completion_tokens(self) -> int:
         return sum(usage.completion_tokens for usage in self._latest)
 
