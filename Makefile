@@ -80,6 +80,8 @@ bench: venv
 # The benchmark-only tools (matplotlib, tqdm, py-spy) for bench/serving.py, bench/plot.py, bench/peers.py.
 bench-setup: venv
 	$(PY) -m pip install -q -r bench/requirements.txt
+	@# bench/gateway_workers.py --client wrk: Debian's wrk, installed when missing.
+	@command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk)
 
 # Conduit beside llama.cpp's llama-server and vLLM CPU on the same weights (builds the peers once, ~15 min).
 PEERS_ARGS ?=
