@@ -1,4 +1,4 @@
-"""The choices the chat and completions handlers write by hand are the JSON their dicts encode to."""
+"""The choices and logprobs the chat and completions handlers write by hand are the JSON of their dicts."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 import pytest
 
 from conduit.engine.v1 import engine_pb2
-from conduit_gateway.handlers import chat
-from conduit_gateway.http.sse import ChunkEncoder, RawJson, json_string
+from conduit_gateway.handlers import chat, completions
+from conduit_gateway.handlers.choices import token_offsets
+from conduit_gateway.http.sse import ChunkEncoder, RawJson, json_string, json_value
 
 pytestmark = pytest.mark.unit
 
@@ -72,3 +73,18 @@ def test_one_choices_event_is_the_chunk_of_a_list_of_it(choice, usage_mode):
     encoder = ChunkEncoder(id="x", object="o", created=1, model="m", usage_mode=usage_mode)
     usage = {"prompt_tokens": 5, "completion_tokens": 1}
     assert encoder.one(choice, lambda: usage) == encoder.chunk([choice], lambda: usage)
+
+
+@pytest.mark.parametrize("top", [0, 2])
+@pytest.mark.parametrize("logprob", LOGPROBS)
+def test_completions_logprobs_written_by_hand_equal_the_dict_encoded(logprob, top):
+    positions = [_position(text, logprob, top) for text in TEXTS]
+    # An alternative with the chosen token's text, and two alternatives with one text: the dict keeps one.
+    positions[1].top.add(token_id=99, text=positions[1].token.text, logprob=-7.0, rank=9)
+    positions[2].top.add(token_id=98, text="same", logprob=-8.0, rank=10)
+    positions[2].top.add(token_id=97, text="same", logprob=-9.0, rank=11)
+    text = "".join(position.token.text for position in positions)[:-3]  # shorter than the tokens' texts
+    offsets = token_offsets(5, text, positions)
+    assert completions._logprobs_json(positions, 5, text) == json_value(
+        completions._logprobs(positions, offsets)
+    )

@@ -15,9 +15,10 @@ from conduit_gateway.handlers.choices import (
     UsageTotals,
     safe_logprob,
     token_offsets,
+    token_text_json,
 )
 from conduit_gateway.handlers.sampling import sampling_params
-from conduit_gateway.http.sse import RawJson, json_string, json_value
+from conduit_gateway.http.sse import RawJson, json_string
 from conduit_gateway.prompt_limits import MAX_PROMPTS, PromptLimit, prompt_limit, prompt_param
 from conduit_gateway.schemas.completions import (
     Completion,
@@ -109,8 +110,7 @@ class CompletionsHandler(ChunkedHandler):
         prefix = _unsent_prefix(choice)
         shaped = "null"
         if self.body.logprobs is not None:
-            offsets = token_offsets(choice.chars + len(prefix), text, logprobs)
-            shaped = json_value(_logprobs(logprobs, offsets))
+            shaped = _logprobs_json(logprobs, choice.chars + len(prefix), text)
         text = prefix + text
         choice.chars += len(text)
         before, after = _text_parts(choice.index, shaped)
@@ -165,6 +165,28 @@ def _unsent_prefix(choice: ChoiceState) -> str:
 
 def _is_token_list(prompt: object) -> bool:
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(item, int) for item in prompt)
+
+
+def _logprobs_json(logprobs: Sequence[engine_pb2.PositionLogprobs], start: int, text: str) -> str:
+    """`json_value(_logprobs(logprobs, token_offsets(start, text, logprobs)))`, written by hand."""
+    tokens: list[str] = []
+    token_logprobs: list[str] = []
+    top_logprobs: list[str] = []
+    for position in logprobs:
+        token = position.token
+        tokens.append(token_text_json(token.text)[0])
+        token_logprobs.append(float.__repr__(safe_logprob(token.logprob)))
+        top = {alternative.text: alternative.logprob for alternative in position.top}
+        top.setdefault(token.text, token.logprob)
+        entries = [
+            f"{token_text_json(key)[0]}:{float.__repr__(safe_logprob(value))}" for key, value in top.items()
+        ]
+        top_logprobs.append(f"{{{','.join(entries)}}}")
+    offsets = ",".join(map(str, token_offsets(start, text, logprobs)))
+    return (
+        f'{{"tokens":[{",".join(tokens)}],"token_logprobs":[{",".join(token_logprobs)}],'
+        f'"top_logprobs":[{",".join(top_logprobs)}],"text_offset":[{offsets}]}}'
+    )
 
 
 def _logprobs(logprobs: Sequence[engine_pb2.PositionLogprobs], offsets: Sequence[int]) -> dict[str, Any]:
