@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/gateway_workers.py [--workers 2] [--streams 256] [--max-tokens 64]
         [--step-ms 6] [--seconds 5] [--rounds 3] [--fakes 1] [--client python|wrk] [--clients 2]
-        [--gateway-cpus 0,1] [--other-cpus 2-15]
+        [--generate-stream on|off] [--gateway-cpus 0,1] [--other-cpus 2-15]
 
 The fake engine of bench/gateway_throughput.py (pre-serialised messages, one GenerateStream batch per
 tick for every stream, so a token costs it about a microsecond: the engine side is not what limits)
@@ -236,6 +236,12 @@ def main() -> None:
     parser.add_argument("--fakes", type=int, default=1, help="fake engine processes behind each gateway")
     parser.add_argument("--client", choices=["python", "wrk"], default="python")
     parser.add_argument("--clients", type=int, default=2, help="client processes (--client python)")
+    parser.add_argument(
+        "--generate-stream",
+        choices=["on", "off"],
+        default="on",
+        help="the gateways multiplex on GenerateStream (off: --engine-multiplex false, a Generate call each)",
+    )
     parser.add_argument("--gateway-cpus", help="CPUs of the gateways' processes, e.g. 0,1")
     parser.add_argument("--other-cpus", help="CPUs of the fakes and clients, e.g. 2-15")
     args = parser.parse_args()
@@ -270,7 +276,11 @@ def main() -> None:
             if gateway_cpus:
                 os.sched_setaffinity(0, gateway_cpus)  # the gateway's processes inherit it
             gateways[workers] = stack.enter_context(
-                start_gateway(engines, "--workers", str(workers), "--log-level", "warning")
+                start_gateway(
+                    engines,
+                    *("--workers", str(workers), "--log-level", "warning"),
+                    *("--engine-multiplex", "true" if args.generate_stream == "on" else "false"),
+                )
             )
             if other_cpus:
                 os.sched_setaffinity(0, other_cpus)
