@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))  # for tests.support
 
 import grpc  # noqa: E402
 from proc_stats import cpu_seconds  # noqa: E402
+from sse_reader import SseReader  # noqa: E402
 
 from conduit.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from tests.support.processes import ManagedProcess, free_port, start_engine, start_gateway  # noqa: E402
@@ -73,47 +74,29 @@ class RunResult:
         return statistics.median(self.stream_itls) * 1000 if self.stream_itls else float("nan")
 
 
-class SseStream(asyncio.Protocol):
-    """One streamed completion on its own connection, read without an HTTP library: event boundaries
-    only, JSON parsed for the one event that carries the usage."""
+class SseStream(SseReader):
+    """One streamed completion: its events, its content events' times, and the usage event's JSON (the
+    only one parsed)."""
 
     def __init__(self, request: bytes, result: RunResult, done: asyncio.Future[None]) -> None:
-        self.request, self.result, self.done = request, result, done
-        self.buf = b""
+        super().__init__(request, done)
+        self.result = result
         self.first: float | None = None
         self.last: float | None = None
         self.content = 0
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        transport.write(self.request)
-
-    def data_received(self, data: bytes) -> None:
-        now = time.perf_counter()
-        buf = self.buf + data
-        start = 0
-        while (end := buf.find(b"\n\n", start)) >= 0:
-            event = buf[start:end]
-            start = end + 2
-            at = event.find(b"data: ")
-            if at < 0:
-                continue
-            if event.startswith(b"[DONE]", at + 6):
-                self.transport.close()
-                continue
-            self.result.events += 1
-            if b'"usage":{' in event:
-                self.result.tokens += json.loads(event[at + 6 :])["usage"]["completion_tokens"]
-            if b'"text":"' in event and b'"text":""' not in event:
-                self.last = now
-                self.first = self.first or now
-                self.content += 1
-        self.buf = buf[start:]
+    def event(self, data: bytes, now: float) -> None:
+        self.result.events += 1
+        if b'"usage":{' in data:
+            self.result.tokens += json.loads(data[6:])["usage"]["completion_tokens"]
+        if b'"text":"' in data and b'"text":""' not in data:
+            self.last = now
+            self.first = self.first or now
+            self.content += 1
 
     def connection_lost(self, exc) -> None:
         self.result.add_stream(self.first, self.last, self.content)
-        if not self.done.done():
-            self.done.set_result(None)
+        super().connection_lost(exc)
 
 
 async def run_gateway(url: str, model: str, streams: int, max_tokens: int) -> RunResult:

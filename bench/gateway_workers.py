@@ -4,7 +4,7 @@
         [--step-ms 6] [--seconds 5] [--rounds 3] [--fakes 1] [--client python|wrk] [--clients 2]
         [--generate-stream on|off] [--gateway-cpus 0,1] [--other-cpus 2-15]
 
-The fake engine of bench/gateway_throughput.py (pre-serialised messages, one GenerateStream batch per
+The fake engine of bench/stream_fake_engine.py (pre-serialised messages, one GenerateStream batch per
 tick for every stream, so a token costs it about a microsecond: the engine side is not what limits)
 feeds both gateways, which run at once; rounds alternate between them so drift on a shared machine hits
 both. Each stream gets a token every --step-ms (the offered load: streams / step tokens a second).
@@ -261,13 +261,7 @@ def main() -> None:
         fakes = []
         for _ in range(args.fakes):
             port = free_port()
-            fake_args = [
-                sys.executable,
-                str(REPO / "bench" / "gateway_throughput.py"),
-                "engine",
-                "--port",
-                str(port),
-            ]
+            fake_args = [sys.executable, str(REPO / "bench" / "stream_fake_engine.py"), "--port", str(port)]
             fakes.append(stack.enter_context(ManagedProcess("fake-engine", fake_args, port)))
         time.sleep(2.0)  # the fakes' servers start; the gateways wait for their health anyway
         engines = [fake.address for fake in fakes]

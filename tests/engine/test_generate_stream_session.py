@@ -106,8 +106,9 @@ def test_a_failing_request_ends_its_own_tag_and_the_others_go_on():
     assert 3 not in messages
 
 
-def test_a_cancelled_tag_sends_nothing_more_and_no_end():
-    started = asyncio.Event()
+def _held_after_one(started: asyncio.Event):
+    """Generate where a request of 1000 tokens sends one message, sets `started` and waits to be
+    cancelled; the others step as `_steps`."""
 
     async def generate(request, metadata):
         if request.sampling.max_tokens == 1000:
@@ -116,6 +117,13 @@ def test_a_cancelled_tag_sends_nothing_more_and_no_end():
             await asyncio.sleep(3600)  # cancelled long before
         async for message in _steps(request, metadata):
             yield message
+
+    return generate
+
+
+def test_a_cancelled_tag_sends_nothing_more_and_no_end():
+    started = asyncio.Event()
+    generate = _held_after_one(started)
 
     async def main():
         async def requests():
@@ -139,14 +147,7 @@ def _batch(*actions: pb.GenerateStreamRequest) -> pb.GenerateStreamRequest:
 
 def test_a_batch_of_actions_is_applied_in_its_order():
     started = asyncio.Event()
-
-    async def generate(request, metadata):
-        if request.sampling.max_tokens == 1000:
-            yield pb.GenerateResponse(token_ids=[0])
-            started.set()
-            await asyncio.sleep(3600)  # cancelled long before
-        async for message in _steps(request, metadata):
-            yield message
+    generate = _held_after_one(started)
 
     async def main():
         async def requests():
