@@ -1,6 +1,7 @@
 """The engine's gRPC serving path before and after a change, side by side: C concurrent greedy requests
 straight over gRPC (no gateway), each its own Generate call, to this checkout's engine and to a baseline
-revision's, and (this checkout only) the same requests on one GenerateStream, in alternating rounds.
+revision's, and the same requests on one GenerateStream (the baseline's too where it serves one; this
+checkout's also with every open in one batch of actions), in alternating rounds.
 
     .venv/bin/python bench/engine_streams.py --baseline-commit REV [--concurrency 1 64 256]
         [--tokens 128] [--rounds 3] [--model PATH]
@@ -27,7 +28,8 @@ sys.path.insert(0, str(REPO))  # for tests.support
 
 import grpc  # noqa: E402
 from common import stories_path  # noqa: E402
-from gateway_throughput import baseline_tree, cpu_seconds, gateway_env  # noqa: E402
+from gateway_throughput import baseline_tree, gateway_env  # noqa: E402
+from proc_stats import cpu_seconds  # noqa: E402
 
 from conduit.engine.v1 import engine_pb2 as pb  # noqa: E402
 from conduit.engine.v1 import engine_pb2_grpc  # noqa: E402
@@ -50,13 +52,19 @@ async def _per_call(address: str, concurrency: int, tokens: int) -> int:
         return sum(await asyncio.gather(*(one(i) for i in range(concurrency))))
 
 
-async def _one_stream(address: str, concurrency: int, tokens: int) -> int:
+async def _one_stream(address: str, concurrency: int, tokens: int, batched: bool = False) -> int:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         actions: asyncio.Queue[pb.GenerateStreamRequest] = asyncio.Queue()
-        for index in range(concurrency):
-            opened = pb.GenerateStreamOpen(tag=index, request=_request(index, tokens))
-            actions.put_nowait(pb.GenerateStreamRequest(open=opened))
+        opens = [
+            pb.GenerateStreamRequest(open=pb.GenerateStreamOpen(tag=index, request=_request(index, tokens)))
+            for index in range(concurrency)
+        ]
+        if batched:  # every open in one write (an engine whose GetModelInfo has generate_stream_batch_bytes)
+            actions.put_nowait(pb.GenerateStreamRequest(batch=pb.GenerateStreamActions(actions=opens)))
+        else:
+            for action in opens:
+                actions.put_nowait(action)
 
         async def requests():
             while True:
@@ -73,11 +81,19 @@ async def _one_stream(address: str, concurrency: int, tokens: int) -> int:
         return received
 
 
+def _serves_generate_stream(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    return info.generate_stream
+
+
 def measure(engine, case: str, concurrency: int, tokens: int) -> tuple[float, float]:
     """(tokens/s, engine CPU-seconds per 1,000 tokens) of one round."""
-    run = _one_stream if case == "stream" else _per_call
     before, started = cpu_seconds(engine.process.pid), time.perf_counter()
-    received = asyncio.run(run(engine.address, concurrency, tokens))
+    if case == "call":
+        received = asyncio.run(_per_call(engine.address, concurrency, tokens))
+    else:
+        received = asyncio.run(_one_stream(engine.address, concurrency, tokens, batched=case == "batch"))
     seconds, cpu = time.perf_counter() - started, cpu_seconds(engine.process.pid) - before
     return received / seconds, 1000 * cpu / received
 
@@ -132,7 +148,10 @@ def main() -> None:
             start_engine(model, *flags) as current,
         ):
             cases = [("baseline Generate", baseline, "call"), ("Generate", current, "call")]
+            if _serves_generate_stream(baseline.address):
+                cases.append(("baseline GenStream", baseline, "stream"))
             cases.append(("GenerateStream", current, "stream"))
+            cases.append(("GenStream batched", current, "batch"))
             print(f"{model}, {args.tokens} greedy tokens a request, {args.rounds} rounds")
             print(HEADER)
             for concurrency in args.concurrency:
