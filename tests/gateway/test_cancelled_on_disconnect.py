@@ -1,6 +1,7 @@
 """CancelledOnDisconnect (http/protocol.py), on a stand-in for uvicorn's request cycle: the client going
 away cancels the work inside the block and that cancellation ends at the block; a cancellation from
 elsewhere goes on; a client already gone cancels at once; the block puts back the watch it replaced.
+`unless_disconnected` (http/sse.py) uses it on our server and ASGI's http.disconnect on another.
 The whole flow (a client leaving before its first token, mid-stream, a non-streamed request: the engine
 told to cancel) is tested through the real gateway in test_faults.py and test_messages_gateway.py."""
 
@@ -11,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from conduit_gateway.http.protocol import BodyWriter, CancelledOnDisconnect
+from conduit_gateway.http.protocol import BODY_WRITER, BodyWriter, CancelledOnDisconnect
+from conduit_gateway.http.sse import unless_disconnected
 
 pytestmark = pytest.mark.unit
 
@@ -91,3 +93,50 @@ def test_a_block_puts_back_the_watch_it_replaced():
         return seen
 
     assert asyncio.run(main()) == ["outer"]
+
+
+def test_unless_disconnected_on_another_server_watches_receive_and_cancels_the_work():
+    """Without our protocol's body writer (another ASGI server): ASGI's http.disconnect is the signal."""
+
+    async def main() -> tuple[tuple, tuple, list[str]]:
+        seen: list[str] = []
+        left = asyncio.Event()
+
+        async def receive() -> dict:
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def work(result: str) -> str:
+            try:
+                await asyncio.sleep(0 if result == "quick" else 60)
+                return result
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+
+        first = await unless_disconnected({}, receive, work("quick"))
+        asyncio.get_running_loop().call_later(0.01, left.set)
+        second = await unless_disconnected({}, receive, work("slow"))
+        return first, second, seen
+
+    assert asyncio.run(main()) == (("quick", False), (None, True), ["cancelled"])
+
+
+def test_unless_disconnected_on_our_server_uses_the_connection():
+    async def main() -> tuple[tuple, tuple]:
+        body_writer, cycle = writer()
+        scope = {"extensions": {BODY_WRITER: body_writer}}
+
+        async def never() -> dict:
+            await asyncio.sleep(3600)
+            return {}
+
+        async def quick() -> str:
+            return "done"
+
+        first = await unless_disconnected(scope, never, quick())
+        asyncio.get_running_loop().call_later(0.01, leave, body_writer, cycle)
+        second = await unless_disconnected(scope, never, asyncio.sleep(60, "late"))
+        return first, second
+
+    assert asyncio.run(main()) == (("done", False), (None, True))

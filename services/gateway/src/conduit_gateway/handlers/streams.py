@@ -181,15 +181,14 @@ class PromptStream:
 
     def push_to(self, push: Push | None) -> bool:
         # Each message pushed is accepted first, as `read` accepts it.
-        pushed = None if push is None else Relayed(push, self._accept_now, self._accept_tokens)
+        pushed = None if push is None else Relayed(push, self._accept, self._accept_tokens)
         return self.call.push_to(pushed)
 
-    def _accept_now(self, message: engine_pb2.GenerateResponse) -> engine_pb2.GenerateResponse:
-        self._accept_tokens(message, message.token_ids)  # each field read builds a wrapper: once
-        return message
-
-    def _accept(self, message: engine_pb2.GenerateResponse, now: float) -> engine_pb2.GenerateResponse:
-        self._accept_tokens(message, message.token_ids, now=now)
+    def _accept(
+        self, message: engine_pb2.GenerateResponse, now: float | None = None
+    ) -> engine_pb2.GenerateResponse:
+        """`_accept_tokens` of a message read (at `now`, else now); the message, as a read returns it."""
+        self._accept_tokens(message, message.token_ids, now=now)  # each field read builds a wrapper: once
         return message
 
     def _accept_tokens(

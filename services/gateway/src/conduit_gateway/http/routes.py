@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Awaitable
 from typing import Any
 
@@ -17,12 +15,10 @@ from conduit_gateway.handlers.chat import ChatHandler
 from conduit_gateway.handlers.completions import CompletionsHandler
 from conduit_gateway.handlers.messages import MessagesHandler, count_tokens
 from conduit_gateway.http import anthropic
-from conduit_gateway.http.protocol import BODY_WRITER, CancelledOnDisconnect
 from conduit_gateway.http.request_body import GatewayRoute, check_body_before_parsing
-from conduit_gateway.http.sse import wait_for_disconnect
+from conduit_gateway.http.sse import unless_disconnected
 from conduit_gateway.keys.keys_file import ApiKey
 from conduit_gateway.prompt_limits import refuse_unfit_completion
-from conduit_gateway.race import finished_first
 from conduit_gateway.routing.lora import AdapterView, adapters
 from conduit_gateway.routing.node import EngineNode
 from conduit_gateway.routing.pool import require_serving
@@ -174,16 +170,8 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
     Streamed responses watch for disconnects themselves once they start; this covers the wait for the
     first token and a whole non-streamed generation.
     """
-    writer = request.scope.get("extensions", {}).get(BODY_WRITER)
-    if writer is not None:  # our server: the connection says when the client goes
-        with CancelledOnDisconnect(writer):
-            return await work
+    response, gone = await unless_disconnected(request.scope, request.receive, work)
+    if gone or response is None:
+        # Nobody is listening; the status only reaches the access log and metrics.
         return Response(status_code=499)
-    task = asyncio.ensure_future(work)
-    if await finished_first(task, wait_for_disconnect(request.receive)):
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    # Nobody is listening; the status only reaches the access log and metrics.
-    return Response(status_code=499)
+    return response

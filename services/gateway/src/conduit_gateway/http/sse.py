@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -15,6 +16,7 @@ from conduit_gateway.http.protocol import BODY_WRITER, BodyWriter, CancelledOnDi
 from conduit_gateway.race import finished_first
 
 DONE_EVENT = "data: [DONE]\n\n"
+T = TypeVar("T")
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 # The compact JSON of any value, as every chunk is encoded.
 json_value = _dumps
@@ -137,37 +139,19 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         writer = scope.get("extensions", {}).get(BODY_WRITER)
-        if writer is None:  # another server than ours
-            await self._watching_receive(receive, send)
-            return
         outcome: Exception | None = None
         try:
-            with CancelledOnDisconnect(writer):
-                try:
-                    await self._produce(send, writer)
-                except Exception as exc:
-                    outcome = exc
+            await unless_disconnected(scope, receive, self._produce(send, writer))
+        except Exception as exc:
+            outcome = exc
         finally:
             try:
                 await self._events.aclose()  # type: ignore[attr-defined]
             finally:
                 self._close()
-        _raise_failure(outcome)
-
-    async def _watching_receive(self, receive: Receive, send: Send) -> None:
-        """`__call__` on another server: the producer in a task of its own, cancelled when `receive`
-        says the client has gone."""
-        producer = asyncio.create_task(self._produce(send, None))
-        try:
-            await finished_first(producer, wait_for_disconnect(receive))
-        finally:
-            producer.cancel()
-            (outcome,) = await asyncio.gather(producer, return_exceptions=True)
-            try:
-                await self._events.aclose()  # type: ignore[attr-defined]
-            finally:
-                self._close()
-        _raise_failure(outcome)
+        if outcome is not None and not isinstance(outcome, OSError):
+            # OSError: the client went away mid-write, which is not the server's failure.
+            raise outcome
 
     async def _produce(self, send: Send, writer: BodyWriter | None) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -191,11 +175,26 @@ class EventStreamResponse(StreamingResponse):
             on_close()
 
 
-def _raise_failure(outcome: BaseException | None) -> None:
-    """Raise what the producer failed with, unless it is an OSError: the client went away mid-write,
-    which is not the server's failure (a cancellation was handled where it happened)."""
-    if isinstance(outcome, Exception) and not isinstance(outcome, OSError):
-        raise outcome
+async def unless_disconnected(scope: Scope, receive: Receive, work: Awaitable[T]) -> tuple[T | None, bool]:
+    """Run `work` unless the client goes away first, which cancels it: (what it returned, False), or
+    (None, True) once the client has gone and `work` has ended. On our server the connection says when
+    (CancelledOnDisconnect: no task of its own); on another, ASGI's http.disconnect, waited for beside a
+    task running `work`."""
+    writer = scope.get("extensions", {}).get(BODY_WRITER)
+    if writer is not None:
+        with CancelledOnDisconnect(writer):
+            return await work, False
+        return None, True
+    task = asyncio.ensure_future(work)
+    try:
+        if await finished_first(task, wait_for_disconnect(receive)):
+            return task.result(), False
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None, True
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

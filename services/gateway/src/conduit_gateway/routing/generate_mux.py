@@ -255,9 +255,11 @@ class _Session:
     ) -> MuxCall:
         call = MuxCall(self, tag)
         self.calls[tag] = call
-        size = request.ByteSize() + _ACTION_OVERHEAD
-        for key, value in metadata:
-            size += len(key.encode()) + len(value.encode()) + _ENTRY_OVERHEAD
+        size = 0
+        if self._batch_bytes:  # its size decides whether it shares a batch
+            size = request.ByteSize() + _ACTION_OVERHEAD
+            for key, value in metadata:
+                size += len(key.encode()) + len(value.encode()) + _ENTRY_OVERHEAD
         action = self._next_action(size)
         action.open.tag = tag
         action.open.request.CopyFrom(request)
@@ -273,7 +275,7 @@ class _Session:
         """A new action of about `size` bytes, to be filled in now and written in its turn."""
         self._queued.set()
         limit = self._batch_bytes
-        if size > limit // 2:  # no batches, or one this large: alone
+        if not limit or size > limit // 2:  # no batches, or one this large: alone
             action = engine_pb2.GenerateStreamRequest()
             self._outgoing.append(action)
             self._batch = None
